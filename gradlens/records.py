@@ -1,0 +1,273 @@
+"""What one tracked window produces: :class:`Record`, and the histogram value types.
+
+A record holds, for one optimizer update (a *window* of K micro-steps with N samples), the
+finalized value of every instrument under its record key (``record["batch_l2"]``, ...). Values
+are tensors (on the CPU, float64 for floats), Python floats, dicts of parameter name -> tensor,
+or the histogram types below. :func:`record_to_json` / :func:`record_from_json` turn a record
+into plain JSON data and back (tensors as nested lists with dtype and shape).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+__all__ = ["Hist1d", "Hist2d", "Record", "record_to_json", "record_from_json"]
+
+
+@dataclass
+class Hist1d:
+    """A histogram of per-sample gradient elements over one window.
+
+    Attributes:
+        counts: ``[bins]`` int64. Element ``x`` falls in bin ``floor((x - lo) * bins / (hi - lo))``
+            clamped to ``[0, bins - 1]``: values below ``lo`` are counted in the first bin, values
+            at or above ``hi`` in the last. ``0`` on a symmetric range with an even number of
+            bins is the left edge of bin ``bins // 2`` and is counted there.
+        edges: ``[bins + 1]`` float64, ``linspace(lo, hi, bins + 1)``.
+        clamped_low: how many elements were below ``lo`` (included in ``counts[0]``).
+        clamped_high: how many elements were above ``hi`` (included in ``counts[-1]``).
+    """
+
+    counts: Tensor
+    edges: Tensor
+    clamped_low: int = 0
+    clamped_high: int = 0
+
+    @property
+    def range(self) -> tuple[float, float]:
+        return float(self.edges[0]), float(self.edges[-1])
+
+    @property
+    def total(self) -> int:
+        """Number of elements binned (``N * D`` for D tracked parameter entries)."""
+        return int(self.counts.sum())
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Hist1d)
+            and torch.equal(self.counts, other.counts)
+            and torch.equal(self.edges, other.edges)
+            and self.clamped_low == other.clamped_low
+            and self.clamped_high == other.clamped_high
+        )
+
+
+@dataclass
+class Hist2d:
+    """A joint histogram of (parameter value theta_j, per-sample gradient element g_n,j).
+
+    Attributes:
+        counts: ``[param_bins, grad_bins]`` int64, over all samples n and entries j; binning and
+            clamping in each axis as in :class:`Hist1d`.
+        param_edges: ``[param_bins + 1]`` float64.
+        grad_edges: ``[grad_bins + 1]`` float64.
+        clamped_param: elements whose parameter value was outside the parameter range.
+        clamped_grad: elements whose gradient value was outside the gradient range.
+    """
+
+    counts: Tensor
+    param_edges: Tensor
+    grad_edges: Tensor
+    clamped_param: int = 0
+    clamped_grad: int = 0
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Hist2d)
+            and torch.equal(self.counts, other.counts)
+            and torch.equal(self.param_edges, other.param_edges)
+            and torch.equal(self.grad_edges, other.grad_edges)
+            and self.clamped_param == other.clamped_param
+            and self.clamped_grad == other.clamped_grad
+        )
+
+
+@dataclass
+class Record:
+    """The statistics of one tracked window.
+
+    Attributes:
+        step: index of the optimizer update that closed the window (0-based, counts every
+            real update of the watched optimizer, tracked or not).
+        num_samples: N, the samples seen in the window.
+        micro_steps: K, the captured backward passes in the window.
+        values: record key -> value; also reachable as ``record[key]``.
+        meta: how values were produced (e.g. ``{"batch_dot": "exact"}``) and notes such as why a
+            value is missing.
+    """
+
+    step: int
+    num_samples: int
+    micro_steps: int
+    values: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self.values[key]
+        except KeyError:
+            raise KeyError(
+                f"record of step {self.step} has no entry {key!r}; it has {sorted(self.values)}"
+            ) from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def keys(self):
+        return self.values.keys()
+
+    def items(self):
+        return self.values.items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Record):
+            return NotImplemented
+        return (
+            (self.step, self.num_samples, self.micro_steps)
+            == (other.step, other.num_samples, other.micro_steps)
+            and self.meta == other.meta
+            and _values_equal(self.values, other.values)
+        )
+
+
+def _values_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num()))
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+# --------------------------------------------------------------------------- JSON encoding
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        t = value.detach().cpu()
+        data = t.tolist()
+        if t.is_floating_point():
+            data = _encode_floats(data)
+        return {"__tensor__": data, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if isinstance(value, Hist1d):
+        return {
+            "__hist1d__": True,
+            "counts": _encode(value.counts),
+            "edges": _encode(value.edges),
+            "clamped_low": value.clamped_low,
+            "clamped_high": value.clamped_high,
+        }
+    if isinstance(value, Hist2d):
+        return {
+            "__hist2d__": True,
+            "counts": _encode(value.counts),
+            "param_edges": _encode(value.param_edges),
+            "grad_edges": _encode(value.grad_edges),
+            "clamped_param": value.clamped_param,
+            "clamped_grad": value.clamped_grad,
+        }
+    if isinstance(value, Mapping):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": repr(value)}
+    return value
+
+
+def _encode_floats(data: Any) -> Any:
+    # JSON has no inf/nan: write them as strings inside tensor data.
+    if isinstance(data, list):
+        return [_encode_floats(v) for v in data]
+    if isinstance(data, float) and not math.isfinite(data):
+        return repr(data)
+    return data
+
+
+def _decode_floats(data: Any) -> Any:
+    if isinstance(data, list):
+        return [_decode_floats(v) for v in data]
+    if isinstance(data, str):
+        return float(data)
+    return data
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            dtype = getattr(torch, value["dtype"])
+            data = _decode_floats(value["__tensor__"])
+            return torch.tensor(data, dtype=dtype).reshape(value["shape"])
+        if value.get("__hist1d__"):
+            return Hist1d(
+                _decode(value["counts"]),
+                _decode(value["edges"]),
+                int(value["clamped_low"]),
+                int(value["clamped_high"]),
+            )
+        if value.get("__hist2d__"):
+            return Hist2d(
+                _decode(value["counts"]),
+                _decode(value["param_edges"]),
+                _decode(value["grad_edges"]),
+                int(value["clamped_param"]),
+                int(value["clamped_grad"]),
+            )
+        if "__float__" in value:
+            return float(value["__float__"])
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def record_to_json(record: Record) -> dict[str, Any]:
+    """Plain JSON data for ``record`` (``json.dumps`` accepts it); inverse of
+    :func:`record_from_json`."""
+    return {
+        "step": record.step,
+        "num_samples": record.num_samples,
+        "micro_steps": record.micro_steps,
+        "values": _encode(record.values),
+        "meta": _encode(record.meta),
+    }
+
+
+def record_from_json(data: Mapping[str, Any]) -> Record:
+    """Rebuild a :class:`Record` from :func:`record_to_json` output.
+
+    Raises:
+        ValueError: if ``data`` lacks a record's fields.
+    """
+    try:
+        return Record(
+            step=int(data["step"]),
+            num_samples=int(data["num_samples"]),
+            micro_steps=int(data["micro_steps"]),
+            values=_decode(data["values"]),
+            meta=_decode(data.get("meta", {})),
+        )
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"not a gradlens record: {err!r}") from err
