@@ -17,7 +17,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _LAZY = {
     # instruments side
-    "extend": "gradlens.extend",
+    "extend": "gradlens.capture",
     "Lens": "gradlens.lens",
     "Record": "gradlens.records",
     "Hist1d": "gradlens.records",
