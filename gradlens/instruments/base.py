@@ -1,0 +1,151 @@
+"""The instrument protocol and the window's shared, mergeable statistics.
+
+An instrument declares which per-micro-step quantities it needs (``needs``), keeps an optional
+private window state (histogram counts, ...), and turns the merged window statistics into one
+record value in ``finalize``. Instruments never talk to each other: derived statistics (norm
+test, GSNR, noise scale) read the shared :class:`WindowStats`.
+
+Quantities a capture can provide (all in per-sample units g_n, see DESIGN.md):
+
+- ``"batch_l2"``: ||g_n||^2 summed over tracked parameters, ``[B_k]`` per micro-step.
+- ``"sum_grad_squared"``: sum_n g_n * g_n per parameter, ``[*param]``.
+- ``"grad_sum"``: sum_n g_n per parameter, ``[*param]``.
+- ``"per_sample"``: materialised g_n, one layer and a slice of samples at a time, passed to
+  :meth:`Instrument.update`.
+- ``"layer"``: the layer's input and per-sample-scaled output gradient, passed to
+  :meth:`Instrument.update_layer` (for factor-based cross-micro-step quantities).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["Instrument", "WindowStats", "QUANTITIES"]
+
+QUANTITIES = frozenset({"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer"})
+
+
+@dataclass
+class WindowStats:
+    """Sums over one window (or part of one), mergeable across micro-steps and ranks.
+
+    Attributes:
+        reduction: the loss reduction of the window, ``"mean"`` or ``"sum"``.
+        num_samples: N = sum_k B_k.
+        micro_steps: K.
+        loss_sum: sum_n loss_n (float64 0-d tensor) — the window mean loss is loss_sum / N.
+        batch_l2: per micro-step ``[B_k]`` vectors of ||g_n||^2 (concatenate for ``[N]``).
+        sum_grad_squared: parameter name -> ``[*param]``, sum_n g_n^2.
+        grad_sum: parameter name -> ``[*param]``, sum_n g_n.
+        params: parameter name -> the parameter tensor (values at which gradients were taken).
+    """
+
+    reduction: str = "mean"
+    num_samples: int = 0
+    micro_steps: int = 0
+    loss_sum: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    batch_l2: list[Tensor] = field(default_factory=list)
+    sum_grad_squared: dict[str, Tensor] = field(default_factory=dict)
+    grad_sum: dict[str, Tensor] = field(default_factory=dict)
+    params: dict[str, Tensor] = field(default_factory=dict)
+
+    def merge(self, other: "WindowStats") -> "WindowStats":
+        """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
+        if self.micro_steps and other.micro_steps and self.reduction != other.reduction:
+            raise ValueError(
+                f"cannot merge windows with loss reductions {self.reduction!r} and "
+                f"{other.reduction!r}; use one reduction within a window"
+            )
+        return WindowStats(
+            reduction=self.reduction if self.micro_steps else other.reduction,
+            num_samples=self.num_samples + other.num_samples,
+            micro_steps=self.micro_steps + other.micro_steps,
+            loss_sum=self.loss_sum + other.loss_sum,
+            batch_l2=self.batch_l2 + other.batch_l2,
+            sum_grad_squared=_add_dicts(self.sum_grad_squared, other.sum_grad_squared),
+            grad_sum=_add_dicts(self.grad_sum, other.grad_sum),
+            params={**other.params, **self.params},
+        )
+
+    # ---- derived views, in per-sample units --------------------------------------------
+    def batch_l2_all(self) -> Tensor:
+        """``[N]`` ||g_n||^2 in the order the samples were seen."""
+        return torch.cat(self.batch_l2) if self.batch_l2 else torch.zeros(0, dtype=torch.float64)
+
+    def mean_grad_sq_norm(self) -> Tensor:
+        """||G||^2 for the sample mean G = (1/N) sum_n g_n (0-d float64)."""
+        n = max(self.num_samples, 1)
+        return sum((s.double() / n).square().sum() for s in self.grad_sum.values())
+
+    def window_grad_sq_norm(self) -> Tensor:
+        """||g||^2 of the window gradient: the mean G (reduction "mean") or sum_n g_n ("sum")."""
+        if self.reduction == "sum":
+            return sum(s.double().square().sum() for s in self.grad_sum.values())
+        return self.mean_grad_sq_norm()
+
+    def window_loss(self) -> float:
+        """The window's loss: mean over N samples ("mean") or sum ("sum")."""
+        total = float(self.loss_sum)
+        return total / max(self.num_samples, 1) if self.reduction == "mean" else total
+
+
+def _add_dicts(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+class Instrument:
+    """Base class. Subclasses set ``key`` (the record key) and ``needs``.
+
+    Life of a window: ``start_window()`` -> state; for instruments that need ``"per_sample"``,
+    ``update(state, name, param, grad_batch)`` for each tracked parameter and slice of samples
+    (``grad_batch``: ``[b, *param]``, per-sample units); ``merge(a, b)`` combines two states of
+    the same window (micro-steps or ranks); ``finalize(stats, state)`` gives the record value;
+    ``end_window(state)`` lets an instrument adapt for the next window (histogram ranges).
+    """
+
+    key: ClassVar[str] = ""
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def start_window(self) -> Any:
+        return None
+
+    def update(self, state: Any, name: str, param: Tensor, grad_batch: Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not take per-sample gradients")
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return a
+
+    def finalize(self, stats: WindowStats, state: Any) -> Any:
+        raise NotImplementedError
+
+    def end_window(self, state: Any) -> None:
+        return None
+
+    # ---- optional extension points (used by instruments that need more than the above) ----
+    def update_layer(self, state: Any, module: Any, a: Tensor, delta: Tensor) -> None:
+        """For ``"layer" in needs``: called once per watched module per micro-step with the
+        module's input ``a`` ``[B, ...]`` and per-sample-scaled output gradient ``delta``
+        (``module`` is a :class:`gradlens.capture.WatchedModule`: ``.module``, ``.params``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not take layer factors")
+
+    def micro_done(self, state: Any, batch_size: int, reduction: str, losses: Tensor | None) -> None:
+        """Called at the end of each captured micro-step, before its state is merged."""
+        return None
+
+    def before_update(self, state: Any) -> None:
+        """Window state, right before the watched optimizer's real update (params at theta_t)."""
+        return None
+
+    def after_update(self, state: Any) -> None:
+        """Window state, right after the real update (params at theta_{t+1}), before finalize."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,240 @@
+"""Histograms of per-sample gradient elements: 1D (g_n,j) and 2D (theta_j, g_n,j).
+
+Binning (both axes): element x falls in bin ``floor((x - lo) * bins / (hi - lo))`` clamped to
+``[0, bins - 1]``; values below ``lo`` count in the first bin, values at or above ``hi`` in the
+last, and the number clamped is recorded. So ``0`` on a symmetric range with an even number of
+bins is counted in the bin right of zero, ``[0, w)``. Non-finite values count as out of range
+(-inf low; +inf and NaN high).
+
+Cost: one vectorised pass per layer over slices of samples (``torch.histc`` for 1D, one
+``bincount`` over the combined index ``param_bin * grad_bins + grad_bin`` for 2D); no Python loop
+over samples or bins. The range is fixed within a window, so micro-step counts add; ``adapt``
+sets the next window's range from this window's extremes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.records import Hist1d, Hist2d
+
+__all__ = ["GradHist1d", "GradHist2d"]
+
+_ADAPT = (None, "abs_max", "min_max")
+
+
+def _check_bins(bins, what: str) -> int:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"{what} must be a positive int, got {bins!r}")
+    return bins
+
+
+def _check_range(rng, what: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in rng)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a pair (lo, hi) of numbers, got {rng!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"{what} must satisfy lo < hi (finite), got {rng!r}: the range is empty")
+    return lo, hi
+
+
+def _check_adapt(adapt):
+    if adapt not in _ADAPT:
+        raise ValueError(f"adapt must be one of {_ADAPT}, got {adapt!r}")
+    return adapt
+
+
+def _edges(lo: float, hi: float, bins: int) -> Tensor:
+    """``[bins + 1]`` float64 edges lo + (hi - lo) * i / bins (0 exact on symmetric ranges)."""
+    edges = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64) / bins
+    edges[-1] = hi
+    return edges
+
+
+def _bin_index(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
+    """int64 bin of every element (floor formula, clamped)."""
+    idx = (x - lo).mul_(bins / (hi - lo)).floor_()
+    return idx.nan_to_num_(bins).clamp_(0, bins - 1).long()
+
+
+def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[float, float]:
+    if adapt == "abs_max":
+        m = max(abs(mn), abs(mx))
+        return (-m, m) if math.isfinite(m) and m > 0 else lo_hi
+    if adapt == "min_max":
+        return (mn, mx) if math.isfinite(mn) and math.isfinite(mx) and mn < mx else lo_hi
+    return lo_hi
+
+
+@dataclass
+class _Hist1dState:
+    lo: float
+    hi: float
+    counts: Tensor
+    low: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    total: int = 0
+    mn: float = math.inf
+    mx: float = -math.inf
+
+
+class GradHist1d(Instrument):
+    """``record["grad_hist_1d"]``: :class:`~gradlens.records.Hist1d` of every element of every
+    per-sample gradient g_n over the tracked parameters (N * D elements per window).
+
+    Args:
+        bins: number of bins (default 100, as cockpit-for-pytorch).
+        range: ``(lo, hi)`` of the first window (default ``(-2, 2)``).
+        adapt: ``None`` (fixed range), ``"abs_max"`` (next range ``(-m, m)``, m the largest
+            |g_n,j| of this window) or ``"min_max"`` (next range = this window's extremes).
+    """
+
+    key = "grad_hist_1d"
+    needs = frozenset({"per_sample"})
+
+    def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None):
+        self.bins = _check_bins(bins, "bins")
+        self.range = _check_range(range, "range")
+        self.adapt = _check_adapt(adapt)
+
+    def __repr__(self) -> str:
+        return f"GradHist1d(bins={self.bins}, range={self.range}, adapt={self.adapt!r})"
+
+    def start_window(self):
+        return _Hist1dState(*self.range, torch.zeros(self.bins, dtype=torch.int64))
+
+    def update(self, state: _Hist1dState, name, param, grad_batch):
+        x = grad_batch.detach()
+        lo, hi = state.lo, state.hi
+        inside = torch.histc(x, self.bins, lo, hi)  # [lo, hi], hi in the last bin
+        state.counts += inside.to(state.counts.device, torch.int64).cpu()
+        state.low += (x < lo).sum().cpu()
+        state.total += x.numel()
+        if self.adapt is not None:
+            mn, mx = torch.aminmax(x)
+            state.mn, state.mx = min(state.mn, float(mn)), max(state.mx, float(mx))
+
+    def merge(self, a: _Hist1dState, b: _Hist1dState) -> _Hist1dState:
+        return _Hist1dState(
+            a.lo, a.hi, a.counts + b.counts, a.low + b.low, a.total + b.total,
+            min(a.mn, b.mn), max(a.mx, b.mx),
+        )
+
+    def finalize(self, stats: WindowStats, state: _Hist1dState) -> Hist1d:
+        counts = state.counts.clone()
+        low = int(state.low)
+        high = state.total - int(counts.sum()) - low
+        counts[0] += low
+        counts[-1] += high
+        edges = _edges(state.lo, state.hi, self.bins)
+        return Hist1d(counts, edges, low, high)
+
+    def end_window(self, state: _Hist1dState) -> None:
+        self.range = _adapted(self.range, state.mn, state.mx, self.adapt)
+
+
+@dataclass
+class _Hist2dState:
+    prange: tuple[float, float]
+    grange: tuple[float, float]
+    counts: Tensor
+    param_offsets: dict = field(default_factory=dict)  # name -> int64 [*param] p_bin * G
+    clamped_param: int = 0
+    clamped_grad: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    pmn: float = math.inf
+    pmx: float = -math.inf
+    gmn: float = math.inf
+    gmx: float = -math.inf
+
+
+class GradHist2d(Instrument):
+    """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
+    (theta_j, g_n,j) over all samples n and tracked entries j, theta being the parameter values
+    at which the window's gradients were computed.
+
+    Args:
+        bins: ``(param_bins, grad_bins)`` or one int for both (default ``(40, 50)``).
+        range: ``((p_lo, p_hi), (g_lo, g_hi))`` (default ``((-1, 1), (-2, 2))``).
+        adapt: as in :class:`GradHist1d`, applied to both axes.
+    """
+
+    key = "grad_hist_2d"
+    needs = frozenset({"per_sample"})
+
+    def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None):
+        if isinstance(bins, int) and not isinstance(bins, bool):
+            bins = (bins, bins)
+        try:
+            pb, gb = bins
+        except (TypeError, ValueError):
+            raise ValueError(f"bins must be an int or a pair (param_bins, grad_bins), got {bins!r}") from None
+        self.bins = (_check_bins(pb, "bins[0] (parameter bins)"), _check_bins(gb, "bins[1] (gradient bins)"))
+        try:
+            pr, gr = range
+        except (TypeError, ValueError):
+            raise ValueError(f"range must be ((p_lo, p_hi), (g_lo, g_hi)), got {range!r}") from None
+        self.param_range = _check_range(pr, "range[0] (parameter range)")
+        self.grad_range = _check_range(gr, "range[1] (gradient range)")
+        self.adapt = _check_adapt(adapt)
+
+    def __repr__(self) -> str:
+        return (
+            f"GradHist2d(bins={self.bins}, range=({self.param_range}, {self.grad_range}), "
+            f"adapt={self.adapt!r})"
+        )
+
+    def start_window(self):
+        p, g = self.bins
+        return _Hist2dState(self.param_range, self.grad_range, torch.zeros(p * g, dtype=torch.int64))
+
+    def _offsets(self, state: _Hist2dState, name: str, param: Tensor, batch: int) -> Tensor:
+        off = state.param_offsets.get(name)
+        if off is None:
+            theta = param.detach()
+            lo, hi = state.prange
+            off = _bin_index(theta.clone(), lo, hi, self.bins[0]).mul_(self.bins[1])
+            state.param_offsets[name] = off
+            out = int(((theta < lo) | (theta > hi) | theta.isnan()).sum())
+            state.clamped_param += out  # per sample; scaled by N at finalize
+            if self.adapt is not None:
+                mn, mx = torch.aminmax(theta)
+                state.pmn, state.pmx = min(state.pmn, float(mn)), max(state.pmx, float(mx))
+        return off
+
+    def update(self, state: _Hist2dState, name, param, grad_batch):
+        x = grad_batch.detach()
+        off = self._offsets(state, name, param, x.shape[0])
+        lo, hi = state.grange
+        gbins = self.bins[1]
+        idx = _bin_index(x.clone(), lo, hi, gbins).add_(off)
+        state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel()).cpu()
+        state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum().cpu()
+        if self.adapt is not None:
+            mn, mx = torch.aminmax(x)
+            state.gmn, state.gmx = min(state.gmn, float(mn)), max(state.gmx, float(mx))
+
+    def merge(self, a: _Hist2dState, b: _Hist2dState) -> _Hist2dState:
+        return _Hist2dState(
+            a.prange, a.grange, a.counts + b.counts, {**b.param_offsets, **a.param_offsets},
+            a.clamped_param + b.clamped_param, a.clamped_grad + b.clamped_grad,
+            min(a.pmn, b.pmn), max(a.pmx, b.pmx), min(a.gmn, b.gmn), max(a.gmx, b.gmx),
+        )
+
+    def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
+        pb, gb = self.bins
+        return Hist2d(
+            counts=state.counts.view(pb, gb).clone(),
+            param_edges=_edges(*state.prange, pb),
+            grad_edges=_edges(*state.grange, gb),
+            clamped_param=state.clamped_param * stats.num_samples,
+            clamped_grad=int(state.clamped_grad),
+        )
+
+    def end_window(self, state: _Hist2dState) -> None:
+        self.param_range = _adapted(self.param_range, state.pmn, state.pmx, self.adapt)
+        self.grad_range = _adapted(self.grad_range, state.gmn, state.gmx, self.adapt)

@@ -1,0 +1,231 @@
+"""Per-layer kernels: per-sample gradient quantities from a layer's input and output gradient.
+
+Every kernel has the same signature. It receives the module, its input ``a`` (as seen in the
+forward pass, ``[B, ...]``) and ``delta``, the gradient of the *per-sample* losses with respect
+to the module output (``[B, ...]``, already rescaled so that row n belongs to g_n, see
+DESIGN.md), and returns a dict parameter attribute name (``"weight"``, ``"bias"``) -> value.
+
+- ``per_sample(module, a, delta, start, stop)``: ``[stop - start, *param]``, g_n for a slice of
+  samples (materialised; callers keep slices small).
+- ``batch_l2(module, a, delta)``: ``[B]``, ||g_n||^2.
+- ``sum_grad_squared(module, a, delta)``: ``[*param]``, sum_n g_n * g_n.
+- ``grad_sum(module, a, delta)``: ``[*param]``, sum_n g_n.
+
+Linear layers use the factor identities of DESIGN.md (no ``[B, *param]`` tensor). Conv2d uses
+unfold + bmm; layers without a gradlens kernel (Conv1d/3d, transposed and grouped convolutions,
+Embedding) use BackPACK's derivatives (``param_mjp`` with ``sum_batch=False``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Kernel", "kernel_for", "SUPPORTED_MODULES"]
+
+
+class Kernel:
+    """Default kernel: everything derived from materialised per-sample gradients."""
+
+    #: sample slice used when a reduction has to materialise; bounded by element count.
+    max_chunk_elements = 1 << 22
+
+    def params(self, module: nn.Module) -> list[str]:
+        return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+    def per_sample(self, module, a, delta, start: int, stop: int) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _chunks(self, module, batch: int):
+        numel = sum(p.numel() for p in module.parameters(recurse=False))
+        step = max(1, self.max_chunk_elements // max(numel, 1))
+        for s in range(0, batch, step):
+            yield s, min(batch, s + step)
+
+    def _reduce(self, module, a, delta, fn: Callable[[Tensor], Tensor], cat: bool) -> dict[str, Tensor]:
+        parts: dict[str, list[Tensor]] = {}
+        for s, e in self._chunks(module, delta.shape[0]):
+            for name, g in self.per_sample(module, a, delta, s, e).items():
+                parts.setdefault(name, []).append(fn(g))
+        if cat:
+            return {n: torch.cat(v) for n, v in parts.items()}
+        return {n: torch.stack(v).sum(0) for n, v in parts.items()}
+
+    def batch_l2(self, module, a, delta) -> dict[str, Tensor]:
+        return self._reduce(module, a, delta, lambda g: g.flatten(1).square().sum(1), cat=True)
+
+    def sum_grad_squared(self, module, a, delta) -> dict[str, Tensor]:
+        return self._reduce(module, a, delta, lambda g: g.square().sum(0), cat=False)
+
+    def grad_sum(self, module, a, delta) -> dict[str, Tensor]:
+        return self._reduce(module, a, delta, lambda g: g.sum(0), cat=False)
+
+
+class LinearKernel(Kernel):
+    """``nn.Linear`` with input ``[B, *, d_in]``; g_n = sum_t delta_nt a_nt^T."""
+
+    factored = True
+
+    @staticmethod
+    def _flat(module, a, delta):
+        b = delta.shape[0]
+        return a.reshape(b, -1, a.shape[-1]), delta.reshape(b, -1, delta.shape[-1])
+
+    def per_sample(self, module, a, delta, start, stop):
+        if delta.dim() == 2:
+            d, x = delta[start:stop], a[start:stop]
+            out = {"weight": torch.einsum("no,ni->noi", d, x)}
+            bias = d
+        else:
+            x, d = self._flat(module, a[start:stop], delta[start:stop])
+            out = {"weight": torch.bmm(d.transpose(1, 2), x)}
+            bias = d.sum(1)
+        if module.bias is not None:
+            out["bias"] = bias
+        return {n: out[n] for n in self.params(module)}
+
+    def _use_gram(self, module, t: int) -> bool:
+        return 2 * t * t <= module.in_features * module.out_features
+
+    def batch_l2(self, module, a, delta):
+        if delta.dim() == 2:
+            d2 = delta.square().sum(1)
+            out = {"weight": d2 * a.square().sum(1), "bias": d2}
+        else:
+            x, d = self._flat(module, a, delta)
+            if not self._use_gram(module, d.shape[1]):
+                return super().batch_l2(module, a, delta)
+            gram = torch.bmm(x, x.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))
+            out = {"weight": gram.sum((1, 2)), "bias": d.sum(1).square().sum(1)}
+        return {n: out[n] for n in self.params(module)}
+
+    def sum_grad_squared(self, module, a, delta):
+        if delta.dim() != 2:
+            return super().sum_grad_squared(module, a, delta)
+        d2 = delta.square()
+        out = {"weight": d2.t() @ a.square(), "bias": d2.sum(0)}
+        return {n: out[n] for n in self.params(module)}
+
+    def grad_sum(self, module, a, delta):
+        x = a.reshape(-1, a.shape[-1])
+        d = delta.reshape(-1, delta.shape[-1])
+        out = {"weight": d.t() @ x, "bias": d.sum(0)}
+        return {n: out[n] for n in self.params(module)}
+
+
+class Conv2dKernel(Kernel):
+    """``nn.Conv2d`` (groups=1, zero padding): per-sample gradients via unfold + bmm."""
+
+    def per_sample(self, module, a, delta, start, stop):
+        x = F.unfold(
+            a[start:stop], module.kernel_size, module.dilation, module.padding, module.stride
+        )  # [b, C_in*kh*kw, T]
+        d = delta[start:stop].flatten(2)  # [b, C_out, T]
+        out = {"weight": torch.bmm(d, x.transpose(1, 2)).view(-1, *module.weight.shape)}
+        if module.bias is not None:
+            out["bias"] = d.sum(2)
+        return {n: out[n] for n in self.params(module)}
+
+    def grad_sum(self, module, a, delta):
+        d = delta
+        out = {}
+        names = self.params(module)
+        if "weight" in names:
+            out["weight"] = torch.nn.grad.conv2d_weight(
+                a, module.weight.shape, d, module.stride, module.padding, module.dilation
+            )
+        if "bias" in names:
+            out["bias"] = d.sum((0, 2, 3))
+        return out
+
+
+class BatchNormEvalKernel(Kernel):
+    """``nn.BatchNorm{1,2,3}d`` in eval mode: a per-channel affine map of the running statistics."""
+
+    def per_sample(self, module, a, delta, start, stop):
+        x, d = a[start:stop], delta[start:stop]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        x_hat = (x - module.running_mean.view(shape)) / torch.sqrt(
+            module.running_var.view(shape) + module.eps
+        )
+        dims = tuple(range(2, x.dim()))
+        out = {
+            "weight": (d * x_hat).sum(dims) if dims else d * x_hat,
+            "bias": d.sum(dims) if dims else d,
+        }
+        return {n: out[n] for n in self.params(module)}
+
+
+class BackpackKernel(Kernel):
+    """Any module with BackPACK derivatives: per-sample gradients through ``param_mjp``."""
+
+    def __init__(self, derivatives):
+        self.derivatives = derivatives
+
+    def per_sample(self, module, a, delta, start, stop):
+        idx = list(range(start, stop))
+        module.input0 = a
+        module.output = delta  # only its shape is read
+        try:
+            return {
+                n: self.derivatives.param_mjp(
+                    n, module, None, (delta,), delta[start:stop], sum_batch=False, subsampling=idx
+                )
+                for n in self.params(module)
+            }
+        finally:
+            del module.input0, module.output
+
+
+def _backpack_kernels() -> dict[type, Callable[[], Kernel]]:
+    from backpack.core.derivatives.conv1d import Conv1DDerivatives
+    from backpack.core.derivatives.conv2d import Conv2DDerivatives
+    from backpack.core.derivatives.conv3d import Conv3DDerivatives
+    from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
+    from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
+    from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
+    from backpack.core.derivatives.embedding import EmbeddingDerivatives
+
+    return {
+        nn.Conv1d: lambda: BackpackKernel(Conv1DDerivatives()),
+        nn.Conv2d: lambda: BackpackKernel(Conv2DDerivatives()),
+        nn.Conv3d: lambda: BackpackKernel(Conv3DDerivatives()),
+        nn.ConvTranspose1d: lambda: BackpackKernel(ConvTranspose1DDerivatives()),
+        nn.ConvTranspose2d: lambda: BackpackKernel(ConvTranspose2DDerivatives()),
+        nn.ConvTranspose3d: lambda: BackpackKernel(ConvTranspose3DDerivatives()),
+        nn.Embedding: lambda: BackpackKernel(EmbeddingDerivatives()),
+    }
+
+
+SUPPORTED_MODULES: tuple[type, ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Embedding,
+    nn.modules.batchnorm._BatchNorm,
+)
+
+
+def kernel_for(module: nn.Module) -> Kernel:
+    """The kernel for ``module``; raises ``TypeError`` for a module class without one.
+
+    Subclasses are matched by their nearest supported base class, except that a module
+    overriding ``forward`` of that base is refused (its per-sample gradients are unknown).
+    """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return BatchNormEvalKernel()
+    base = next((c for c in type(module).__mro__ if c in SUPPORTED_MODULES), None)
+    if base is None or type(module).forward is not base.forward:
+        raise TypeError(f"no per-sample gradient kernel for {type(module).__name__}")
+    if base is nn.Linear:
+        return LinearKernel()
+    if base is nn.Conv2d and module.groups == 1:
+        return Conv2dKernel()
+    return _backpack_kernels()[base]()

@@ -1,0 +1,419 @@
+"""The Lens: watches a model (and optionally its optimizer), opens and closes windows, runs the
+instruments on every captured micro-step, and keeps and streams one record per tracked window.
+
+A window is one real optimizer update (DESIGN.md). With an ``optimizer``, the window closes in
+the optimizer's step post-hook (with :class:`~gradlens.GradientAccumulateOptimizer` that hook
+fires on real updates only); without one, call :meth:`Lens.flush` at the end of each window.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gradlens.capture import (
+    Tap,
+    WatchedModule,
+    is_extended,
+    last_loss_call,
+    model_exclusions,
+    watched_modules,
+)
+from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.records import Record
+
+__all__ = ["Lens"]
+
+
+@dataclass
+class _MicroStep:
+    reduction: str
+    batch_size: int | None
+    loss_value: Tensor | None
+    stats: WindowStats
+    states: dict[int, Any]
+    seen: set[str] = field(default_factory=set)
+    batch_l2: Tensor | None = None
+    tainted_by: str | None = None
+    losses: Tensor | None = None
+
+
+class Lens:
+    """Per-sample gradient statistics of a model, one :class:`~gradlens.records.Record` per
+    tracked window.
+
+    Example::
+
+        model = gradlens.extend(model)
+        loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())
+        lens = Lens(model, [BatchL2(), GradNorm(), GradHist1d()], optimizer=opt)
+        for i, (x, y) in enumerate(micro_batches):
+            loss = loss_fn(model(x), y)
+            with lens.capture():
+                loss.backward()
+            if (i + 1) % K == 0:
+                opt.step(); opt.zero_grad()       # closes the window -> lens.records[-1]
+
+    Args:
+        model: a model passed through :func:`gradlens.extend`.
+        instruments: instances from :mod:`gradlens.instruments` (record keys must be distinct).
+        optimizer: the optimizer whose real updates close windows (a ``torch.optim.Optimizer``,
+            e.g. :class:`~gradlens.GradientAccumulateOptimizer`); ``None``: call :meth:`flush`.
+        every: which windows are tracked: an int ``k`` (windows 0, k, 2k, ...) or a callable
+            ``step -> bool``. Untracked windows install no hook and cost nothing.
+        exclude: parameter or module names not to track (added to those given to ``extend``).
+        log: path of a JSONL file that receives one line per record (see
+            :func:`gradlens.load_log`).
+        tensorboard: a ``SummaryWriter`` or a log directory for TensorBoard scalars/histograms.
+        keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
+        chunk_elements: upper bound on the elements of one materialised slice of per-sample
+            gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer.
+
+    Attributes:
+        records: the records so far (if ``keep_records``).
+        step: index of the current window (number of windows closed so far).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        instruments: Sequence[Instrument],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        every: int | Callable[[int], bool] = 1,
+        exclude: Iterable[str] = (),
+        log: str | os.PathLike | None = None,
+        tensorboard: Any = None,
+        keep_records: bool = True,
+        chunk_elements: int = 1 << 20,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
+        if not is_extended(model):
+            raise RuntimeError(
+                f"the model ({type(model).__name__}) was not extended; call "
+                "model = gradlens.extend(model) before creating the Lens"
+            )
+        instruments = list(instruments)
+        for inst in instruments:
+            if not isinstance(inst, Instrument):
+                raise TypeError(
+                    f"instruments must be gradlens.instruments objects, got {inst!r}; "
+                    "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
+                )
+        keys = [i.key for i in instruments]
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        if dupes:
+            raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
+        if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
+            raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if not isinstance(chunk_elements, int) or chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+
+        self.model = model
+        self.instruments = instruments
+        self.optimizer = optimizer
+        self.every = every
+        self.keep_records = keep_records
+        self.chunk_elements = chunk_elements
+        self.records: list[Record] = []
+        self.step = 0
+
+        exclude = model_exclusions(model) + tuple(exclude)
+        self.watched: list[WatchedModule] = watched_modules(model, exclude)
+        if not self.watched:
+            raise ValueError("the model has no trainable parameters left to track after exclusions")
+        self._param_of = {
+            q: getattr(w.module, attr) for w in self.watched for attr, q in w.params.items()
+        }
+        self._needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
+        self._per_sample_insts = [i for i in instruments if "per_sample" in i.needs]
+        self._layer_insts = [i for i in instruments if "layer" in i.needs]
+        self._micro_insts = self._per_sample_insts + [
+            i for i in self._layer_insts if i not in self._per_sample_insts
+        ]
+        sentinels = [
+            (n, m)
+            for n, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]
+        self._tap = Tap(self.watched, self._on_grad, sentinels, self._on_sentinel)
+
+        self._sinks: list[Any] = []
+        if log is not None:
+            from gradlens.sinks import JsonlSink
+
+            self._sinks.append(JsonlSink(log))
+        if tensorboard is not None:
+            from gradlens.sinks import TensorBoardSink
+
+            self._sinks.append(TensorBoardSink(tensorboard))
+
+        self._hooks = []
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._on_pre_step))
+            self._hooks.append(optimizer.register_step_post_hook(self._on_step))
+        self._micro: _MicroStep | None = None
+        self._window: WindowStats | None = None
+        self._states: dict[int, Any] = {}
+        self._closed = False
+        self._open_window()
+
+    # ------------------------------------------------------------------ schedule and windows
+    def is_tracked(self, step: int | None = None) -> bool:
+        """Whether window ``step`` (default: the current one) is tracked."""
+        step = self.step if step is None else step
+        return bool(self.every(step)) if callable(self.every) else step % self.every == 0
+
+    def _open_window(self) -> None:
+        if self.is_tracked():
+            self._window = WindowStats()
+            self._states = {id(i): i.start_window() for i in self.instruments}
+            self._tap.install()
+        else:
+            self._window = None
+            self._states = {}
+            self._tap.remove()
+
+    def _on_pre_step(self, optimizer, args, kwargs) -> None:
+        if self._window is not None:
+            for i in self.instruments:
+                i.before_update(self._states[id(i)])
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        if self._window is not None:
+            for i in self.instruments:
+                i.after_update(self._states[id(i)])
+        self._close_window()
+
+    def flush(self) -> Record | None:
+        """Close the current window as if the optimizer had updated: emit its record (if it is
+        tracked and captured anything) and start the next window. Returns the record."""
+        self._check_open()
+        return self._close_window()
+
+    def _close_window(self) -> Record | None:
+        record = None
+        window = self._window
+        if window is not None and window.micro_steps:
+            values = {i.key: i.finalize(window, self._states[id(i)]) for i in self.instruments}
+            values["loss"] = window.window_loss()
+            for i in self.instruments:
+                i.end_window(self._states[id(i)])
+            record = Record(self.step, window.num_samples, window.micro_steps, values)
+            if self.keep_records:
+                self.records.append(record)
+            for sink in self._sinks:
+                sink.write(record)
+        self.step += 1
+        self._open_window()
+        return record
+
+    # ------------------------------------------------------------------ capture
+    @contextmanager
+    def capture(self, reduction: str | None = None, losses: Tensor | None = None) -> Iterator[None]:
+        """Context manager around one micro-step's ``loss.backward()``.
+
+        The loss reduction and batch size come from the last forward pass of a loss module
+        passed through :func:`gradlens.extend`; pass ``reduction="mean"|"sum"`` to use a
+        functional loss instead (the batch size is then read from the model's layers).
+        ``losses``: optional per-sample losses ``[B]`` of this micro-step.
+        """
+        self._check_open()
+        call = last_loss_call()
+        if self._window is None:  # untracked window: nothing to do, nothing to pay
+            yield
+            return
+        if self._micro is not None:
+            raise RuntimeError("lens.capture() is already active; captures cannot be nested")
+        if reduction is None:
+            if call is None:
+                raise RuntimeError(
+                    "no loss passed through gradlens.extend() ran since the last capture; "
+                    "wrap the loss module (loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())) "
+                    "or state the reduction: lens.capture(reduction='mean')"
+                )
+            if call.ignored is not None and int(call.ignored) > 0:
+                raise ValueError(
+                    f"{call.module_name}(reduction='mean') saw {int(call.ignored)} targets equal to "
+                    "ignore_index, so it divides by fewer than the batch size and per-sample "
+                    "gradients cannot be recovered; use reduction='sum'"
+                )
+            reduction, batch, value = call.reduction, call.batch_size, call.value
+        else:
+            if reduction not in ("mean", "sum"):
+                raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+            batch, value = None, None
+        micro = _MicroStep(
+            reduction=reduction,
+            batch_size=batch,
+            loss_value=value,
+            stats=WindowStats(reduction=reduction),
+            states={id(i): i.start_window() for i in self._micro_insts},
+            losses=losses,
+        )
+        self._micro = micro
+        try:
+            yield
+        finally:
+            self._micro = None
+        if not micro.seen:
+            raise RuntimeError(
+                "lens.capture() exited without a backward pass through the watched model; "
+                "call loss.backward() inside the with-block"
+            )
+        self._fold(micro)
+
+    def _fold(self, micro: _MicroStep) -> None:
+        b = micro.batch_size
+        s = micro.stats
+        s.num_samples, s.micro_steps = b, 1
+        if micro.loss_value is not None:
+            v = micro.loss_value.double().cpu()
+            s.loss_sum = v * b if micro.reduction == "mean" else v
+        elif micro.losses is not None:
+            s.loss_sum = micro.losses.detach().double().sum().cpu()
+        else:
+            s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
+        if micro.batch_l2 is not None:
+            s.batch_l2 = [micro.batch_l2]
+        self._window = self._window.merge(s)
+        for inst in self._micro_insts:
+            key = id(inst)
+            inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
+            self._states[key] = inst.merge(self._states[key], micro.states[key])
+
+    def _on_sentinel(self, name: str, module: nn.Module) -> None:
+        micro = self._micro
+        if micro is not None and module.training and micro.tainted_by is None:
+            micro.tainted_by = name
+
+    def _on_grad(self, w: WatchedModule, a: Tensor, g: Tensor) -> None:
+        micro = self._micro
+        if micro is None:
+            raise RuntimeError(
+                f"backward reached {w.name or 'the model'!r} outside lens.capture() during a "
+                "tracked window; wrap the backward: with lens.capture(): loss.backward()"
+            )
+        if w.is_batchnorm and w.module.training:
+            raise RuntimeError(
+                f"BatchNorm {w.name!r} is in training mode: it mixes the samples of a batch, so "
+                "per-sample gradients are undefined; call .eval() on it, or exclude it and every "
+                f"layer before it (Lens(..., exclude=[{w.name!r}, ...]))"
+            )
+        if micro.tainted_by is not None:
+            raise RuntimeError(
+                f"per-sample gradients of {w.name!r} are undefined: it comes before BatchNorm "
+                f"{micro.tainted_by!r}, which is in training mode and mixes samples; exclude "
+                f"{w.name!r} (Lens(..., exclude=[...])) or put the BatchNorm in eval mode"
+            )
+        if w.name in micro.seen:
+            raise RuntimeError(
+                f"module {w.name!r} was used more than once in one forward pass; gradlens cannot "
+                "split its gradient per use: use a separate module per call or exclude it"
+            )
+        micro.seen.add(w.name)
+        batch = g.shape[0]
+        if micro.batch_size is None:
+            micro.batch_size = batch
+        elif batch != micro.batch_size:
+            raise RuntimeError(
+                f"the loss saw a batch of {micro.batch_size} but {w.name!r} saw {batch}; gradlens "
+                "needs the first dimension of the loss input to be the sample dimension"
+            )
+        with torch.no_grad():
+            self._measure(w, a.detach(), g.detach(), micro)
+
+    def _measure(self, w: WatchedModule, a: Tensor, g: Tensor, micro: _MicroStep) -> None:
+        dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
+        delta = g.to(dtype) * micro.batch_size if micro.reduction == "mean" else g.to(dtype)
+        if a.is_floating_point():
+            a = a.to(dtype)
+        kernel, module, needs, stats = w.kernel, w.module, self._needs, micro.stats
+        per_sample = bool(self._per_sample_insts)
+        # Quantities with a factor formula (Linear) never materialise; the rest come from the
+        # per-sample pass when one runs anyway, else from the kernel's own reduction.
+        from_chunks = set()
+        if per_sample and not getattr(kernel, "factored", False):
+            from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
+        if "batch_l2" in needs and "batch_l2" not in from_chunks:
+            self._add_l2(micro, sum(kernel.batch_l2(module, a, delta).values()))
+        if "sum_grad_squared" in needs and "sum_grad_squared" not in from_chunks:
+            for attr, v in kernel.sum_grad_squared(module, a, delta).items():
+                stats.sum_grad_squared[w.params[attr]] = v
+        if "grad_sum" in needs and "grad_sum" not in from_chunks:
+            for attr, v in kernel.grad_sum(module, a, delta).items():
+                stats.grad_sum[w.params[attr]] = v
+        for inst in self._layer_insts:
+            inst.update_layer(micro.states[id(inst)], w, a, delta)
+        if not per_sample:
+            return
+        numel = sum(getattr(module, attr).numel() for attr in w.params)
+        step = max(1, self.chunk_elements // max(numel, 1))
+        l2_parts = []
+        for s in range(0, delta.shape[0], step):
+            e = min(delta.shape[0], s + step)
+            chunk = kernel.per_sample(module, a, delta, s, e)
+            l2 = 0
+            for attr, gb in chunk.items():
+                qname = w.params[attr]
+                param = self._param_of[qname]
+                for inst in self._per_sample_insts:
+                    inst.update(micro.states[id(inst)], qname, param, gb)
+                if "batch_l2" in from_chunks:
+                    l2 = l2 + gb.flatten(1).square().sum(1)
+                if "sum_grad_squared" in from_chunks:
+                    _acc(stats.sum_grad_squared, qname, gb.square().sum(0))
+                if "grad_sum" in from_chunks:
+                    _acc(stats.grad_sum, qname, gb.sum(0))
+            if "batch_l2" in from_chunks:
+                l2_parts.append(l2)
+        if l2_parts:
+            self._add_l2(micro, torch.cat(l2_parts))
+
+    @staticmethod
+    def _add_l2(micro: _MicroStep, l2: Tensor) -> None:
+        l2 = l2.double()
+        micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Lens was closed; create a new one")
+
+    def close(self) -> None:
+        """Remove every hook this Lens added and close its sinks (idempotent). Records stay."""
+        if self._closed:
+            return
+        self._closed = True
+        self._tap.remove()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for sink in self._sinks:
+            sink.close()
+
+    def __enter__(self) -> "Lens":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Lens({type(self.model).__name__}, {self.instruments!r}, step={self.step}, "
+            f"tracked_params={len(self._param_of)})"
+        )
+
+
+def _acc(d: dict[str, Tensor], key: str, v: Tensor) -> None:
+    d[key] = d[key] + v if key in d else v
