@@ -143,11 +143,7 @@ class _Hist2dState:
     prange: tuple[float, float]
     grange: tuple[float, float]
     counts: Tensor
-    param_offsets: dict = field(default_factory=dict)  # name -> int64 [*param] p_bin * G
-    clamped_param: int = 0
     clamped_grad: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    pmn: float = math.inf
-    pmx: float = -math.inf
     gmn: float = math.inf
     gmx: float = -math.inf
 
@@ -181,6 +177,7 @@ class GradHist2d(Instrument):
         self.param_range = _check_range(pr, "range[0] (parameter range)")
         self.grad_range = _check_range(gr, "range[1] (gradient range)")
         self.adapt = _check_adapt(adapt)
+        self._window_cache: dict[str, tuple[Tensor, int, float, float]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -192,23 +189,21 @@ class GradHist2d(Instrument):
         p, g = self.bins
         return _Hist2dState(self.param_range, self.grad_range, torch.zeros(p * g, dtype=torch.int64))
 
-    def _offsets(self, state: _Hist2dState, name: str, param: Tensor, batch: int) -> Tensor:
-        off = state.param_offsets.get(name)
-        if off is None:
+    def _offsets(self, state: _Hist2dState, name: str, param: Tensor) -> Tensor:
+        # theta is fixed within a window: bin it once per window (shared by its micro-steps)
+        cached = self._window_cache.get(name)
+        if cached is None:
             theta = param.detach()
             lo, hi = state.prange
             off = _bin_index(theta.clone(), lo, hi, self.bins[0]).mul_(self.bins[1])
-            state.param_offsets[name] = off
-            out = int(((theta < lo) | (theta > hi) | theta.isnan()).sum())
-            state.clamped_param += out  # per sample; scaled by N at finalize
-            if self.adapt is not None:
-                mn, mx = torch.aminmax(theta)
-                state.pmn, state.pmx = min(state.pmn, float(mn)), max(state.pmx, float(mx))
-        return off
+            n_out = int(((theta < lo) | (theta > hi) | theta.isnan()).sum())
+            mn, mx = (float(v) for v in torch.aminmax(theta)) if self.adapt else (math.inf, -math.inf)
+            cached = self._window_cache[name] = (off, n_out, mn, mx)
+        return cached[0]
 
     def update(self, state: _Hist2dState, name, param, grad_batch):
         x = grad_batch.detach()
-        off = self._offsets(state, name, param, x.shape[0])
+        off = self._offsets(state, name, param)
         lo, hi = state.grange
         gbins = self.bins[1]
         idx = _bin_index(x.clone(), lo, hi, gbins).add_(off)
@@ -220,9 +215,8 @@ class GradHist2d(Instrument):
 
     def merge(self, a: _Hist2dState, b: _Hist2dState) -> _Hist2dState:
         return _Hist2dState(
-            a.prange, a.grange, a.counts + b.counts, {**b.param_offsets, **a.param_offsets},
-            a.clamped_param + b.clamped_param, a.clamped_grad + b.clamped_grad,
-            min(a.pmn, b.pmn), max(a.pmx, b.pmx), min(a.gmn, b.gmn), max(a.gmx, b.gmx),
+            a.prange, a.grange, a.counts + b.counts, a.clamped_grad + b.clamped_grad,
+            min(a.gmn, b.gmn), max(a.gmx, b.gmx),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
@@ -231,10 +225,13 @@ class GradHist2d(Instrument):
             counts=state.counts.view(pb, gb).clone(),
             param_edges=_edges(*state.prange, pb),
             grad_edges=_edges(*state.grange, gb),
-            clamped_param=state.clamped_param * stats.num_samples,
+            clamped_param=sum(c[1] for c in self._window_cache.values()) * stats.num_samples,
             clamped_grad=int(state.clamped_grad),
         )
 
     def end_window(self, state: _Hist2dState) -> None:
-        self.param_range = _adapted(self.param_range, state.pmn, state.pmx, self.adapt)
+        pmn = min((c[2] for c in self._window_cache.values()), default=math.inf)
+        pmx = max((c[3] for c in self._window_cache.values()), default=-math.inf)
+        self._window_cache = {}
+        self.param_range = _adapted(self.param_range, pmn, pmx, self.adapt)
         self.grad_range = _adapted(self.grad_range, state.gmn, state.gmx, self.adapt)

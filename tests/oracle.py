@@ -1,0 +1,100 @@
+"""Independent float64 references: per-sample gradients from ``torch.func`` and the case table.
+
+The oracle never runs gradlens code: it builds per-sample gradients with
+``vmap(grad(loss of one sample))`` on a deep copy of the model taken before ``gradlens.extend``,
+and derives every statistic from the full ``[N, D]`` matrix of flattened per-sample gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+N = 12
+SPLITS = {"K1": [12], "K2-equal": [6, 6], "K3-unequal": [5, 1, 6]}
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 7), nn.ReLU(), nn.Linear(7, 4)
+    )
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(3, 4, 3, stride=1),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4, 4),
+    )
+
+
+def mlp_bn_eval() -> nn.Module:
+    """An MLP with an eval-mode BatchNorm1d (per-sample gradients defined)."""
+    m = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        m[1].running_mean.uniform_(-0.5, 0.5)
+        m[1].running_var.uniform_(0.5, 2.0)
+        m[1].weight.uniform_(0.5, 1.5)
+        m[1].bias.uniform_(-0.2, 0.2)
+    return m.eval()
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+
+
+MODELS = {
+    "mlp": Case("mlp", mlp, (12,)),
+    "cnn": Case("cnn", cnn, (2, 8, 8)),
+    "mlp_bn_eval": Case("mlp_bn_eval", mlp_bn_eval, (12,)),
+}
+
+
+def make_problem(case: Case, seed: int = 0):
+    """(model float64, x [N, *input], y [N]) with fixed seeds."""
+    torch.manual_seed(seed)
+    model = case.make().double()
+    x = torch.randn(N, *case.input_shape, dtype=torch.float64)
+    y = torch.randint(0, 4, (N,))
+    return model, x, y
+
+
+def per_sample_grads(model: nn.Module, x, y) -> dict[str, torch.Tensor]:
+    """name -> [N, *param] float64 gradients of each sample's own cross-entropy loss."""
+    model = copy.deepcopy(model)
+    for m in model.modules():  # a copy taken while a Lens watches carries its hooks: drop them
+        m._forward_hooks.clear()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def loss_one(p, xi, yi):
+        out = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, yi.unsqueeze(0))
+
+    return vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+
+
+def flat(gs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[N, D] per-sample gradients over all parameters."""
+    return torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+
+
+def hist_oracle(values: torch.Tensor, lo: float, hi: float, bins: int):
+    """(counts, clamped_low, clamped_high) by the documented floor rule, float64."""
+    v = values.double().flatten()
+    idx = torch.floor((v - lo) * bins / (hi - lo)).clamp(0, bins - 1).long()
+    counts = torch.bincount(idx, minlength=bins)
+    return counts, int((v < lo).sum()), int((v > hi).sum())

@@ -1,0 +1,234 @@
+"""Every core instrument == float64 torch.func oracle == the K = 1 record (DESIGN.md invariant)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import (
+    BatchL2,
+    GradHist1d,
+    GradHist2d,
+    GradNorm,
+    MeanGSNR,
+    NoiseScale,
+    NormTest,
+    SumGradSquared,
+)
+from oracle import MODELS, SPLITS, flat, hist_oracle, make_problem, per_sample_grads
+
+RTOL = 1e-10
+HIST_BINS = 10
+HIST2D_BINS = (6, 8)
+
+
+def _instruments(grad_r: float, param_r: float):
+    return [
+        BatchL2(),
+        SumGradSquared(),
+        GradNorm(),
+        GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
+        GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
+        NormTest(),
+        MeanGSNR(),
+        NoiseScale(),
+    ]
+
+
+def run_lens(model, x, y, split, reduction, instruments, **lens_kwargs):
+    model = gradlens.extend(copy.deepcopy(model))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Lens(model, instruments, optimizer=opt, **lens_kwargs) as lens:
+        for xb, yb in zip(x.split(split), y.split(split)):
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(lens.records) == 1
+    return lens.records[0]
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def problem(request):
+    case = MODELS[request.param]
+    model, x, y = make_problem(case)
+    gs = per_sample_grads(model, x, y)
+    G = flat(gs)
+    return {
+        "model": model,
+        "x": x,
+        "y": y,
+        "gs": gs,
+        "G": G,
+        "grad_r": 0.5 * float(G.abs().max()),
+        "param_r": 0.5 * max(float(p.detach().abs().max()) for p in model.parameters()),
+    }
+
+
+def _close(a, b):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), rtol=RTOL, atol=1e-14)
+
+
+def check_against_oracle(rec, P, reduction):
+    gs, G = P["gs"], P["G"]
+    n = G.shape[0]
+    assert rec.num_samples == n
+    _close(rec["batch_l2"], G.square().sum(1))
+    assert set(rec["sum_grad_squared"]) == set(gs)
+    for name, g in gs.items():
+        _close(rec["sum_grad_squared"][name], g.square().sum(0))
+    window_grad = G.mean(0) if reduction == "mean" else G.sum(0)
+    _close(rec["grad_norm"], window_grad.norm())
+
+    mean = G.mean(0)
+    var = G.var(0, unbiased=True)  # per coordinate
+    trace = var.sum()
+    _close(rec["noise_scale"], trace / mean.square().sum())
+    _close(rec["norm_test"], (trace / n).sqrt() / mean.norm())
+    ok = var > 0
+    _close(rec["mean_gsnr"], (mean[ok].square() / var[ok]).mean())
+
+    r = P["grad_r"]
+    h = rec["grad_hist_1d"]
+    counts, low, high = hist_oracle(G, -r, r, HIST_BINS)
+    counts[0] += 0  # low/high are already inside counts by the clamping rule
+    assert torch.equal(h.counts, counts), (h.counts, counts)
+    assert (h.clamped_low, h.clamped_high) == (low, high)
+    assert low + high > 0, "test range should clamp some values"
+    assert h.total == G.numel()
+    torch.testing.assert_close(h.edges[[0, -1]], torch.tensor([-r, r], dtype=torch.float64))
+
+    pr = P["param_r"]
+    theta = torch.cat([p.detach().flatten() for p in P["model"].parameters()])
+    pb, gb = HIST2D_BINS
+    pidx = torch.floor((theta + pr) * pb / (2 * pr)).clamp(0, pb - 1).long()
+    gidx = torch.floor((G + r) * gb / (2 * r)).clamp(0, gb - 1).long()
+    joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
+    h2 = rec["grad_hist_2d"]
+    assert torch.equal(h2.counts, joint)
+    assert h2.clamped_param == n * int(((theta < -pr) | (theta > pr)).sum())
+    assert h2.clamped_grad == low + high
+    assert h2.clamped_param > 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_matches_oracle_and_single_batch(problem, reduction, split):
+    P = problem
+    sizes = SPLITS[split]
+    rec = run_lens(P["model"], P["x"], P["y"], sizes, reduction, _instruments(P["grad_r"], P["param_r"]))
+    assert rec.micro_steps == len(sizes)
+    assert rec.step == 0
+    check_against_oracle(rec, P, reduction)
+    # K micro-steps report what one batch of N reports
+    ref = run_lens(P["model"], P["x"], P["y"], [sum(sizes)], reduction, _instruments(P["grad_r"], P["param_r"]))
+    for key in ref.keys():
+        a, b = rec[key], ref[key]
+        if isinstance(a, (gradlens.Hist1d, gradlens.Hist2d)):
+            assert a == b
+        elif isinstance(a, dict):
+            for k in a:
+                _close(a[k], b[k])
+        else:
+            _close(a, b)
+    # the window loss is the loss of one batch of N
+    full = nn.functional.cross_entropy(P["model"](P["x"]), P["y"], reduction=reduction)
+    _close(rec["loss"], full.detach())
+
+
+def test_small_chunks_give_same_record(problem):
+    """Slicing samples into tiny chunks (many layers split mid-batch) changes nothing."""
+    P = problem
+    insts = lambda: _instruments(P["grad_r"], P["param_r"])  # noqa: E731
+    a = run_lens(P["model"], P["x"], P["y"], [5, 1, 6], "mean", insts(), chunk_elements=7)
+    b = run_lens(P["model"], P["x"], P["y"], [12], "mean", insts())
+    assert a["grad_hist_1d"] == b["grad_hist_1d"]
+    assert a["grad_hist_2d"] == b["grad_hist_2d"]
+    _close(a["batch_l2"], b["batch_l2"])
+
+
+def test_norms_without_histograms_match_oracle(problem):
+    """The non-materialising path (no per-sample pass) alone."""
+    P = problem
+    rec = run_lens(
+        P["model"], P["x"], P["y"], [5, 1, 6], "sum",
+        [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), MeanGSNR()],
+    )
+    G = P["G"]
+    _close(rec["batch_l2"], G.square().sum(1))
+    _close(rec["grad_norm"], G.sum(0).norm())
+    for name, g in P["gs"].items():
+        _close(rec["sum_grad_squared"][name], g.square().sum(0))
+
+
+def test_zero_lands_right_of_the_zero_edge():
+    """Exact zeros (dead ReLU units) fall in the bin [0, w) of a symmetric range."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every hidden unit dead: layer-0 gradients are all 0
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, [GradHist1d(bins=4, range=(-1, 1))], exclude=["2"])
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1, 1])
+    loss = loss_fn(model(x), y)
+    with lens.capture():
+        loss.backward()
+    rec = lens.flush()
+    # layer 0 only (layer "2" excluded): 5 samples x 16 entries, all exactly 0
+    assert rec["grad_hist_1d"].counts.tolist() == [0, 0, 5 * 16, 0]
+
+
+def test_several_windows_and_schedule():
+    P_case = MODELS["mlp"]
+    model, x, y = make_problem(P_case)
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt, every=2)
+    for window in range(5):
+        for xb, yb in zip(x.split(6), y.split(6)):
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+        if window % 2 == 1:
+            assert not lens._tap.installed  # untracked window: no hook on the model
+        oracle = per_sample_grads(model, x, y)  # at the current theta
+        opt.step()
+        opt.zero_grad()
+        if window % 2 == 0:
+            _close(lens.records[-1]["batch_l2"], flat(oracle).square().sum(1))
+    assert [r.step for r in lens.records] == [0, 2, 4]
+    assert all(r.micro_steps == 2 and r.num_samples == 12 for r in lens.records)
+    lens.close()
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_histogram_range_adapts_between_windows():
+    model, x, y = make_problem(MODELS["mlp"])
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    hist = GradHist1d(bins=8, range=(-100.0, 100.0), adapt="abs_max")
+    lens = Lens(model, [hist])
+    G = flat(per_sample_grads(model, x, y))
+    for _ in range(2):
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward()
+        lens.flush()
+    m = float(G.abs().max())
+    first, second = lens.records
+    assert first["grad_hist_1d"].range == (-100.0, 100.0)
+    assert second["grad_hist_1d"].range == pytest.approx((-m, m), rel=1e-12)
+    counts, _, _ = hist_oracle(G, -m, m, 8)
+    # the max element sits on the upper edge: it is counted in the last bin, not clamped
+    assert torch.equal(second["grad_hist_1d"].counts, counts)
+    assert math.isclose(first["loss"], second["loss"])
