@@ -346,13 +346,16 @@ class Lens:
         if per_sample and not getattr(kernel, "factored", False):
             from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
         if "batch_l2" in needs and "batch_l2" not in from_chunks:
-            self._add_l2(micro, sum(kernel.batch_l2(module, a, delta).values()))
+            l2 = kernel.batch_l2(module, a, delta)
+            self._add_l2(micro, sum(v for attr, v in l2.items() if attr in w.params))
         if "sum_grad_squared" in needs and "sum_grad_squared" not in from_chunks:
             for attr, v in kernel.sum_grad_squared(module, a, delta).items():
-                stats.sum_grad_squared[w.params[attr]] = v
+                if attr in w.params:
+                    stats.sum_grad_squared[w.params[attr]] = v
         if "grad_sum" in needs and "grad_sum" not in from_chunks:
             for attr, v in kernel.grad_sum(module, a, delta).items():
-                stats.grad_sum[w.params[attr]] = v
+                if attr in w.params:
+                    stats.grad_sum[w.params[attr]] = v
         for inst in self._layer_insts:
             inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not per_sample:
@@ -365,6 +368,8 @@ class Lens:
             chunk = kernel.per_sample(module, a, delta, s, e)
             l2 = 0
             for attr, gb in chunk.items():
+                if attr not in w.params:
+                    continue
                 qname = w.params[attr]
                 param = self._param_of[qname]
                 for inst in self._per_sample_insts:

@@ -1,0 +1,222 @@
+"""Bad input gets a clear error that names the module/argument and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import BatchL2, GradHist1d, GradHist2d, GradNorm
+
+
+class OwnParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _run(model, lens, x, y, loss_fn=None):
+    loss_fn = loss_fn or gradlens.extend(nn.CrossEntropyLoss())
+    loss = loss_fn(model(x), y)
+    with lens.capture():
+        loss.backward()
+    return lens.flush()
+
+
+X, Y = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1])
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.LayerNorm(4),
+        nn.GroupNorm(2, 4),
+        OwnParams(),
+    ],
+    ids=["LayerNorm", "GroupNorm", "custom"],
+)
+def test_unsupported_module_needs_exclusion(layer):
+    model = nn.Sequential(nn.Linear(4, 4), layer, nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"module '1' .*not available.*exclude=\['1'\]"):
+        gradlens.extend(model)
+    model = gradlens.extend(model, exclude=["1"])
+    rec = _run(model, Lens(model, [BatchL2()]), X, Y)
+    assert rec["batch_l2"].shape == (6,)
+
+
+def test_attention_and_gru_refused():
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.gru = nn.GRU(4, 4, batch_first=True)
+
+    with pytest.raises(TypeError, match="MultiheadAttention"):
+        gradlens.extend(Seq())
+    with pytest.raises(TypeError, match="GRU"):
+        gradlens.extend(Seq(), exclude=["attn"])
+    gradlens.extend(Seq(), exclude=["attn", "gru"])  # fine once both are excluded
+
+
+def test_lens_level_exclusion_by_parameter_name():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    model = gradlens.extend(model, exclude=["1.weight", "1.bias"])
+    lens = Lens(model, [gradlens.instruments.SumGradSquared()], exclude=["2.bias"])
+    rec = _run(model, lens, X, Y)
+    assert sorted(rec["sum_grad_squared"]) == ["0.bias", "0.weight", "2.weight"]
+
+
+def test_batchnorm_training_mode_refused():
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)))
+    lens = Lens(model, [BatchL2()])
+    with pytest.raises(RuntimeError, match=r"BatchNorm '1' is in training mode.*\.eval\(\)"):
+        _run(model, lens, X, Y)
+
+
+def test_layers_before_training_batchnorm_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model = gradlens.extend(model, exclude=["1"])
+    lens = Lens(model, [BatchL2()])
+    with pytest.raises(RuntimeError, match=r"'0' are undefined: it comes before BatchNorm '1'"):
+        _run(model, lens, X, Y)
+    # only the layers after it: fine
+    lens.close()
+    lens = Lens(model, [BatchL2()], exclude=["0"])
+    assert _run(model, lens, X, Y)["batch_l2"].shape == (6,)
+    # eval mode: fine everywhere
+    lens.close()
+    model[1].eval()
+    lens = Lens(model, [BatchL2()])
+    assert _run(model, lens, X, Y)["batch_l2"].shape == (6,)
+
+
+def test_conv_padding_mode_refused():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"))
+    with pytest.raises(ValueError, match=r"padding_mode='reflect'.*padding_mode='zeros'"):
+        gradlens.extend(model)
+
+
+def test_module_used_twice_refused():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(torch.relu(self.lin(x)))
+
+    model = gradlens.extend(Twice())
+    lens = Lens(model, [BatchL2()])
+    with pytest.raises(RuntimeError, match="'lin' was used more than once"):
+        _run(model, lens, X, Y)
+
+
+def test_model_not_extended():
+    with pytest.raises(RuntimeError, match=r"not extended.*gradlens.extend\(model\)"):
+        Lens(nn.Linear(4, 4), [BatchL2()])
+
+
+def test_loss_not_extended():
+    model = gradlens.extend(nn.Linear(4, 4))
+    lens = Lens(model, [BatchL2()])
+    loss = nn.CrossEntropyLoss()(model(X), Y)  # not extended
+    with pytest.raises(RuntimeError, match=r"gradlens.extend\(\).*reduction='mean'"):
+        with lens.capture():
+            loss.backward()
+    # stating the reduction is the documented way around it
+    loss = nn.functional.cross_entropy(model(X), Y)
+    with lens.capture(reduction="mean"):
+        loss.backward()
+    assert lens.flush().num_samples == 6
+
+
+def test_capture_without_backward():
+    model = gradlens.extend(nn.Linear(4, 4))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, [BatchL2()])
+    loss_fn(model(X), Y)
+    with pytest.raises(RuntimeError, match="exited without a backward pass"):
+        with lens.capture():
+            pass
+
+
+def test_backward_outside_capture_in_tracked_window():
+    model = gradlens.extend(nn.Linear(4, 4))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    Lens(model, [BatchL2()])
+    with pytest.raises(RuntimeError, match=r"outside lens.capture\(\)"):
+        loss_fn(model(X), Y).backward()
+
+
+def test_error_inside_capture_is_not_masked():
+    model = gradlens.extend(nn.Linear(4, 4))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, [BatchL2()])
+    loss_fn(model(X), Y)
+    with pytest.raises(KeyError, match="user error"):
+        with lens.capture():
+            raise KeyError("user error")
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: GradHist1d(bins=0), "bins must be a positive int, got 0"),
+        (lambda: GradHist1d(bins=2.5), "bins must be a positive int"),
+        (lambda: GradHist1d(range=(1.0, 1.0)), "lo < hi.*empty"),
+        (lambda: GradHist1d(range=(2.0, -2.0)), "lo < hi"),
+        (lambda: GradHist1d(range=(0, float("inf"))), "finite"),
+        (lambda: GradHist1d(adapt="max"), "adapt must be one of"),
+        (lambda: GradHist2d(bins=(0, 5)), r"bins\[0\] \(parameter bins\)"),
+        (lambda: GradHist2d(range=((-1, 1), (3, 3))), r"range\[1\] \(gradient range\)"),
+        (lambda: GradHist2d(range=(1, 2)), r"range\[0\] \(parameter range\) must be a pair"),
+    ],
+)
+def test_instrument_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_lens_arguments():
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"BatchL2\(\)"):
+        Lens(model, [BatchL2])
+    with pytest.raises(ValueError, match="same record key"):
+        Lens(model, [GradNorm(), GradNorm()])
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        Lens(model, [GradNorm()], every=0)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        Lens(model, [GradNorm()], optimizer="sgd")
+
+
+def test_unsupported_loss_settings():
+    with pytest.raises(ValueError, match="reduction='none'.*'mean' or 'sum'"):
+        gradlens.extend(nn.CrossEntropyLoss(reduction="none"))
+    model = gradlens.extend(nn.Linear(4, 4))
+    lens = Lens(model, [BatchL2()])
+    weighted = gradlens.extend(nn.CrossEntropyLoss(weight=torch.ones(4)))
+    with pytest.raises(ValueError, match="use reduction='sum'"):
+        weighted(model(X), Y)
+    ignoring = gradlens.extend(nn.CrossEntropyLoss(ignore_index=3))
+    loss = ignoring(model(X), Y)
+    with pytest.raises(ValueError, match="ignore_index"):
+        with lens.capture():
+            loss.backward()
+
+
+def test_close_restores_model_and_refuses_use():
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    before = [dict(m._forward_hooks) for m in model.modules()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Lens(model, [BatchL2()], optimizer=opt) as lens:
+        assert lens._tap.installed
+    assert [dict(m._forward_hooks) for m in model.modules()] == before
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+    with pytest.raises(RuntimeError, match="closed"):
+        with lens.capture():
+            pass
