@@ -1,0 +1,680 @@
+"""Exact gradient accumulation: :class:`GradientAccumulateOptimizer` and :class:`GradientAccumulateModel`.
+
+A *window* is one real optimizer update made of K micro-steps; micro-step k has B_k samples and
+N = sum_k B_k. Both classes produce, for every window, exactly the gradient one batch of N would:
+
+* ``reduction="mean"`` (the user's loss is a mean over its micro-batch, so ``p.grad`` after
+  micro-step k is ``grad_k = (1 / B_k) sum_{n in k} g_n``): the window gradient is
+
+      g = sum_k B_k * grad_k / sum_k B_k  =  (1 / N) sum_n g_n,
+
+  with B_k the ``num_samples`` of micro-step k (all B_k = 1 when ``num_samples`` is never given,
+  i.e. a plain average of the micro-step gradients);
+* ``reduction="sum"`` (the user's loss is a sum over its micro-batch): g = sum_k grad_k.
+
+The normalisation uses the counts the window actually holds, never K, so unequal micro-batches
+and a partial last window (:meth:`GradientAccumulateOptimizer.flush`) stay exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel"]
+
+_STATE_KEY = "gradlens_accumulate"
+_STATE_VERSION = 1
+_REDUCTIONS = ("mean", "sum")
+
+ClipFn = Callable[[list[Tensor]], Any]
+"""``clip(params)``: called once per window with the parameters whose ``.grad`` holds the
+unscaled window gradient; it modifies those ``.grad`` in place (its return value is ignored)."""
+
+WindowEndHook = Callable[["GradientAccumulateOptimizer", bool], None]
+
+
+def _check_accum_steps(accum_steps: Any) -> int:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
+        raise TypeError(
+            f"accum_steps must be an int >= 1 (the number of micro-steps per update), "
+            f"got {accum_steps!r} of type {type(accum_steps).__name__}."
+        )
+    if accum_steps < 1:
+        raise ValueError(
+            f"accum_steps must be >= 1 (the number of micro-steps per update), got {accum_steps}; "
+            f"use accum_steps=1 for no accumulation."
+        )
+    return int(accum_steps)
+
+
+def _check_reduction(reduction: Any) -> str:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"reduction must be 'mean' (the loss is a mean over its micro-batch) or 'sum' "
+            f"(a sum), got {reduction!r}."
+        )
+    return reduction
+
+
+class GradientAccumulateOptimizer(Optimizer):
+    """Wraps a ``torch.optim`` optimizer so that it updates once every ``accum_steps`` micro-steps.
+
+    Each :meth:`step` folds the current ``p.grad`` (the gradient of one micro-batch's loss, as
+    the user computed it) into the wrapper's own accumulators; the ``accum_steps``-th call writes
+    the window gradient (see the module docstring for its exact normalisation) into ``p.grad``,
+    applies ``clip`` once, and calls the inner optimizer **once**, so momentum / Adam moments,
+    weight decay and the inner step count advance once per window. Call ``zero_grad()`` between
+    micro-steps as usual: it clears ``p.grad`` only, never the accumulators.
+
+    Accumulators live in the wrapper (not in the inner optimizer's ``state``); their dtype is the
+    wider of ``accum_dtype`` and the parameter's dtype (float32 for bf16/fp16 parameters, float64
+    for float64 parameters). The window gradient is cast to the parameter's dtype once, when it is
+    written into ``p.grad`` before the inner step.
+
+    Step hooks registered on the wrapper (:meth:`register_step_pre_hook`,
+    :meth:`register_step_post_hook`) fire on **real updates only**: the pre-hooks right before the
+    inner optimizer's step (parameters still at theta_t, ``p.grad`` holding the clipped window
+    gradient), the post-hooks right after it (parameters at theta_{t+1}). They are called as
+    ``hook(optimizer, (optimizer,), {})``; values returned by pre-hooks are ignored. Global hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) fire through the inner optimizer,
+    once per real update. A window skipped by a GradScaler (inf/nan) fires no step hook; use
+    :meth:`register_window_end_hook` to see every window end.
+
+    AMP: use the standard ``torch.amp.GradScaler`` loop unchanged, calling ``scaler.step`` and
+    ``scaler.update`` every micro-step. The wrapper declares ``_step_supports_amp_scaling``, so
+    the scaler hands it the scale and the inf flag instead of unscaling ``p.grad`` itself; the
+    wrapper folds ``grad_k * B_k / scale_k`` into its fp32 accumulators (the unscale is fused into
+    the accumulation, so the window gradient is unscaled even if the scale changed between
+    micro-steps), clips once per window on the unscaled gradient, and if any micro-step of the
+    window had an inf/nan it skips the whole window (``has_updated`` is False, the accumulators
+    are dropped, the next window starts clean).
+
+    Args:
+        optimizer: the inner ``torch.optim.Optimizer``.
+        accum_steps: micro-steps per real update, >= 1.
+        reduction: ``"mean"`` or ``"sum"``, how the user's loss reduces over its micro-batch.
+        accum_dtype: the minimum accumulator dtype (default float32).
+        clip: ``clip(params) -> Any``, called once per window, before the inner step, with the list
+            of parameters whose ``.grad`` holds the unscaled window gradient; it must modify those
+            ``.grad`` in place. E.g. ``functools.partial(torch.nn.utils.clip_grad_norm_,
+            max_norm=1.0)``, :func:`gradlens.agc.adaptive_clip_grad_`, or
+            ``lambda _: adaptive_clip_grad_(model, exclude=("fc.weight",))``.
+
+    Attributes:
+        optimizer: the inner optimizer.
+        accum_steps: micro-steps per window.
+        micro_step: micro-steps folded into the current window (0 right after an update).
+        iterations: real updates done so far.
+        has_updated: whether the last :meth:`step` (or :meth:`flush`) made a real update.
+        skipped_windows: windows dropped because a GradScaler reported inf/nan.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        accum_steps: int = 1,
+        reduction: str = "mean",
+        accum_dtype: torch.dtype = torch.float32,
+        clip: ClipFn | None = None,
+    ) -> None:
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            raise TypeError(
+                "optimizer is already a GradientAccumulateOptimizer; wrap the inner torch.optim "
+                "optimizer once and set accum_steps to the total number of micro-steps."
+            )
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                f"pass e.g. torch.optim.AdamW(model.parameters())."
+            )
+        if not isinstance(accum_dtype, torch.dtype) or not accum_dtype.is_floating_point:
+            raise TypeError(
+                f"accum_dtype must be a floating torch.dtype such as torch.float32, got {accum_dtype!r}."
+            )
+        if clip is not None and not callable(clip):
+            raise TypeError(
+                f"clip must be a callable clip(params) that modifies p.grad in place, or None, "
+                f"got {type(clip).__name__}."
+            )
+        # The torch.optim.Optimizer bookkeeping that its __init__ would set up, without letting it
+        # build param_groups of its own (those are the inner optimizer's).
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._window_end_hooks: OrderedDict[int, WindowEndHook] = OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()  # sets the profiler names; `step` is marked hooked: no patch
+
+        self.optimizer = optimizer
+        self.accum_steps = _check_accum_steps(accum_steps)
+        self.reduction = _check_reduction(reduction)
+        self.accum_dtype = accum_dtype
+        self.clip = clip
+        self.iterations = 0
+        self.has_updated = False
+        self.skipped_windows = 0
+        self._reset_window()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # torch.optim.Optimizer wraps an unmarked `step` of every subclass so that hooks fire on
+        # each call; the wrapper fires them itself, on real updates only.
+        super().__init_subclass__(**kwargs)
+        if "step" in cls.__dict__:
+            cls.step.hooked = True  # type: ignore[attr-defined]
+
+    # ----------------------------------------------------------------- delegation to the inner one
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's ``param_groups`` (LR schedulers edit these)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's ``state`` (it holds no accumulators)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's ``defaults``."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the inner optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear ``p.grad`` of every parameter; the window's accumulators are kept."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(accum_steps={self.accum_steps}, reduction={self.reduction!r}, "
+            f"micro_step={self.micro_step}, iterations={self.iterations},\n  {self.optimizer!r})"
+        )
+
+    # ------------------------------------------------------------------------------- the window
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _reset_window(self) -> None:
+        self._accumulators: dict[Tensor, Tensor] = {}
+        self._weight = 0.0  # sum of num_samples (or of ones) folded into the window
+        self._weighted: bool | None = None  # whether this window's micro-steps gave num_samples
+        self._found_inf: Tensor | None = None  # GradScaler's inf flags, summed over micro-steps
+        self._via_scaler: bool | None = None  # whether this window's micro-steps came via a scaler
+        self.micro_step = 0
+
+    def reset(self) -> None:
+        """Drop the current window (accumulators and micro-step count) without updating."""
+        had_window = self.micro_step > 0
+        self._reset_window()
+        self.has_updated = False
+        if had_window:
+            self._fire_window_end(False)
+
+    @property
+    def gradients(self) -> list[Tensor | None]:
+        """The window gradient accumulated so far, normalised as :meth:`flush` would.
+
+        One entry per parameter, in ``param_groups`` order: a new tensor ``[*param]`` in the
+        accumulator dtype (unscaled when a GradScaler is used), or None for a parameter that has
+        received no gradient in this window. All None right after a real update.
+        """
+        out: list[Tensor | None] = []
+        for p in self._params():
+            acc = self._accumulators.get(p)
+            if acc is None:
+                out.append(None)
+            elif self.reduction == "mean":
+                out.append(acc / self._weight)
+            else:
+                out.append(acc.clone())
+        return out
+
+    def _check_num_samples(self, num_samples: Any) -> float | None:
+        if num_samples is None:
+            return None
+        if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Real):
+            raise TypeError(
+                f"num_samples must be a positive Python number (the micro-batch's sample or token "
+                f"count, e.g. len(x)) or None, got {type(num_samples).__name__}; "
+                f"pass int(...) for a tensor count."
+            )
+        value = float(num_samples)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(
+                f"num_samples must be > 0 and finite (the micro-batch's sample count), got "
+                f"{num_samples!r}; skip the step() call for an empty micro-batch."
+            )
+        return value
+
+    def _fold(self, weight: float, grad_scale: Tensor | None) -> None:
+        """Add this micro-step's ``p.grad`` into the accumulators with the given weight."""
+        mean = self.reduction == "mean"
+        for p in self._params():
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "GradientAccumulateOptimizer does not support sparse gradients; use a dense "
+                    "embedding (sparse=False)."
+                )
+            acc = self._accumulators.get(p)
+            if acc is None:
+                dtype = torch.promote_types(self.accum_dtype, p.dtype)
+                acc = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                self._accumulators[p] = acc
+            grad = grad.detach()
+            if grad_scale is None:
+                acc.add_(grad, alpha=weight if mean else 1.0)
+            else:
+                factor = (weight if mean else 1.0) / grad_scale.to(device=acc.device, dtype=acc.dtype)
+                acc.addcmul_(grad, factor)
+
+    def _fire_window_end(self, updated: bool) -> None:
+        for hook in list(self._window_end_hooks.values()):
+            hook(self, updated)
+
+    def _close_window(self) -> bool:
+        """Write the window gradient into ``p.grad``, clip, and run the inner step once."""
+        if self._found_inf is not None and bool(self._found_inf):  # one sync per window
+            self._reset_window()
+            self.has_updated = False
+            self.skipped_windows += 1
+            self._fire_window_end(False)
+            return False
+
+        params = []
+        for p in self._params():
+            acc = self._accumulators.get(p)
+            if acc is None:
+                continue
+            window_grad = acc.div_(self._weight) if self.reduction == "mean" else acc
+            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+                p.grad.copy_(window_grad)  # in place: keeps DDP bucket views valid
+            else:
+                p.grad = window_grad.to(p.dtype)
+            params.append(p)
+        self._reset_window()
+
+        if self.clip is not None:
+            self.clip(params)
+        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+            pre_hook(self, (self,), {})
+        self.optimizer.step()
+        self.iterations += 1
+        self.has_updated = True
+        for post_hook in list(self._optimizer_step_post_hooks.values()):
+            post_hook(self, (self,), {})
+        self._fire_window_end(True)
+        return True
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Any] | None = None, *, num_samples: float | None = None
+    ) -> Any:
+        """Fold one micro-step's gradient into the window; update on every ``accum_steps``-th call.
+
+        Args:
+            closure: optional, evaluated once (with grad enabled) before folding, like
+                ``loss.backward()`` in the loop; the inner optimizer never receives it (closures
+                that re-evaluate the loss, e.g. for LBFGS, are not supported).
+            num_samples: B_k, the micro-batch's sample (or token) count, > 0. With
+                ``reduction="mean"`` the window gradient weights micro-step k by B_k / sum B;
+                give it on every micro-step of a window or on none (equal weights).
+
+        Returns:
+            The closure's return value, or None. ``has_updated`` says whether this call updated.
+        """
+        weight = self._check_num_samples(num_samples)
+        weighted = weight is not None
+        if self._weighted is not None and self._weighted != weighted:
+            raise ValueError(
+                f"num_samples={num_samples!r} but the earlier micro-steps of this window "
+                f"{'gave' if self._weighted else 'did not give'} num_samples; give it on every "
+                f"micro-step of a window or on none."
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
+        found_inf = getattr(self, "found_inf", None)
+        via_scaler = found_inf is not None
+        if self._via_scaler is not None and self._via_scaler != via_scaler:
+            raise RuntimeError(
+                "this micro-step came "
+                + ("through scaler.step(opt)" if via_scaler else "through opt.step()")
+                + " but the earlier micro-steps of the window did not; with a GradScaler call "
+                "scaler.step(opt) and scaler.update() on every micro-step (the scaled gradients "
+                "of every micro-step must be unscaled before they are summed)."
+            )
+        if found_inf is not None:
+            found_inf = found_inf.detach().float()
+            self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
+
+        self._weighted = weighted
+        self._via_scaler = via_scaler
+        w = weight if weighted else 1.0
+        self._fold(w, grad_scale)
+        self._weight += w
+        self.micro_step += 1
+        if self.micro_step >= self.accum_steps:
+            self._close_window()
+        else:
+            self.has_updated = False
+        return loss
+
+    step.hooked = True  # type: ignore[attr-defined]  # see Optimizer._patch_step_function
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Apply a partial window now (e.g. at the end of an epoch).
+
+        The window gradient is normalised by what the window holds (its own sum of
+        ``num_samples``, or its own number of micro-steps). Does nothing on an empty window.
+
+        Returns:
+            Whether a real update happened (also in ``has_updated``).
+        """
+        if self.micro_step == 0:
+            self.has_updated = False
+            return False
+        return self._close_window()
+
+    def register_window_end_hook(self, hook: WindowEndHook) -> RemovableHandle:
+        """Register ``hook(optimizer, updated: bool)``, called at the end of every window.
+
+        ``updated`` is True after a real update (after the step post-hooks), False when the
+        window was skipped (GradScaler inf/nan) or dropped by :meth:`reset`.
+        """
+        handle = RemovableHandle(self._window_end_hooks)
+        self._window_end_hooks[handle.id] = hook
+        return handle
+
+    # ---------------------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's state dict plus a versioned ``"gradlens_accumulate"`` section.
+
+        The section holds the counters, the window's weight and its accumulators keyed by the
+        parameter's flat index in ``param_groups`` order (tensors, not copied).
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        inner = self.optimizer.state_dict()
+        params = self._params()
+        section = {
+            "version": _STATE_VERSION,
+            "accum_steps": self.accum_steps,
+            "reduction": self.reduction,
+            "micro_step": self.micro_step,
+            "iterations": self.iterations,
+            "skipped_windows": self.skipped_windows,
+            "has_updated": self.has_updated,
+            "weight": self._weight,
+            "weighted": self._weighted,
+            "found_inf": self._found_inf,
+            "via_scaler": self._via_scaler,
+            "accumulators": {
+                i: self._accumulators[p] for i, p in enumerate(params) if p in self._accumulators
+            },
+        }
+        out = dict(inner)
+        out[_STATE_KEY] = section
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict from :meth:`state_dict`, resuming mid-window if it was saved there.
+
+        A plain ``torch.optim`` state dict (no ``"gradlens_accumulate"`` section) loads the inner
+        optimizer and starts an empty window with the counters at 0.
+
+        Raises:
+            ValueError: wrong section version, another ``reduction``, a saved mid-window micro-step
+                count not below this wrapper's ``accum_steps``, or accumulators whose index or
+                shape does not match the parameters.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"state_dict must be a dict from GradientAccumulateOptimizer.state_dict(), got "
+                f"{type(state_dict).__name__}."
+            )
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        inner = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
+        section = state_dict.get(_STATE_KEY)
+        params = self._params()
+        accumulators: dict[Tensor, Tensor] = {}
+        if section is not None:
+            version = section.get("version")
+            if version != _STATE_VERSION:
+                raise ValueError(
+                    f"state_dict['{_STATE_KEY}']['version'] is {version!r}, this gradlens reads "
+                    f"version {_STATE_VERSION}; save it again with a matching gradlens version."
+                )
+            if section["reduction"] != self.reduction:
+                raise ValueError(
+                    f"the state_dict was saved with reduction={section['reduction']!r}, this "
+                    f"optimizer has reduction={self.reduction!r}; construct it with the same "
+                    f"reduction."
+                )
+            if section["micro_step"] >= self.accum_steps:
+                raise ValueError(
+                    f"the state_dict was saved at micro_step={section['micro_step']} (accum_steps="
+                    f"{section['accum_steps']}), which does not fit accum_steps={self.accum_steps}; "
+                    f"construct the optimizer with accum_steps={section['accum_steps']}."
+                )
+            for index, acc in section["accumulators"].items():
+                if not (0 <= index < len(params)) or acc.shape != params[index].shape:
+                    got = "no parameter" if not 0 <= index < len(params) else tuple(params[index].shape)
+                    raise ValueError(
+                        f"the state_dict holds an accumulator of shape {tuple(acc.shape)} for "
+                        f"parameter {index}, but this optimizer's parameter {index} has {got}; "
+                        f"load it into an optimizer over the same model."
+                    )
+                p = params[index]
+                dtype = torch.promote_types(self.accum_dtype, p.dtype)
+                accumulators[p] = acc.detach().to(device=p.device, dtype=dtype, copy=True)
+        self.optimizer.load_state_dict(inner)
+        self._reset_window()
+        if section is None:
+            self.iterations = 0
+            self.skipped_windows = 0
+            self.has_updated = False
+        else:
+            self._accumulators = accumulators
+            self.micro_step = int(section["micro_step"])
+            self.iterations = int(section["iterations"])
+            self.skipped_windows = int(section.get("skipped_windows", 0))
+            self.has_updated = bool(section["has_updated"])
+            self._weight = float(section["weight"])
+            self._weighted = section["weighted"]
+            found_inf = section.get("found_inf")
+            self._found_inf = None if found_inf is None else found_inf.detach().clone()
+            self._via_scaler = section.get("via_scaler")
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _split_batch(batch: Any, accum_steps: int) -> tuple[list[tuple[Tensor, ...]], list[int]]:
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise TypeError(
+            f"batch must be a tuple (inputs..., target) of tensors, e.g. (x, y), got "
+            f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else f' of length {len(batch)}'}."
+        )
+    for i, t in enumerate(batch):
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            raise TypeError(
+                f"batch[{i}] must be a tensor with a leading batch dimension, got "
+                f"{type(t).__name__}{'' if not isinstance(t, Tensor) else ' with 0 dims'}."
+            )
+    n = batch[0].shape[0]
+    sizes = [t.shape[0] for t in batch]
+    if any(s != n for s in sizes):
+        raise ValueError(
+            f"every tensor of batch must have the same leading (batch) size, got {sizes}."
+        )
+    if n == 0:
+        raise ValueError("batch is empty (leading size 0); skip the train_step call.")
+    pieces = [torch.tensor_split(t, accum_steps) for t in batch]
+    micro = [tuple(p[k] for p in pieces) for k in range(accum_steps) if pieces[0][k].shape[0] > 0]
+    return micro, [m[0].shape[0] for m in micro]
+
+
+class GradientAccumulateModel:
+    """Trains on a large batch in ``accum_steps`` micro-batches with one optimizer update.
+
+    :meth:`train_step` splits ``batch = (inputs..., target)`` along dim 0 into ``accum_steps``
+    near-equal micro-batches (``torch.tensor_split``; sizes differ by at most one, and fewer
+    micro-batches are used when the batch is smaller than ``accum_steps``), runs forward and
+    backward on each in turn (peak activation memory is that of one micro-batch), and calls the
+    optimizer once. Micro-step k computes ``loss_fn(model(*inputs_k), target_k)`` exactly as the
+    user defines it (a mean over its B_k samples for ``reduction="mean"``, a sum for ``"sum"``);
+    between backwards the accumulated ``p.grad`` is rescaled in place so that after the last one
+    ``p.grad = sum_k B_k grad_k / N`` (mean) or ``sum_k grad_k`` (sum): exact for unequal splits.
+
+    With a ``DistributedDataParallel`` model every micro-step but the last runs under
+    ``model.no_sync()``, so gradients are all-reduced once per window. Every rank must pass
+    batches of the same size (as DDP's gradient averaging itself assumes).
+
+    Args:
+        model: the module (or a ``DistributedDataParallel``) to train.
+        optimizer: a ``torch.optim.Optimizer``; a :class:`GradientAccumulateOptimizer` with the
+            same ``reduction`` is allowed (each ``train_step`` is then one of its micro-steps,
+            reported with ``num_samples=N``).
+        loss_fn: ``loss_fn(output, target) -> Tensor`` (a scalar).
+        accum_steps: number of micro-batches per batch, >= 1.
+        reduction: ``"mean"`` or ``"sum"``, how ``loss_fn`` reduces over a micro-batch.
+        lens: optional gradlens ``Lens`` (anything with a ``capture()`` context manager); each
+            micro-step's backward runs inside ``with lens.capture():``. During the capture the
+            loss is the user's own micro-batch loss (never rescaled), but ``p.grad`` holds the
+            running accumulation, not the micro-step's own gradient.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        loss_fn: Callable[..., Tensor],
+        accum_steps: int,
+        *,
+        reduction: str = "mean",
+        lens: Any | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                f"pass e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(output, target), got {type(loss_fn).__name__}.")
+        self.accum_steps = _check_accum_steps(accum_steps)
+        self.reduction = _check_reduction(reduction)
+        if isinstance(optimizer, GradientAccumulateOptimizer) and optimizer.reduction != reduction:
+            raise ValueError(
+                f"optimizer has reduction={optimizer.reduction!r} but reduction={reduction!r} was "
+                f"given; use the same reduction for both."
+            )
+        if lens is not None and not callable(getattr(lens, "capture", None)):
+            raise TypeError(
+                f"lens must be a gradlens Lens (an object with a capture() context manager) or "
+                f"None, got {type(lens).__name__}."
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.lens = lens
+
+    def _is_ddp(self) -> bool:
+        return isinstance(self.model, nn.parallel.DistributedDataParallel)
+
+    def train_step(self, batch: Sequence[Tensor]) -> Tensor:
+        """One window: forward/backward on every micro-batch of ``batch``, then one update.
+
+        Args:
+            batch: ``(inputs..., target)``, tensors with the same leading size N; the model is
+                called as ``model(*inputs)`` and the loss as ``loss_fn(output, target)``.
+
+        Returns:
+            The window's loss, detached (no device sync): ``sum_k B_k loss_k / N`` for
+            ``reduction="mean"`` (the mean loss over the N samples), ``sum_k loss_k`` for "sum".
+        """
+        micro, sizes = _split_batch(batch, self.accum_steps)
+        n_total = sum(sizes)
+        mean = self.reduction == "mean"
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        ddp = self._is_ddp()
+        self.optimizer.zero_grad(set_to_none=True)
+        window_loss: Tensor | None = None
+        last = len(micro) - 1
+        for k, (*inputs, target) in enumerate(micro):
+            sync = contextlib.nullcontext() if (not ddp or k == last) else self.model.no_sync()
+            with sync:
+                loss = self.loss_fn(self.model(*inputs), target)
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise ValueError(
+                        f"loss_fn must return a scalar tensor, got "
+                        f"{'shape ' + str(tuple(loss.shape)) if isinstance(loss, Tensor) else type(loss).__name__}; "
+                        f"reduce it with reduction={self.reduction!r}."
+                    )
+                capture = self.lens.capture() if self.lens is not None else contextlib.nullcontext()
+                with capture:
+                    loss.backward()
+            contribution = loss.detach() * sizes[k] if mean else loss.detach()
+            window_loss = contribution if window_loss is None else window_loss + contribution
+            if mean:
+                # Invariant: after backward k, p.grad = sum_{j<=k} (B_j / B_k) grad_j.
+                factor = sizes[k] / (sizes[k + 1] if k < last else n_total)
+                if factor != 1.0:
+                    grads = [p.grad for p in params if p.grad is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, factor)
+        if isinstance(self.optimizer, GradientAccumulateOptimizer):
+            self.optimizer.step(num_samples=n_total)
+        else:
+            self.optimizer.step()
+        window_loss = cast(Tensor, window_loss)  # _split_batch yields at least one micro-batch
+        return window_loss / n_total if mean else window_loss

@@ -1,0 +1,353 @@
+"""Accumulation-aware BatchNorm: :class:`AccumBatchNorm1d` / ``2d`` / ``3d`` and
+:func:`convert_accum_batchnorm`.
+
+In training, the forward normalises with the **micro-batch** statistics, exactly like
+``nn.BatchNorm``. No single-pass method can normalise a micro-batch with statistics of the whole
+window: those depend on micro-batches whose forward has not run yet. What *can* be made exact is
+the running statistics: each training forward folds the micro-batch's per-channel count, mean
+and biased variance into the window's pooled statistics (Chan et al.'s parallel merge, which adds
+the between-micro-batch term and has no cancellation), and once per window the running mean and
+running variance are updated from the pooled mean and the **unbiased** pooled variance, with the
+momentum applied once and ``num_batches_tracked`` incremented once. After a window of K
+micro-batches the running statistics equal those of ``nn.BatchNorm`` run once on the
+concatenated batch. (Averaging the micro-batch variances instead drops the between-micro-batch
+term and underestimates the variance.)
+
+A window ends after ``accum_steps`` training-mode forwards (every training forward counts, also
+under ``torch.no_grad()``), or when :meth:`flush` is called (a partial window, e.g. at the end of
+an epoch: use :func:`flush_accum_batchnorm` on the model next to
+``GradientAccumulateOptimizer.flush()``). Evaluation mode behaves exactly like ``nn.BatchNorm``
+and ignores a window still open; ``track_running_stats=False`` behaves exactly like
+``nn.BatchNorm`` too.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "AccumBatchNorm1d",
+    "AccumBatchNorm2d",
+    "AccumBatchNorm3d",
+    "convert_accum_batchnorm",
+    "flush_accum_batchnorm",
+]
+
+_WINDOW_BUFFERS = ("window_mean", "window_var", "window_count", "window_steps")
+
+
+def _check_accum_steps(accum_steps: Any) -> int:
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
+        raise TypeError(
+            f"accum_steps must be an int >= 1 (training forwards per window), got "
+            f"{accum_steps!r} of type {type(accum_steps).__name__}."
+        )
+    if accum_steps < 1:
+        raise ValueError(
+            f"accum_steps must be >= 1 (training forwards per window), got {accum_steps}; use "
+            f"accum_steps=1 to update the running statistics on every forward like nn.BatchNorm."
+        )
+    return int(accum_steps)
+
+
+class _AccumBatchNormMixin:
+    """The accumulation logic shared by the 1d/2d/3d classes (placed before ``_BatchNorm`` in the MRO).
+
+    Buffers (besides ``nn.BatchNorm``'s own, with ``track_running_stats``):
+        window_mean: ``[C]`` pooled mean of the open window, dtype of ``running_mean``.
+        window_var: ``[C]`` pooled *biased* variance of the open window.
+        window_count: ``[]`` int64, values per channel folded in so far (samples x spatial size).
+        window_steps: ``[]`` int64, training forwards folded in so far.
+    They are saved in the state dict; loading a plain ``nn.BatchNorm`` state dict (without them)
+    starts an empty window.
+    """
+
+    accum_steps: int
+
+    def _init_window(self, accum_steps: int) -> None:
+        self.accum_steps = _check_accum_steps(accum_steps)
+        self._count = 0  # Python mirrors of window_count / window_steps: no device sync per step
+        self._steps = 0
+        if self.track_running_stats:
+            rm = self.running_mean
+            self.register_buffer("window_mean", torch.zeros_like(rm))
+            self.register_buffer("window_var", torch.zeros_like(rm))
+            self.register_buffer("window_count", torch.zeros((), dtype=torch.long, device=rm.device))
+            self.register_buffer("window_steps", torch.zeros((), dtype=torch.long, device=rm.device))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, accum_steps={self.accum_steps}"
+
+    @property
+    def window_open(self) -> bool:
+        """Whether training forwards have been folded into a window not yet applied."""
+        return self._steps > 0
+
+    def forward(self, input: Tensor) -> Tensor:
+        """``[B, C, *spatial]`` -> same shape. Training: micro-batch statistics; see module doc."""
+        if not (self.training and self.track_running_stats):
+            return super().forward(input)
+        self._check_input_dim(input)
+        channels = input.shape[1]
+        count = input.numel() // channels if channels else 0
+        if count <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size "
+                f"{tuple(input.shape)}; use a micro-batch with more than one value per channel."
+            )
+        # momentum=1 makes batch_norm write the micro-batch mean and unbiased variance into these
+        # scratch buffers, taken from the same fused pass that normalises the input.
+        batch_mean = torch.zeros_like(self.running_mean)
+        batch_var = torch.ones_like(self.running_var)
+        out = F.batch_norm(
+            input, batch_mean, batch_var, self.weight, self.bias, True, 1.0, self.eps
+        )
+        self._fold(batch_mean, batch_var, count)
+        if self._steps >= self.accum_steps:
+            self.flush()
+        return out
+
+    @torch.no_grad()
+    def _fold(self, batch_mean: Tensor, batch_var_unbiased: Tensor, count: int) -> None:
+        """Merge one micro-batch (``[C]`` mean, ``[C]`` unbiased variance, count) into the window."""
+        work = torch.float64 if batch_mean.device.type != "mps" else torch.float32
+        mean_b = batch_mean.to(work)
+        var_b = batch_var_unbiased.to(work) * ((count - 1) / count)  # biased
+        n_a = self._count
+        if n_a == 0:
+            self.window_mean.copy_(mean_b)
+            self.window_var.copy_(var_b)
+        else:
+            n = n_a + count
+            mean_a = self.window_mean.to(work)
+            var_a = self.window_var.to(work)
+            delta = mean_b - mean_a
+            self.window_mean.copy_(mean_a + delta * (count / n))
+            self.window_var.copy_(
+                var_a * (n_a / n) + var_b * (count / n) + delta.square() * (n_a * count / n / n)
+            )
+        self._count += count
+        self._steps += 1
+        self.window_count.fill_(self._count)
+        self.window_steps.fill_(self._steps)
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Close the open window: update the running statistics once from its pooled values.
+
+        ``running_mean <- (1 - m) running_mean + m * mean`` and ``running_var <- (1 - m)
+        running_var + m * var * n / (n - 1)`` with n the pooled count and m the momentum (or
+        ``1 / num_batches_tracked`` when momentum is None); ``num_batches_tracked += 1``.
+
+        Returns:
+            Whether a window was open (and applied).
+        """
+        if not self.track_running_stats or self._steps == 0:
+            return False
+        n = self._count
+        work = torch.float64 if self.running_mean.device.type != "mps" else torch.float32
+        mean = self.window_mean.to(work)
+        var = self.window_var.to(work) * (n / (n - 1))
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            factor: Tensor | float = 1.0 / self.num_batches_tracked.to(work)
+        else:
+            factor = float(self.momentum)
+        self.running_mean.copy_(self.running_mean.to(work) * (1 - factor) + mean * factor)
+        self.running_var.copy_(self.running_var.to(work) * (1 - factor) + var * factor)
+        self.reset_window()
+        return True
+
+    @torch.no_grad()
+    def reset_window(self) -> None:
+        """Drop the open window without touching the running statistics."""
+        self._count = 0
+        self._steps = 0
+        if self.track_running_stats:
+            self.window_mean.zero_()
+            self.window_var.zero_()
+            self.window_count.zero_()
+            self.window_steps.zero_()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if self.track_running_stats:
+            present = [prefix + name in state_dict for name in _WINDOW_BUFFERS]
+            if not any(present):  # a plain nn.BatchNorm state dict: start an empty window
+                self.reset_window()
+                for name in _WINDOW_BUFFERS:
+                    state_dict[prefix + name] = getattr(self, name).clone()
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if self.track_running_stats:
+            self._count = int(self.window_count)
+            self._steps = int(self.window_steps)
+
+
+class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` (input ``[B, C]`` or ``[B, C, L]``) whose running statistics are
+    updated once per window of ``accum_steps`` training forwards, from the pooled window.
+
+    Args:
+        num_features: C.
+        accum_steps: training forwards per window (match the optimizer's ``accum_steps``).
+        eps, momentum, affine, track_running_stats, device, dtype: as in ``nn.BatchNorm1d``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        accum_steps: int = 1,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        nn.BatchNorm1d.__init__(
+            self, num_features, eps, momentum, affine, track_running_stats, device, dtype
+        )
+        self._init_window(accum_steps)
+
+
+class AccumBatchNorm2d(_AccumBatchNormMixin, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` (input ``[B, C, H, W]``) whose running statistics are updated once per
+    window of ``accum_steps`` training forwards, from the pooled window.
+
+    Args:
+        num_features: C.
+        accum_steps: training forwards per window (match the optimizer's ``accum_steps``).
+        eps, momentum, affine, track_running_stats, device, dtype: as in ``nn.BatchNorm2d``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        accum_steps: int = 1,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        nn.BatchNorm2d.__init__(
+            self, num_features, eps, momentum, affine, track_running_stats, device, dtype
+        )
+        self._init_window(accum_steps)
+
+
+class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` (input ``[B, C, D, H, W]``) whose running statistics are updated once
+    per window of ``accum_steps`` training forwards, from the pooled window.
+
+    Args:
+        num_features: C.
+        accum_steps: training forwards per window (match the optimizer's ``accum_steps``).
+        eps, momentum, affine, track_running_stats, device, dtype: as in ``nn.BatchNorm3d``.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        accum_steps: int = 1,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        nn.BatchNorm3d.__init__(
+            self, num_features, eps, momentum, affine, track_running_stats, device, dtype
+        )
+        self._init_window(accum_steps)
+
+
+_CONVERSIONS: dict[type, type] = {
+    nn.BatchNorm1d: AccumBatchNorm1d,
+    nn.BatchNorm2d: AccumBatchNorm2d,
+    nn.BatchNorm3d: AccumBatchNorm3d,
+}
+
+
+def _convert_one(bn: _BatchNorm, accum_steps: int) -> nn.Module:
+    if isinstance(bn, _AccumBatchNormMixin):
+        if bn.window_open:
+            raise RuntimeError(
+                "cannot change accum_steps of an AccumBatchNorm with an open window; call "
+                "flush() or reset_window() first."
+            )
+        bn.accum_steps = accum_steps
+        return bn
+    target = _CONVERSIONS.get(type(bn))
+    if target is None:
+        raise TypeError(
+            f"cannot convert {type(bn).__name__}: only nn.BatchNorm1d/2d/3d are converted "
+            f"(SyncBatchNorm and custom BatchNorm subclasses would silently keep per-micro-batch "
+            f"running statistics); replace it by hand."
+        )
+    ref = bn.running_mean if bn.track_running_stats else bn.weight
+    new = target(
+        bn.num_features,
+        accum_steps,
+        bn.eps,
+        bn.momentum,
+        bn.affine,
+        bn.track_running_stats,
+        device=None if ref is None else ref.device,
+        dtype=None if ref is None else ref.dtype,
+    )
+    # Reuse the very same Parameter and buffer objects: an optimizer built before conversion
+    # keeps working, and outputs are bit-identical.
+    if bn.affine:
+        new.weight = bn.weight
+        new.bias = bn.bias
+    if bn.track_running_stats:
+        new.running_mean = bn.running_mean
+        new.running_var = bn.running_var
+        new.num_batches_tracked = bn.num_batches_tracked
+    new.train(bn.training)
+    return new
+
+
+def convert_accum_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its ``AccumBatchNorm`` counterpart.
+
+    Weight, bias, running statistics, ``num_batches_tracked``, eps, momentum and the training
+    flag are kept (the same tensors are reused). Existing ``AccumBatchNorm`` modules get the new
+    ``accum_steps``. Children are replaced in place; the (possibly new) root is returned, so use
+    ``model = convert_accum_batchnorm(model, k)``. Module hooks on replaced layers are not copied.
+
+    Raises:
+        TypeError: for other ``_BatchNorm`` subclasses (e.g. ``SyncBatchNorm``).
+    """
+    accum_steps = _check_accum_steps(accum_steps)
+    if isinstance(module, _BatchNorm):
+        return _convert_one(module, accum_steps)
+    for name, child in module.named_children():
+        converted = convert_accum_batchnorm(child, accum_steps)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+def flush_accum_batchnorm(module: nn.Module) -> int:
+    """Call :meth:`flush` on every ``AccumBatchNorm`` in ``module``; returns how many flushed."""
+    return sum(int(m.flush()) for m in module.modules() if isinstance(m, _AccumBatchNormMixin))
