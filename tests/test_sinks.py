@@ -1,0 +1,233 @@
+"""JsonlSink, load_log and TensorBoardSink: round trips, streaming, truncated and corrupt logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from gradlens.records import Hist1d, Hist2d, Record
+from gradlens.sinks import JsonlSink, TensorBoardSink, load_log
+
+
+def _hist1d(x: torch.Tensor, bins: int = 16, lo: float = -1.0, hi: float = 1.0) -> Hist1d:
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    idx = ((x - lo) * bins / (hi - lo)).floor().clamp(0, bins - 1).long()
+    return Hist1d(torch.bincount(idx, minlength=bins), edges, int((x < lo).sum()), int((x >= hi).sum()))
+
+
+def _hist2d(p: torch.Tensor, g: torch.Tensor, bins=(6, 8)) -> Hist2d:
+    pe = torch.linspace(-1, 1, bins[0] + 1, dtype=torch.float64)
+    ge = torch.linspace(-2, 2, bins[1] + 1, dtype=torch.float64)
+    pi = ((p + 1) * bins[0] / 2).floor().clamp(0, bins[0] - 1).long()
+    gi = ((g + 2) * bins[1] / 4).floor().clamp(0, bins[1] - 1).long()
+    counts = torch.bincount(pi * bins[1] + gi, minlength=bins[0] * bins[1]).reshape(bins)
+    return Hist2d(counts, pe, ge, int((p.abs() >= 1).sum()), int((g.abs() >= 2).sum()))
+
+
+def make_records(n: int = 5, seed: int = 0) -> list[Record]:
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for s in range(n):
+        g = torch.randn(300, generator=gen, dtype=torch.float64) * 0.7
+        p = torch.randn(300, generator=gen, dtype=torch.float64) * 0.5
+        values = {
+            "loss": 2.0 / (s + 1),
+            "grad_norm": 0.5 + 0.1 * s,
+            "noise_scale": float("nan") if s == 0 else 10.0 * s,
+            "batch_l2": torch.rand(8, generator=gen, dtype=torch.float64),
+            "sum_grad_squared": {
+                "0.weight": torch.rand(3, 2, generator=gen, dtype=torch.float64),
+                "0.bias": torch.tensor([float("inf"), 1.0], dtype=torch.float64),
+            },
+            "mean_gsnr": torch.tensor(0.25 * s, dtype=torch.float64),
+            "grad_hist_1d": _hist1d(g),
+            "grad_hist_2d": _hist2d(p, g * 2),
+        }
+        records.append(
+            Record(step=3 * s, num_samples=96, micro_steps=3, values=values, meta={"note": "synthetic"})
+        )
+    return records
+
+
+# --------------------------------------------------------------------------- JsonlSink + load_log
+
+
+def test_jsonl_round_trip_equal(tmp_path):
+    records = make_records()
+    path = tmp_path / "sub" / "log.jsonl"  # parent folder is created
+    with JsonlSink(path) as sink:
+        for r in records:
+            sink.write(r)
+    assert sink.closed
+    loaded = load_log(path)
+    assert loaded == records
+    assert math.isnan(loaded[0]["noise_scale"])
+    assert loaded[1]["sum_grad_squared"]["0.bias"][0] == float("inf")
+    assert len(path.read_text().splitlines()) == len(records)
+
+
+def test_jsonl_streams_each_line_before_close(tmp_path):
+    path = tmp_path / "log.jsonl"
+    sink = JsonlSink(path)
+    records = make_records(2)
+    sink.write(records[0])
+    assert load_log(path) == records[:1]  # flushed while the sink is still open
+    sink.write(records[1])
+    assert load_log(path) == records
+    sink.close()
+    sink.close()  # harmless
+
+
+def test_jsonl_new_file_or_append(tmp_path):
+    path = tmp_path / "log.jsonl"
+    records = make_records(3)
+    with JsonlSink(path) as sink:
+        sink.write(records[0])
+    with JsonlSink(path) as sink:  # default: a new log replaces the old one
+        sink.write(records[1])
+    assert load_log(path) == [records[1]]
+    with JsonlSink(path, append=True) as sink:
+        sink.write(records[2])
+    assert load_log(path) == records[1:]
+
+
+def test_jsonl_bad_use(tmp_path):
+    with pytest.raises(TypeError, match="file path"):
+        JsonlSink(42)
+    with pytest.raises(IsADirectoryError, match="folder"):
+        JsonlSink(tmp_path)
+    sink = JsonlSink(tmp_path / "log.jsonl")
+    with pytest.raises(TypeError, match="needs a gradlens Record, got dict"):
+        sink.write({"step": 0})
+    with pytest.raises(TypeError, match="step 7 cannot be written as JSON"):
+        sink.write(Record(7, 1, 1, values={"x": object()}))
+    sink.close()
+    with pytest.raises(ValueError, match="closed"):
+        sink.write(make_records(1)[0])
+
+
+def _write_lines(path, records):
+    with JsonlSink(path) as sink:
+        for r in records:
+            sink.write(r)
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def test_load_log_truncated_last_line_warns_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "run.jsonl"
+    records = make_records(4)
+    lines = _write_lines(path, records)
+    path.write_bytes(b"".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-line
+    with pytest.warns(UserWarning, match=r"run\.jsonl' line 4 is truncated or corrupt"):
+        loaded = load_log(path)
+    assert loaded == records[:3]
+
+
+def test_load_log_last_line_not_a_record_warns(tmp_path):
+    path = tmp_path / "run.jsonl"
+    records = make_records(2)
+    lines = _write_lines(path, records)
+    path.write_bytes(b"".join(lines) + b'{"step": 1}\n\n')  # trailing blank line is ignored
+    with pytest.warns(UserWarning, match="line 3 .*not a gradlens record"):
+        assert load_log(path) == records
+
+
+def test_load_log_corrupt_middle_line_raises(tmp_path):
+    path = tmp_path / "run.jsonl"
+    lines = _write_lines(path, make_records(3))
+    path.write_bytes(lines[0] + b"\n" + b"{not json\n" + lines[1] + lines[2])
+    with pytest.raises(ValueError, match=r"run\.jsonl' line 3 is corrupt \(invalid JSON"):
+        load_log(path)
+    path.write_bytes(lines[0] + b"\xff\xfe\n" + lines[1])
+    with pytest.raises(ValueError, match="line 2 is corrupt .*UTF-8"):
+        load_log(path)
+    path.write_bytes(lines[0] + b"[1, 2]\n" + lines[1])
+    with pytest.raises(ValueError, match="line 2 is corrupt .*JSON object"):
+        load_log(path)
+
+
+def test_load_log_missing_and_empty(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_log(missing)
+    with pytest.raises(IsADirectoryError, match="folder"):
+        load_log(tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert load_log(empty) == []
+
+
+def test_lazy_name_from_package():
+    import gradlens
+
+    assert gradlens.load_log is load_log
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_sink_writes_scalars_and_raw_histograms(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = make_records(3)
+    with TensorBoardSink(tmp_path / "tb") as sink:
+        for r in records:
+            sink.write(r)
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"gradlens/grad_norm", "gradlens/loss", "gradlens/mean_gsnr"} <= set(tags["scalars"])
+    assert "gradlens/batch_l2" not in tags["scalars"]  # [N] tensors are not scalars
+    events = acc.Scalars("gradlens/grad_norm")
+    assert [e.step for e in events] == [r.step for r in records]
+    assert [e.value for e in events] == pytest.approx([r["grad_norm"] for r in records])
+    assert acc.Scalars("gradlens/mean_gsnr")[2].value == pytest.approx(0.5)
+    assert acc.Scalars("gradlens/grad_hist_1d/clamped_high")[1].value == records[1]["grad_hist_1d"].clamped_high
+
+    assert {"gradlens/grad_hist_1d", "gradlens/grad_hist_2d/grad", "gradlens/grad_hist_2d/param"} <= set(
+        tags["histograms"]
+    )
+    for event, r in zip(acc.Histograms("gradlens/grad_hist_1d"), records):
+        h, hv = r["grad_hist_1d"], event.histogram_value
+        assert event.step == r.step
+        # our counts and edges, unchanged: one empty leading bucket keeps the left edge
+        assert list(hv.bucket) == [0.0] + h.counts.double().tolist()
+        assert list(hv.bucket_limit) == pytest.approx(h.edges.tolist())
+        assert hv.num == h.total
+    h2 = records[0]["grad_hist_2d"]
+    hv = acc.Histograms("gradlens/grad_hist_2d/grad")[0].histogram_value
+    assert list(hv.bucket)[1:] == h2.counts.sum(0).double().tolist()
+
+
+def test_tensorboard_sink_leaves_a_given_writer_open(tmp_path):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    sink = TensorBoardSink(writer)
+    sink.write(make_records(1)[0])
+    sink.close()
+    writer.add_scalar("still/open", 1.0, 0)  # the caller's writer was only flushed
+    writer.close()
+    with pytest.raises(ValueError, match="closed"):
+        sink.write(make_records(1)[0])
+    with pytest.raises(TypeError, match="SummaryWriter or a log folder"):
+        TensorBoardSink(3.5)
+
+
+def test_tensorboard_missing_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        TensorBoardSink("unused")
+
+
+def test_records_are_json_lines(tmp_path):
+    path = tmp_path / "log.jsonl"
+    _write_lines(path, make_records(2))
+    for line in path.read_text().splitlines():
+        assert json.loads(line)["num_samples"] == 96
