@@ -36,8 +36,14 @@ class Kernel:
     def params(self, module: nn.Module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
 
-    def per_sample(self, module, a, delta, start: int, stop: int) -> dict[str, Tensor]:
+    def per_sample(self, module, a, delta, start: int, stop: int, attrs=None) -> dict[str, Tensor]:
+        """``attrs``: only these parameters (default: all trainable); kernels may return more."""
         raise NotImplementedError
+
+    def outer_factors(self, module, a, delta) -> dict[str, tuple[Tensor, Tensor]]:
+        """Parameters whose per-sample gradient is the outer product ``delta_n a_n^T``:
+        attribute -> (``delta [B, O]``, ``a [B, I]``). Empty for layers without that form."""
+        return {}
 
     def _chunks(self, module, batch: int):
         numel = sum(p.numel() for p in module.parameters(recurse=False))
@@ -74,18 +80,29 @@ class LinearKernel(Kernel):
         b = delta.shape[0]
         return a.reshape(b, -1, a.shape[-1]), delta.reshape(b, -1, delta.shape[-1])
 
-    def per_sample(self, module, a, delta, start, stop):
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
+        attrs = self.params(module) if attrs is None else attrs
+        out = {}
         if delta.dim() == 2:
             d, x = delta[start:stop], a[start:stop]
-            out = {"weight": torch.einsum("no,ni->noi", d, x)}
-            bias = d
+            if "weight" in attrs:
+                out["weight"] = torch.einsum("no,ni->noi", d, x)
+            if "bias" in attrs:
+                out["bias"] = d
         else:
             x, d = self._flat(module, a[start:stop], delta[start:stop])
-            out = {"weight": torch.bmm(d.transpose(1, 2), x)}
-            bias = d.sum(1)
-        if module.bias is not None:
-            out["bias"] = bias
-        return {n: out[n] for n in self.params(module)}
+            if "weight" in attrs:
+                out["weight"] = torch.bmm(d.transpose(1, 2), x)
+            if "bias" in attrs:
+                out["bias"] = d.sum(1)
+        return out
+
+    def outer_factors(self, module, a, delta):
+        if delta.dim() != 2 or "weight" not in self.params(module):
+            return {}
+        if not (torch.isfinite(a).all() and torch.isfinite(delta).all()):
+            return {}  # inf * 0 = nan: let the materialised path see what autograd would
+        return {"weight": (delta, a)}
 
     def _use_gram(self, module, t: int) -> bool:
         return 2 * t * t <= module.in_features * module.out_features
@@ -119,7 +136,7 @@ class LinearKernel(Kernel):
 class Conv2dKernel(Kernel):
     """``nn.Conv2d`` (groups=1, zero padding): per-sample gradients via unfold + bmm."""
 
-    def per_sample(self, module, a, delta, start, stop):
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
         x = F.unfold(
             a[start:stop], module.kernel_size, module.dilation, module.padding, module.stride
         )  # [b, C_in*kh*kw, T]
@@ -145,7 +162,7 @@ class Conv2dKernel(Kernel):
 class BatchNormEvalKernel(Kernel):
     """``nn.BatchNorm{1,2,3}d`` in eval mode: a per-channel affine map of the running statistics."""
 
-    def per_sample(self, module, a, delta, start, stop):
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
         x, d = a[start:stop], delta[start:stop]
         shape = [1, -1] + [1] * (x.dim() - 2)
         x_hat = (x - module.running_mean.view(shape)) / torch.sqrt(
@@ -165,7 +182,7 @@ class BackpackKernel(Kernel):
     def __init__(self, derivatives):
         self.derivatives = derivatives
 
-    def per_sample(self, module, a, delta, start, stop):
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
         idx = list(range(start, stop))
         module.input0 = a
         module.output = delta  # only its shape is read
@@ -174,7 +191,7 @@ class BackpackKernel(Kernel):
                 n: self.derivatives.param_mjp(
                     n, module, None, (delta,), delta[start:stop], sum_batch=False, subsampling=idx
                 )
-                for n in self.params(module)
+                for n in (self.params(module) if attrs is None else attrs)
             }
         finally:
             del module.input0, module.output

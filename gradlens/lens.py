@@ -163,6 +163,7 @@ class Lens:
             self._hooks.append(optimizer.register_step_pre_hook(self._on_pre_step))
             self._hooks.append(optimizer.register_step_post_hook(self._on_step))
         self._micro: _MicroStep | None = None
+        self._pending: tuple[Record, dict[int, Any]] | None = None
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
@@ -204,19 +205,42 @@ class Lens:
     def _close_window(self) -> Record | None:
         record = None
         window = self._window
-        if window is not None and window.micro_steps:
+        captured = window is not None and bool(window.micro_steps)
+        self._settle_pending(
+            None if captured else f"window {self.step} (the next one) was not tracked or captured nothing"
+        )
+        if captured:
             values = {i.key: i.finalize(window, self._states[id(i)]) for i in self.instruments}
             values["loss"] = window.window_loss()
+            record = Record(self.step, window.num_samples, window.micro_steps, values)
+            for i in self.instruments:
+                record.meta.update(i.meta(self._states[id(i)]))
+            deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
             for i in self.instruments:
                 i.end_window(self._states[id(i)])
-            record = Record(self.step, window.num_samples, window.micro_steps, values)
             if self.keep_records:
                 self.records.append(record)
-            for sink in self._sinks:
-                sink.write(record)
+            if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
+                self._pending = (record, deferring)
+            else:
+                for sink in self._sinks:
+                    sink.write(record)
         self.step += 1
         self._open_window()
         return record
+
+    def _settle_pending(self, reason: str | None) -> None:
+        """Complete the pending record from the window now closing (``reason is None``) or
+        mark what it lacks, then write it to the sinks."""
+        if self._pending is None:
+            return
+        record, states = self._pending
+        self._pending = None
+        for i in self.instruments:
+            if id(i) in states:
+                i.settle(record, states[id(i)], None if reason else self._states[id(i)], reason)
+        for sink in self._sinks:
+            sink.write(record)
 
     # ------------------------------------------------------------------ capture
     @contextmanager
@@ -360,20 +384,35 @@ class Lens:
             inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not per_sample:
             return
-        numel = sum(getattr(module, attr).numel() for attr in w.params)
+        # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
+        done: set[tuple[int, str]] = set()
+        for attr, (d2, a2) in kernel.outer_factors(module, a, delta).items():
+            if attr in w.params:
+                qname = w.params[attr]
+                for inst in self._per_sample_insts:
+                    if inst.update_outer(micro.states[id(inst)], qname, self._param_of[qname], d2, a2):
+                        done.add((id(inst), attr))
+        attrs = [
+            attr
+            for attr in w.params
+            if from_chunks or any((id(i), attr) not in done for i in self._per_sample_insts)
+        ]
+        if not attrs:
+            return
+        numel = sum(getattr(module, attr).numel() for attr in attrs)
         step = max(1, self.chunk_elements // max(numel, 1))
         l2_parts = []
         for s in range(0, delta.shape[0], step):
             e = min(delta.shape[0], s + step)
-            chunk = kernel.per_sample(module, a, delta, s, e)
+            chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
             l2 = 0
-            for attr, gb in chunk.items():
-                if attr not in w.params:
-                    continue
+            for attr in attrs:
+                gb = chunk[attr]
                 qname = w.params[attr]
                 param = self._param_of[qname]
                 for inst in self._per_sample_insts:
-                    inst.update(micro.states[id(inst)], qname, param, gb)
+                    if (id(inst), attr) not in done:
+                        inst.update(micro.states[id(inst)], qname, param, gb)
                 if "batch_l2" in from_chunks:
                     l2 = l2 + gb.flatten(1).square().sum(1)
                 if "sum_grad_squared" in from_chunks:
@@ -399,6 +438,7 @@ class Lens:
         """Remove every hook this Lens added and close its sinks (idempotent). Records stay."""
         if self._closed:
             return
+        self._settle_pending("the Lens was closed before the next window closed")
         self._closed = True
         self._tap.remove()
         for h in self._hooks:

@@ -128,6 +128,13 @@ class Instrument:
     def end_window(self, state: Any) -> None:
         return None
 
+    def update_outer(self, state: Any, name: str, param: Tensor, delta: Tensor, a: Tensor) -> bool:
+        """Optional fast path for rank-one per-sample gradients g_n = delta_n a_n^T (Linear
+        weights without a sequence axis; ``delta [B, O]``, ``a [B, I]``, finite). Return True
+        if handled; False (the default) makes the Lens materialise ``[b, O, I]`` slices and
+        call :meth:`update` instead."""
+        return False
+
     # ---- optional extension points (used by instruments that need more than the above) ----
     def update_layer(self, state: Any, module: Any, a: Tensor, delta: Tensor) -> None:
         """For ``"layer" in needs``: called once per watched module per micro-step with the
@@ -145,6 +152,21 @@ class Instrument:
 
     def after_update(self, state: Any) -> None:
         """Window state, right after the real update (params at theta_{t+1}), before finalize."""
+        return None
+
+    def meta(self, state: Any) -> dict[str, Any]:
+        """Entries for ``record.meta`` (e.g. ``{"batch_dot": "exact"}``), read after finalize."""
+        return {}
+
+    def defers(self, state: Any) -> bool:
+        """True if this window's record needs the next window (e.g. Alpha's end point): the Lens
+        then keeps the record pending and calls :meth:`settle` when the next window closes."""
+        return False
+
+    def settle(self, record: Any, state: Any, next_state: Any, reason: str | None) -> None:
+        """Complete a pending ``record`` (written by this instrument's window ``state``) from
+        ``next_state``, the state of the window that followed it, or, if that window was not
+        captured (``next_state is None``), record why the value is missing (``reason``)."""
         return None
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.outer_hist import outer_hist1d
 from gradlens.records import Hist1d, Hist2d
 
 __all__ = ["GradHist1d", "GradHist2d"]
@@ -111,13 +112,38 @@ class GradHist1d(Instrument):
     def update(self, state: _Hist1dState, name, param, grad_batch):
         x = grad_batch.detach()
         lo, hi = state.lo, state.hi
-        inside = torch.histc(x, self.bins, lo, hi)  # [lo, hi], hi in the last bin
-        state.counts += inside.to(state.counts.device, torch.int64).cpu()
-        state.low += (x < lo).sum().cpu()
+        # histc counts in the input dtype: keep each call below 2**24 elements (float32-exact)
+        for part in x.reshape(-1).split(1 << 24):
+            inside = torch.histc(part, self.bins, lo, hi)  # [lo, hi], hi in the last bin
+            state.counts += inside.to(torch.int64).cpu()
+            state.low += (part < lo).sum().cpu()
         state.total += x.numel()
         if self.adapt is not None:
-            mn, mx = torch.aminmax(x)
-            state.mn, state.mx = min(state.mn, float(mn)), max(state.mx, float(mx))
+            self._extremes(state, x)
+
+    def update_outer(self, state: _Hist1dState, name, param, delta, a) -> bool:
+        """Rank-one layers (g_n = delta_n a_n^T, ``delta [B, O]``, ``a [B, I]``): exact counts
+        from sorted factors (:mod:`gradlens.instruments.outer_hist`); False if too costly."""
+        out = outer_hist1d(delta, a, state.lo, state.hi, self.bins)
+        if out is None:
+            return False
+        counts, low, high = out
+        state.counts += counts.cpu()
+        # counts include the clamped values; keep the layout of update(): in-range + low
+        state.counts[0] -= int(low)
+        state.counts[-1] -= int(high)
+        state.low += low.cpu()
+        state.total += delta.shape[0] * delta.shape[1] * a.shape[1]
+        if self.adapt is not None:
+            ext = torch.stack([delta.amin(1) * a.amin(1), delta.amin(1) * a.amax(1),
+                               delta.amax(1) * a.amin(1), delta.amax(1) * a.amax(1)])
+            self._extremes(state, ext)
+        return True
+
+    @staticmethod
+    def _extremes(state: _Hist1dState, x: Tensor) -> None:
+        mn, mx = torch.aminmax(x)
+        state.mn, state.mx = min(state.mn, float(mn)), max(state.mx, float(mx))
 
     def merge(self, a: _Hist1dState, b: _Hist1dState) -> _Hist1dState:
         return _Hist1dState(

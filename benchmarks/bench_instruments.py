@@ -1,0 +1,253 @@
+"""Step-time ratios of gradlens instruments vs a plain training step, beside the tools it replaces.
+
+Run:  python benchmarks/bench_instruments.py [--steps 20] [--models mlp,cnn] [--device cpu]
+
+For each model it times (median over ``--steps`` after warm-up) one training step — forward,
+backward, SGD update, zero_grad — with nothing attached ("plain"), and with:
+  (a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale,
+  (b) GradHist1d, (c) GradHist2d, (b+c) both,
+  an untracked window (a Lens whose schedule skips the step),
+  BackPACK's BatchL2Grad / SumGradSquared / BatchGrad alone (references),
+and, when cockpit-for-pytorch is importable (``pip install -e .[bench]``), cockpit's GradHist1d,
+GradHist2d and its "economy" configuration. Ratios are to the plain step of the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import (
+    BatchL2,
+    GradHist1d,
+    GradHist2d,
+    GradNorm,
+    NoiseScale,
+    NormTest,
+    SumGradSquared,
+)
+
+warnings.filterwarnings("ignore")
+
+
+def mlp():
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )
+
+
+MODELS = {
+    "mlp": ("MLP 784-512-512-10, batch 128", mlp, (1, 28, 28), 128),
+    "cnn": ("CNN conv 3-32-64 + pools, linear 4096-10, batch 64", cnn, (3, 32, 32), 64),
+}
+
+
+def median_ms(step, steps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def plain_step(model, x, y):
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, lambda: None
+
+
+def lens_step(instruments, every=1):
+    def build(model, x, y):
+        model = gradlens.extend(model)
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        lens = Lens(model, instruments(), optimizer=opt, every=every, keep_records=False)
+
+        def step():
+            loss = loss_fn(model(x), y)
+            with lens.capture():
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step, lens.close
+
+    return build
+
+
+def backpack_step(ext_name):
+    def build(model, x, y):
+        import backpack
+        from backpack import extensions
+
+        model = backpack.extend(model)
+        loss_fn = backpack.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        ext = getattr(extensions, ext_name)()
+
+        def step():
+            loss = loss_fn(model(x), y)
+            with backpack.backpack(ext):
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for p in model.parameters():
+                for f in ("batch_l2", "sum_grad_squared", "grad_batch"):
+                    if hasattr(p, f):
+                        delattr(p, f)
+
+        return step, lambda: None
+
+    return build
+
+
+def cockpit_step(what):
+    def build(model, x, y):
+        import backpack
+        from cockpit import Cockpit, quantities
+        from cockpit.utils.configuration import configuration
+
+        model = backpack.extend(model)
+        loss_fn = backpack.extend(nn.CrossEntropyLoss())
+        loss_none = nn.CrossEntropyLoss(reduction="none")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        from cockpit.utils.schedules import linear
+
+        every_step = linear(1)
+        if what == "economy":
+            qs = configuration("economy", track_schedule=every_step)
+        else:
+            qs = [getattr(quantities, what)(track_schedule=every_step)]
+        cp = Cockpit(model.parameters(), quantities=qs)
+        state = {"i": 0}
+
+        def step():
+            out = model(x)
+            loss = loss_fn(out, y)
+            losses = loss_none(out, y)
+            i = state["i"]
+            with cp(i, info={"batch_size": x.shape[0], "individual_losses": losses, "loss": loss, "optimizer": opt}):
+                loss.backward(create_graph=cp.create_graph(i))
+            opt.step()
+            opt.zero_grad()
+            state["i"] += 1
+
+        return step, lambda: None
+
+    return build
+
+
+def has_cockpit() -> bool:
+    try:
+        import cockpit  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+ECONOMY = 'cockpit "economy"'
+NORMS = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
+
+
+def configs(cockpit: bool):
+    rows = [
+        ("gradlens untracked window", lens_step(NORMS, every=lambda s: False)),
+        ("gradlens (a) norms: BatchL2+SGS+GradNorm+NormTest+NoiseScale", lens_step(NORMS)),
+        ("gradlens (b) GradHist1d", lens_step(lambda: [GradHist1d()])),
+        ("gradlens (c) GradHist2d", lens_step(lambda: [GradHist2d()])),
+        ("gradlens (b+c) GradHist1d + GradHist2d", lens_step(lambda: [GradHist1d(), GradHist2d()])),
+        ("BackPACK BatchL2Grad", backpack_step("BatchL2Grad")),
+        ("BackPACK SumGradSquared", backpack_step("SumGradSquared")),
+        ("BackPACK BatchGrad", backpack_step("BatchGrad")),
+    ]
+    if cockpit:
+        rows += [
+            ("cockpit GradHist1d", cockpit_step("GradHist1d")),
+            ("cockpit GradHist2d", cockpit_step("GradHist2d")),
+            (ECONOMY, cockpit_step("economy")),
+        ]
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--models", default="mlp,cnn")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cockpit = has_cockpit()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}; "
+          f"cockpit {'installed' if cockpit else 'not installed (pip install -e .[bench])'}")
+    results = {}
+    for key in args.models.split(","):
+        title, make, shape, batch = MODELS[key]
+        torch.manual_seed(0)
+        base = make().to(dev)
+        x = torch.randn(batch, *shape, device=dev)
+        y = torch.randint(0, 10, (batch,), device=dev)
+
+        def timed(build, steps):
+            step, close = build(copy.deepcopy(base), x, y)
+            try:
+                return median_ms(lambda: (step(), sync()), steps)
+            finally:
+                close()
+
+        plain = timed(plain_step, args.steps)
+        rows = [("plain step", plain)]
+        for name, build in configs(cockpit):
+            slow = "cockpit" in name or name == "BackPACK BatchGrad"
+            rows.append((name, timed(build, max(3, args.steps // 4) if slow else args.steps)))
+        plain2 = timed(plain_step, args.steps)
+        plain = min(plain, plain2)
+        results[key] = rows
+        print(f"\n## {title}  (plain step {plain:.2f} ms; re-measured {plain2:.2f} ms)")
+        print(f"| {'configuration':<62} | {'ms/step':>9} | {'x plain':>8} |")
+        print(f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|")
+        for name, ms in rows:
+            print(f"| {name:<62} | {ms:9.2f} | {ms / plain:7.2f}x |")
+        by = dict(rows)
+        if cockpit:
+            norms = by["gradlens (a) norms: BatchL2+SGS+GradNorm+NormTest+NoiseScale"]
+            print(
+                f"\ngradlens vs cockpit: GradHist1d "
+                f"{by['cockpit GradHist1d'] / by['gradlens (b) GradHist1d']:.1f}x faster, GradHist2d "
+                f"{by['cockpit GradHist2d'] / by['gradlens (c) GradHist2d']:.1f}x faster; "
+                f"norm set vs cockpit economy {by[ECONOMY] / norms:.1f}x faster"
+            )
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Exact 1D histograms of rank-one per-sample gradients without materialising them.
+
+For a Linear layer without a sequence axis, g_n = delta_n a_n^T: row i of sample n holds the
+values delta_ni * a_nj over j. Rounding is monotone, so with a_n sorted, the products of one row
+are sorted too (reversed when delta_ni < 0), and so is their bin
+``floor((x - lo) * bins / (hi - lo))``. A row that spans the bins f..l therefore needs only
+l - f binary searches over j (each evaluating the very same float products the materialised path
+would bin), instead of touching all d_in elements. Most rows span one or two bins, so the cost
+drops from O(B d_out d_in) to about O(B d_out log d_in); rows that span many bins make the caller
+fall back to the materialised path (see :func:`outer_hist1d`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["bin_of", "outer_hist1d"]
+
+
+def bin_of(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
+    """int64 bins, ``floor((x - lo) * bins / (hi - lo))`` clamped to ``[0, bins - 1]`` — the
+    arithmetic of ``torch.histc`` and of the documented rule."""
+    return torch.floor((x - lo) * bins / (hi - lo)).clamp_(0, bins - 1).long()
+
+
+def _first_false(pred, rows: Tensor, width: int, steps: int, start: Tensor | None = None) -> Tensor:
+    """For each row, the first rank j in [0, width] where the monotone ``pred(rows, j)`` is False."""
+    lo_j = torch.zeros_like(rows) if start is None else start
+    hi_j = torch.full_like(rows, width)
+    for _ in range(steps):
+        mid = (lo_j + hi_j) // 2
+        true = pred(rows, mid.clamp(max=width - 1)) & (mid < width)
+        lo_j = torch.where(true, mid + 1, lo_j)
+        hi_j = torch.where(true, hi_j, mid)
+    return lo_j
+
+
+def outer_hist1d(
+    delta: Tensor, a: Tensor, lo: float, hi: float, bins: int, max_cost: float = 0.125
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Histogram of every product ``delta[n, i] * a[n, j]``.
+
+    Args:
+        delta: ``[B, O]`` per-sample output gradients (finite).
+        a: ``[B, I]`` layer inputs (finite).
+        lo, hi, bins: the histogram (clamping rule of :class:`~gradlens.records.Hist1d`).
+        max_cost: give up (return None) when the searches would touch more than this fraction
+            of the ``B * O * I`` elements; the caller then materialises.
+
+    Returns:
+        ``(counts [bins] int64 with the clamped values included, low, high)`` (0-d int64), or None.
+    """
+    b, o = delta.shape
+    width = a.shape[1]
+    asc = a.sort(dim=1).values  # [B, I]
+    d = delta.reshape(-1)  # row r = n * O + i
+    sample = torch.arange(b, device=d.device).repeat_interleave(o)
+    neg = d < 0
+    top = width - 1
+
+    def value(rows: Tensor, j: Tensor) -> Tensor:  # rank j of row's ascending products
+        return d[rows] * asc[sample[rows], torch.where(neg[rows], top - j, j)]
+
+    rows_all = torch.arange(d.numel(), device=d.device)
+    v_first = value(rows_all, torch.zeros_like(rows_all))
+    v_last = value(rows_all, torch.full_like(rows_all, top))
+    f, l = bin_of(v_first, lo, hi, bins), bin_of(v_last, lo, hi, bins)
+    span = l - f
+    steps = max(1, math.ceil(math.log2(width + 1)))
+    pairs = int(span.sum())
+    if pairs * steps > max_cost * d.numel() * width:
+        return None
+    counts = torch.bincount(l, minlength=bins) * width
+    if pairs:
+        rows = torch.repeat_interleave(rows_all, span)
+        first = torch.cumsum(span, 0) - span
+        k = f[rows] + 1 + (torch.arange(pairs, device=d.device) - first[rows])
+        pos = _first_false(lambda r, j: bin_of(value(r, j), lo, hi, bins) < k, rows, width, steps)
+        counts.index_add_(0, k - 1, pos)
+        counts.index_add_(0, k, -pos)
+    low = torch.zeros((), dtype=torch.int64)
+    rows = (v_first < lo).nonzero().squeeze(1)
+    if rows.numel():
+        low = _first_false(lambda r, j: value(r, j) < lo, rows, width, steps).sum()
+    high = torch.zeros((), dtype=torch.int64)
+    rows = (v_last > hi).nonzero().squeeze(1)
+    if rows.numel():
+        high = (width - _first_false(lambda r, j: value(r, j) <= hi, rows, width, steps)).sum()
+    return counts, low, high
