@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.instruments.outer_hist import outer_hist1d
+from gradlens.instruments.outer_hist import bin_of, outer_hist1d, row_extremes
 from gradlens.records import Hist1d, Hist2d
 
 __all__ = ["GradHist1d", "GradHist2d"]
@@ -59,9 +59,8 @@ def _edges(lo: float, hi: float, bins: int) -> Tensor:
 
 
 def _bin_index(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
-    """int64 bin of every element (floor formula, clamped)."""
-    idx = (x - lo).mul_(bins / (hi - lo)).floor_()
-    return idx.nan_to_num_(bins).clamp_(0, bins - 1).long()
+    """int64 bin of every element (the documented floor rule, clamped; NaN -> last bin)."""
+    return bin_of(x, lo, hi, bins)
 
 
 def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[float, float]:
@@ -204,6 +203,7 @@ class GradHist2d(Instrument):
         self.grad_range = _check_range(gr, "range[1] (gradient range)")
         self.adapt = _check_adapt(adapt)
         self._window_cache: dict[str, tuple[Tensor, int, float, float]] = {}
+        self._row_cache: dict[str, Tensor] = {}
 
     def __repr__(self) -> str:
         return (
@@ -221,7 +221,7 @@ class GradHist2d(Instrument):
         if cached is None:
             theta = param.detach()
             lo, hi = state.prange
-            off = _bin_index(theta.clone(), lo, hi, self.bins[0]).mul_(self.bins[1])
+            off = _bin_index(theta, lo, hi, self.bins[0]).mul_(self.bins[1])
             n_out = int(((theta < lo) | (theta > hi) | theta.isnan()).sum())
             mn, mx = (float(v) for v in torch.aminmax(theta)) if self.adapt else (math.inf, -math.inf)
             cached = self._window_cache[name] = (off, n_out, mn, mx)
@@ -232,12 +232,54 @@ class GradHist2d(Instrument):
         off = self._offsets(state, name, param)
         lo, hi = state.grange
         gbins = self.bins[1]
-        idx = _bin_index(x.clone(), lo, hi, gbins).add_(off)
+        idx = _bin_index(x, lo, hi, gbins).add_(off)
         state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel()).cpu()
         state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum().cpu()
         if self.adapt is not None:
             mn, mx = torch.aminmax(x)
             state.gmn, state.gmx = min(state.gmn, float(mn)), max(state.gmx, float(mx))
+
+    def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
+        """Rank-one layers (``delta [B, O]``, ``a [B, I]``): a row (n, i) whose products all lie
+        in one in-range gradient bin adds row i's parameter-bin counts to that column (one small
+        matmul for all such rows); the other rows are binned element by element."""
+        pbins, gbins = self.bins
+        lo, hi = state.grange
+        o, width = param.shape
+        off = self._offsets(state, name, param)  # [O, I] p_bin * G
+        row_counts = self._row_counts(name, off)  # [O, P]
+        vmin, vmax = row_extremes(delta, a)
+        first, last = bin_of(vmin, lo, hi, gbins), bin_of(vmax, lo, hi, gbins)
+        single = (first == last) & (vmin >= lo) & (vmax <= hi)
+        rows = torch.arange(delta.numel(), device=delta.device)
+        row_i = rows % o
+        s_rows = rows[single]
+        per_col = torch.bincount(row_i[s_rows] * gbins + first[s_rows], minlength=o * gbins)
+        joint = row_counts.t().double() @ per_col.view(o, gbins).double()  # [P, G], exact ints
+        state.counts += joint.round().long().view(-1).cpu()
+        multi = rows[~single]
+        step = max(1, (1 << 20) // max(width, 1))
+        for c in multi.split(step):
+            x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
+            idx = _bin_index(x, lo, hi, gbins).add_(off[c % o])
+            state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel()).cpu()
+            state.clamped_grad += ((x < lo) | (x > hi)).sum().cpu()
+        if self.adapt is not None:
+            state.gmn = min(state.gmn, float(vmin.min()))
+            state.gmx = max(state.gmx, float(vmax.max()))
+        return True
+
+    def _row_counts(self, name: str, off: Tensor) -> Tensor:
+        """``[O, P]`` parameter-bin counts of each row of a 2-D parameter (cached per window)."""
+        key = name + "#rows"
+        cached = self._row_cache.get(key)
+        if cached is None:
+            o = off.shape[0]
+            pbins, gbins = self.bins
+            pb = off // gbins
+            ids = torch.arange(o, device=off.device)[:, None] * pbins + pb
+            cached = self._row_cache[key] = torch.bincount(ids.view(-1), minlength=o * pbins).view(o, pbins)
+        return cached
 
     def merge(self, a: _Hist2dState, b: _Hist2dState) -> _Hist2dState:
         return _Hist2dState(
@@ -259,5 +301,6 @@ class GradHist2d(Instrument):
         pmn = min((c[2] for c in self._window_cache.values()), default=math.inf)
         pmx = max((c[3] for c in self._window_cache.values()), default=-math.inf)
         self._window_cache = {}
+        self._row_cache = {}
         self.param_range = _adapted(self.param_range, pmn, pmx, self.adapt)
         self.grad_range = _adapted(self.grad_range, state.gmn, state.gmx, self.adapt)

@@ -17,13 +17,23 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["bin_of", "outer_hist1d"]
+__all__ = ["bin_of", "outer_hist1d", "row_extremes"]
+
+
+def row_extremes(delta: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """``[B * O]`` min and max over j of delta[n, i] * a[n, j] (the same float products)."""
+    amin, amax = a.amin(1, keepdim=True), a.amax(1, keepdim=True)
+    pos = delta >= 0
+    vmin = torch.where(pos, delta * amin, delta * amax).reshape(-1)
+    vmax = torch.where(pos, delta * amax, delta * amin).reshape(-1)
+    return vmin, vmax
 
 
 def bin_of(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
     """int64 bins, ``floor((x - lo) * bins / (hi - lo))`` clamped to ``[0, bins - 1]`` — the
     arithmetic of ``torch.histc`` and of the documented rule."""
-    return torch.floor((x - lo) * bins / (hi - lo)).clamp_(0, bins - 1).long()
+    idx = torch.floor((x - lo) * bins / (hi - lo))
+    return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).long()
 
 
 def _first_false(pred, rows: Tensor, width: int, steps: int, start: Tensor | None = None) -> Tensor:
