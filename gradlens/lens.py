@@ -367,7 +367,7 @@ class Lens:
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
         # per-sample pass when one runs anyway, else from the kernel's own reduction.
         from_chunks = set()
-        if per_sample and not getattr(kernel, "factored", False):
+        if not getattr(kernel, "factored", False):  # one materialising pass serves them all
             from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
         if "batch_l2" in needs and "batch_l2" not in from_chunks:
             l2 = kernel.batch_l2(module, a, delta)
@@ -382,7 +382,7 @@ class Lens:
                     stats.grad_sum[w.params[attr]] = v
         for inst in self._layer_insts:
             inst.update_layer(micro.states[id(inst)], w, a, delta)
-        if not per_sample:
+        if not (per_sample or from_chunks):
             return
         # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
         done: set[tuple[int, str]] = set()
