@@ -77,6 +77,8 @@ class Lens:
     Attributes:
         records: the records so far (if ``keep_records``).
         step: index of the current window (number of windows closed so far).
+        skipped_windows: windows a :class:`~gradlens.GradientAccumulateOptimizer` ended without
+            an update (their statistics are dropped; no record).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class Lens:
         self.chunk_elements = chunk_elements
         self.records: list[Record] = []
         self.step = 0
+        self.skipped_windows = 0
 
         exclude = model_exclusions(model) + tuple(exclude)
         self.watched: list[WatchedModule] = watched_modules(model, exclude)
@@ -162,6 +165,8 @@ class Lens:
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._on_pre_step))
             self._hooks.append(optimizer.register_step_post_hook(self._on_step))
+            if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
+                self._hooks.append(optimizer.register_window_end_hook(self._on_window_end))
         self._micro: _MicroStep | None = None
         self._pending: tuple[Record, dict[int, Any]] | None = None
         self._window: WindowStats | None = None
@@ -228,6 +233,14 @@ class Lens:
         self.step += 1
         self._open_window()
         return record
+
+    def _on_window_end(self, optimizer, updated: bool) -> None:
+        """A window the optimizer ended without an update (GradScaler inf/nan, ``reset()``): its
+        statistics must not leak into the next window, and there is no record of it (the
+        parameters did not move; the update index stays the same)."""
+        if not updated:
+            self.skipped_windows += 1
+            self._open_window()
 
     def _settle_pending(self, reason: str | None) -> None:
         """Complete the pending record from the window now closing (``reason is None``) or

@@ -220,3 +220,35 @@ def test_close_restores_model_and_refuses_use():
     with pytest.raises(RuntimeError, match="closed"):
         with lens.capture():
             pass
+
+
+def test_skipped_window_is_dropped_not_merged():
+    """A window the accumulating optimizer skips (GradScaler inf) leaves no trace in the next."""
+    from gradlens import GradientAccumulateOptimizer
+
+    torch.manual_seed(0)
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 4)))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    lens = Lens(model, [BatchL2()], optimizer=opt)
+    for _ in range(2):
+        loss = loss_fn(model(X), Y)
+        with lens.capture():
+            loss.backward()
+        opt.step(num_samples=6)
+        opt.zero_grad()
+    assert len(lens.records) == 1 and lens.records[0].num_samples == 12
+    loss = loss_fn(model(X), Y)
+    with lens.capture():
+        loss.backward()
+    opt.step(num_samples=6)  # first micro-step of a window ...
+    opt.reset()  # ... dropped (what a GradScaler skip does too)
+    assert lens.skipped_windows == 1
+    for _ in range(2):
+        loss = loss_fn(model(X), Y)
+        with lens.capture():
+            loss.backward()
+        opt.step(num_samples=6)
+        opt.zero_grad()
+    assert [r.num_samples for r in lens.records] == [12, 12]
+    assert [r.step for r in lens.records] == [0, 1]
