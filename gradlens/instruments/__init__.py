@@ -1,6 +1,7 @@
 """Instruments: what gradlens measures. Each sets a record key (``record[key]``)."""
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.dots import Alpha, BatchDot, InnerTest, OrthoTest
 from gradlens.instruments.hist import GradHist1d, GradHist2d
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared
 from gradlens.instruments.tests import MeanGSNR, NoiseScale, NormTest
@@ -16,4 +17,8 @@ __all__ = [
     "NormTest",
     "MeanGSNR",
     "NoiseScale",
+    "BatchDot",
+    "Alpha",
+    "InnerTest",
+    "OrthoTest",
 ]

@@ -1,0 +1,211 @@
+"""Step-time ratios of the cross-micro-step instruments (BatchDot, Alpha, InnerTest, OrthoTest)
+vs a plain training step, exact and sketch mode, beside cockpit-for-pytorch's InnerTest,
+OrthoTest and Alpha.
+
+Run:  python benchmarks/bench_dots.py [--steps 15] [--models mlp,cnn] [--k 256]
+
+One "step" is one window: K micro-steps (forward, backward) and one SGD update, zero_grad.
+"plain" is the same window with nothing attached; every ratio is to the plain window of the
+same model in the same process (median over ``--steps`` timed windows after warm-up, timed in
+interleaved rounds so that load from other processes affects every row alike).
+gradlens rows run with accumulation by hand, like the plain window (MLP: batch 128 as K = 4
+micro-steps of 32; CNN: batch 64 as K = 2 micro-steps of 32), and pass per-sample losses to
+``lens.capture(losses=...)``.
+cockpit cannot accumulate: its rows run the whole batch as one micro-step (K = 1), on plain SGD
+(the only optimizer for which its Alpha is right), and are skipped with a note when cockpit is
+not importable.
+
+Target (issue 4): BatchDot + Alpha + InnerTest + OrthoTest in exact mode <= 3x a plain step on
+the MLP at batch 128, K = 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
+
+warnings.filterwarnings("ignore")
+
+
+def mlp():
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )
+
+
+# name -> (description, constructor, input shape, batch N, micro-steps K)
+MODELS = {
+    "mlp": ("MLP 784-512-512-10, batch 128 = 4 x 32", mlp, (1, 28, 28), 128, 4),
+    "cnn": ("CNN conv 3-32-64 + pools, linear 4096-10, batch 64 = 2 x 32", cnn, (3, 32, 32), 64, 2),
+}
+
+
+def interleaved_ms(steps: dict, rounds: int, warmup: int = 3) -> dict:
+    """Median ms per window of each step function, timed in interleaved rounds (one window of
+    every configuration per round) so that load from other processes hits all rows alike."""
+    for st in steps.values():
+        for _ in range(warmup):
+            st()
+    times = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, st in steps.items():
+            t0 = time.perf_counter()
+            st()
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def plain_window(model, x, y, k):
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xs, ys = x.chunk(k), y.chunk(k)
+
+    def step():
+        for xb, yb in zip(xs, ys):
+            (loss_fn(model(xb), yb) * (len(xb) / len(x))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, lambda: None
+
+
+def lens_window(instruments):
+    def build(model, x, y, k):
+        model = gradlens.extend(model)
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        # hand accumulation as in the plain window (equal micro-batches: the summed micro-batch
+        # means are K times the window mean, absorbed in lr), so rows differ only by gradlens
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3 / k)
+        lens = Lens(model, instruments(), optimizer=opt, keep_records=False)
+        xs, ys = x.chunk(k), y.chunk(k)
+
+        def step():
+            for xb, yb in zip(xs, ys):
+                out = model(xb)
+                loss = loss_fn(out, yb)
+                with lens.capture(losses=F.cross_entropy(out.detach(), yb, reduction="none")):
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step, lens.close
+
+    return build
+
+
+def cockpit_window(names):
+    def build(model, x, y, k):
+        import backpack
+        from cockpit import Cockpit, quantities
+        from cockpit.utils.schedules import linear
+
+        model = backpack.extend(model)
+        loss_fn = backpack.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        qs = [getattr(quantities, n)(track_schedule=linear(1)) for n in names]
+        cp = Cockpit(model.parameters(), quantities=qs)
+        state = {"i": 0}
+
+        def step():
+            out = model(x)
+            loss = loss_fn(out, y)
+            losses = F.cross_entropy(out, y, reduction="none")
+            i = state["i"]
+            info = {"batch_size": len(x), "individual_losses": losses, "loss": loss, "optimizer": opt}
+            with cp(i, info=info):
+                loss.backward(create_graph=cp.create_graph(i))
+            opt.step()
+            opt.zero_grad()
+            state["i"] += 1
+
+        return step, lambda: None
+
+    return build
+
+
+def has_cockpit() -> bool:
+    try:
+        import cockpit  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def configs(k_sketch: int, cockpit: bool):
+    ALL = (BatchDot, Alpha, InnerTest, OrthoTest)
+    rows = [
+        ("gradlens BatchDot exact", lens_window(lambda: [BatchDot()])),
+        ("gradlens Alpha exact", lens_window(lambda: [Alpha()])),
+        ("gradlens InnerTest + OrthoTest exact", lens_window(lambda: [InnerTest(), OrthoTest()])),
+        ("gradlens all four exact (target <= 3x on MLP)", lens_window(lambda: [c() for c in ALL])),
+        (f"gradlens BatchDot sketch k={k_sketch}", lens_window(lambda: [BatchDot("sketch", k=k_sketch)])),
+        (f"gradlens Alpha sketch k={k_sketch}", lens_window(lambda: [Alpha("sketch", k=k_sketch)])),
+        (f"gradlens all four sketch k={k_sketch}",
+         lens_window(lambda: [c("sketch", k=k_sketch) for c in ALL])),
+    ]
+    if cockpit:
+        rows += [
+            ("cockpit InnerTest (K=1)", cockpit_window(["InnerTest"])),
+            ("cockpit OrthoTest (K=1)", cockpit_window(["OrthoTest"])),
+            ("cockpit Alpha (K=1, SGD)", cockpit_window(["Alpha"])),
+            ("cockpit InnerTest + OrthoTest + Alpha (K=1)",
+             cockpit_window(["InnerTest", "OrthoTest", "Alpha"])),
+        ]
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--models", default="mlp,cnn")
+    p.add_argument("--k", type=int, default=256, help="sketch dimension")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cockpit = has_cockpit()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.steps} windows")
+    if not cockpit:
+        print("note: cockpit-for-pytorch not importable: its rows are skipped")
+    for name in args.models.split(","):
+        desc, make, shape, n, k = MODELS[name]
+        torch.manual_seed(0)
+        base = make()
+        x, y = torch.randn(n, *shape), torch.randint(0, 10, (n,))
+
+        def fresh():
+            m = make()
+            m.load_state_dict(base.state_dict())
+            return m
+
+        rows = [("plain (K micro-steps + SGD update)", plain_window)] + configs(args.k, cockpit)
+        built = {label: build(fresh(), x, y, k) for label, build in rows}
+        ms = interleaved_ms({label: b[0] for label, b in built.items()}, args.steps)
+        for _, close in built.values():
+            close()
+        plain = ms[rows[0][0]]
+        print(f"\n{desc}\n{'configuration':<52} {'ms/window':>10} {'x plain':>8}")
+        for label, _ in rows:
+            print(f"{label:<52} {ms[label]:>10.2f} {ms[label] / plain:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""Cross-micro-step instruments (BatchDot, Alpha and the search-direction projections, InnerTest,
+OrthoTest) == float64 torch.func oracle == the K = 1 record, for any optimizer and accumulation;
+sketch mode is unbiased within its documented error bound; budgets and missing alphas say why."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
+from oracle import MODELS, SPLITS, flat, make_problem, per_sample_grads
+
+try:
+    from gradlens.accumulate import GradientAccumulateOptimizer
+except Exception:  # pragma: no cover - accumulate.py is optional here
+    GradientAccumulateOptimizer = None
+
+RTOL = 1e-10
+KEYS = ("batch_dot", "inner_test", "ortho_test")
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.3),
+    "momentum": lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.05),
+}
+
+
+def _close(a, b, rtol=RTOL):
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+        rtol=rtol, atol=1e-13,
+    )
+
+
+def _instruments(**kw):
+    return [BatchDot(**kw), Alpha(**kw), InnerTest(**kw), OrthoTest(**kw)]
+
+
+def _accum_ok() -> bool:
+    if GradientAccumulateOptimizer is None:
+        return False
+    try:
+        p = nn.Parameter(torch.zeros(2))
+        GradientAccumulateOptimizer(torch.optim.SGD([p], lr=0.1), accum_steps=2)
+        return True
+    except Exception:
+        return False
+
+
+def run_windows(model0, windows, split, reduction, opt_name, via, instruments):
+    """Two (or more) windows of data through a Lens; returns (lens, [theta_0, theta_1, ...]).
+
+    ``via="plain"``: a torch optimizer, accumulating the window gradient by hand;
+    ``via="accum"``: GradientAccumulateOptimizer.
+    """
+    model = gradlens.extend(copy.deepcopy(model0))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    inner = OPTIMIZERS[opt_name](model.parameters())
+    opt = (
+        GradientAccumulateOptimizer(inner, accum_steps=len(split), reduction=reduction)
+        if via == "accum" else inner
+    )
+    lens = Lens(model, instruments, optimizer=opt)
+    thetas = [copy.deepcopy(model0)]
+    for x, y in windows:
+        acc = None
+        for xb, yb in zip(x.split(split), y.split(split)):
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
+                loss.backward()
+            if via == "accum":
+                opt.step(num_samples=len(xb))
+            else:
+                w = len(xb) if reduction == "mean" else 1
+                grads = [p.grad * w for p in model.parameters()]
+                acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+            opt.zero_grad()
+        if via == "plain":
+            n = len(x) if reduction == "mean" else 1
+            for p, a in zip(model.parameters(), acc):
+                p.grad = a / n
+            opt.step()
+            opt.zero_grad()
+        theta = copy.deepcopy(model0)
+        theta.load_state_dict(model.state_dict())
+        thetas.append(theta)
+    lens.close()
+    return lens, thetas
+
+
+def oracle_alpha(step: torch.Tensor, f, df, var_f, var_df) -> float:
+    """Alpha from a weighted least-squares quadratic along s in [0, 1] (theta_t + s d), solved
+    with numpy lstsq on sqrt-weighted rows (independent of gradlens' parametrisation)."""
+    phi = np.array([[1, 0, 0], [1, 1, 1], [0, 1, 0], [0, 1, 2]], dtype=np.float64)
+    y = np.array([*f, *df], dtype=np.float64)
+    sw = 1 / np.sqrt(np.array([*var_f, *var_df], dtype=np.float64))
+    mu = np.linalg.lstsq(phi * sw[:, None], y * sw, rcond=None)[0]
+    if mu[2] <= 0:
+        return -1.0
+    s_min = -mu[1] / (2 * mu[2])
+    return 1.0 / s_min - 1.0
+
+
+def oracle_window(thetas, windows, t: int):
+    """Oracle values of window t (needs window t + 1 for the end point)."""
+    (x0, y0), (x1, y1) = windows[t], windows[t + 1]
+    G0 = flat(per_sample_grads(thetas[t], x0, y0))
+    G1 = flat(per_sample_grads(thetas[t + 1], x1, y1))
+    n = G0.shape[0]
+    d = torch.cat([
+        (b.detach() - a.detach()).flatten()
+        for a, b in zip(thetas[t].parameters(), thetas[t + 1].parameters())
+    ])
+    mean = G0.mean(0)
+    g2 = mean.square().sum()
+    p = G0 @ mean
+    orth = G0 - (p / g2)[:, None] * mean[None, :]
+    with torch.no_grad():
+        l0 = F.cross_entropy(thetas[t](x0), y0, reduction="none")
+        l1 = F.cross_entropy(thetas[t + 1](x1), y1, reduction="none")
+    sq = d.dot(d)
+    ps, pe = G0 @ d, G1 @ d
+    return {
+        "batch_dot": G0 @ G0.T,
+        "inner_test": (p.var() / n).sqrt() / g2,
+        "ortho_test": (orth.square().sum() / (n - 1) / (n * g2)).sqrt(),
+        "start": ps / sq,
+        "end": pe / sq,
+        "update_sq_norm": sq,
+        "alpha": oracle_alpha(
+            sq, (l0.mean(), l1.mean()), (ps.mean(), pe.mean()),
+            (l0.var() / len(l0), l1.var() / len(l1)), (ps.var() / n, pe.var() / len(pe)),
+        ),
+    }
+
+
+def _problem(name):
+    model, x0, y0 = make_problem(MODELS[name], seed=0)
+    _, x1, y1 = make_problem(MODELS[name], seed=1)
+    return model, [(x0, y0), (x1, y1)]
+
+
+VIAS = ["plain", pytest.param("accum", marks=pytest.mark.skipif(
+    not _accum_ok(), reason="gradlens.accumulate.GradientAccumulateOptimizer not usable"))]
+
+_K1_CACHE: dict = {}
+
+
+@pytest.mark.parametrize("via", VIAS)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_exact_matches_oracle_and_single_batch(name, reduction, split, opt_name, via):
+    model, windows = _problem(name)
+    sizes = SPLITS[split]
+    lens, thetas = run_windows(model, windows, sizes, reduction, opt_name, via, _instruments())
+    rec, last = lens.records
+    assert rec.micro_steps == len(sizes) and rec.num_samples == sum(sizes)
+    for key in ("batch_dot", "inner_test", "ortho_test", "alpha"):
+        assert rec.meta[key] == "exact"
+    assert rec.meta["search_dir_projections"] == "start: exact, end: exact"
+    o = oracle_window(thetas, windows, 0)
+    for key in KEYS:
+        _close(rec[key], o[key])
+    sp = rec["search_dir_projections"]
+    for key in ("start", "end", "update_sq_norm"):
+        _close(sp[key], o[key])
+    assert rec["alpha"] is not None and math.isfinite(rec["alpha"])
+    _close(rec["alpha"], o["alpha"], rtol=1e-7)
+    # the last window has no successor: no alpha, and the record says why
+    assert last["alpha"] is None and "closed" in last.meta["alpha"]
+    o1 = flat(per_sample_grads(thetas[1], *windows[1]))
+    _close(last["batch_dot"], o1 @ o1.T)
+    # K micro-steps report what one batch of N reports
+    key = (name, reduction, opt_name, via)
+    if key not in _K1_CACHE:
+        _K1_CACHE[key] = run_windows(model, windows, [12], reduction, opt_name, via, _instruments())[0]
+    ref = _K1_CACHE[key].records[0]
+    for k in KEYS + ("alpha",):
+        _close(rec[k], ref[k], rtol=1e-8 if k == "alpha" else RTOL)
+    for k in ("start", "end", "update_sq_norm"):
+        _close(sp[k], ref["search_dir_projections"][k])
+
+
+def test_sequence_linear_uses_tgram_and_matches_oracle():
+    """Linear layers on [B, T, d] inputs: the T x T Gram path (small T) and the materialising
+    path (large T), and their projections."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2), nn.Flatten(), nn.Linear(14, 4)
+    ).double()
+    x0, x1 = torch.randn(9, 7, 4, dtype=torch.float64), torch.randn(9, 7, 4, dtype=torch.float64)
+    y0, y1 = torch.randint(0, 4, (9,)), torch.randint(0, 4, (9,))
+    windows = [(x0, y0), (x1, y1)]
+    lens, thetas = run_windows(model, windows, [4, 5], "mean", "momentum", "plain", _instruments())
+    o = oracle_window(thetas, windows, 0)
+    rec = lens.records[0]
+    for key in KEYS:
+        _close(rec[key], o[key])
+    _close(rec["search_dir_projections"]["start"], o["start"])
+    _close(rec["alpha"], o["alpha"], rtol=1e-7)
+
+
+# ------------------------------------------------------------------------------ sketch mode
+SEEDS = range(24)
+
+
+@pytest.fixture(scope="module")
+def sketch_runs():
+    model, windows = _problem("cnn")
+    runs = []
+    for seed in SEEDS:
+        insts = [BatchDot(mode="sketch", k=64, seed=seed), Alpha(mode="sketch", k=64, seed=seed)]
+        lens, thetas = run_windows(model, windows, [5, 1, 6], "mean", "momentum", "plain", insts)
+        runs.append(lens.records[0])
+    return runs, oracle_window(thetas, windows, 0), thetas, windows
+
+
+def test_sketch_is_unbiased_within_documented_bound(sketch_runs):
+    """Over 24 seeds: the mean error of every Gram entry is within 5 standard errors of 0 and the
+    observed variance stays within the documented bound Var <= 8 ||g_n||^2 ||g_m||^2 / k."""
+    runs, o, _, _ = sketch_runs
+    k = 64
+    assert all(r.meta["batch_dot"] == f"sketch(k={k})" for r in runs)
+    est = torch.stack([r["batch_dot"] for r in runs])  # [S, N, N]
+    exact = o["batch_dot"]
+    norms = exact.diagonal()
+    bound_var = 8 * norms[:, None] * norms[None, :] / k
+    err = est - exact
+    s = est.shape[0]
+    z = err.mean(0) / (bound_var / s).sqrt()
+    assert z.abs().max() < 5, float(z.abs().max())
+    ratio = err.var(0) / bound_var
+    assert float(ratio.mean()) < 1.0 and float(ratio.max()) < 3.0, (float(ratio.mean()), float(ratio.max()))
+    assert float(err.abs().max()) > 0  # it really is an estimate
+
+
+def test_sketch_projections_unbiased_and_end_exact(sketch_runs):
+    runs, o, thetas, windows = sketch_runs
+    k = 64
+    sq = o["update_sq_norm"]
+    G0 = flat(per_sample_grads(thetas[0], *windows[0]))
+    start = torch.stack([r["search_dir_projections"]["start"] for r in runs]) * sq  # d . g_n
+    bound_var = 8 * sq * G0.square().sum(1) / k
+    err = start - o["start"] * sq
+    z = err.mean(0) / (bound_var / len(runs)).sqrt()
+    assert z.abs().max() < 5
+    assert float((err.var(0) / bound_var).mean()) < 1.0
+    for r in runs:
+        assert r.meta["search_dir_projections"] == f"start: sketch(k={k}), end: exact"
+        assert r.meta["alpha"] == f"sketch(k={k})"
+        _close(r["search_dir_projections"]["end"], o["end"])  # end point is always exact
+        _close(r["search_dir_projections"]["update_sq_norm"], sq)
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_bn_eval"])
+def test_sketch_inner_and_ortho_run_and_are_close(name):
+    model, windows = _problem(name)
+    insts = [InnerTest(mode="sketch", k=4096), OrthoTest(mode="sketch", k=4096), BatchDot()]
+    lens, thetas = run_windows(model, windows[:1], [6, 6], "sum", "sgd", "plain", insts)
+    rec = lens.records[0]
+    assert rec.meta["inner_test"] == "sketch(k=4096)"
+    G = flat(per_sample_grads(thetas[0], *windows[0]))
+    mean = G.mean(0)
+    p = G @ mean
+    inner = float((p.var() / 12).sqrt() / mean.square().sum())
+    assert rec["inner_test"] == pytest.approx(inner, rel=0.5)
+    assert math.isfinite(rec["ortho_test"])
+
+
+# ------------------------------------------------------------------------------ budgets, errors
+def test_budget_exceeded_raises_and_names_sketch_mode():
+    model, windows = _problem("mlp")
+    with pytest.raises(RuntimeError, match=r"max_bytes=1000.*mode='sketch'"):
+        run_windows(model, windows[:1], [6, 6], "mean", "sgd", "plain", [BatchDot(max_bytes=1000)])
+    # the same window fits a larger budget
+    run_windows(model, windows[:1], [6, 6], "mean", "sgd", "plain", [BatchDot(max_bytes=1 << 20)])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode must be 'exact' or 'sketch'"):
+        BatchDot(mode="fast")
+    with pytest.raises(ValueError, match="k .* positive int"):
+        Alpha(mode="sketch", k=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        InnerTest(max_bytes=-1)
+
+
+def test_wrong_losses_shape_raises():
+    model, windows = _problem("mlp")
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, [Alpha()])
+    x, y = windows[0]
+    loss = loss_fn(model(x), y)
+    with pytest.raises(ValueError, match="per-sample losses .* 12 elements"):
+        with lens.capture(losses=torch.zeros(3)):
+            loss.backward()
+
+
+def test_in_place_modification_is_refused():
+    model, windows = _problem("mlp")
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, [BatchDot()])
+    x, y = windows[0]
+    x = x.clone()
+    loss = loss_fn(model(x), y)
+    with lens.capture():
+        loss.backward()
+    x.mul_(2)  # the first layer's input, kept by reference
+    with pytest.raises(RuntimeError, match="modified in place"):
+        lens.flush()
+
+
+def _one_window_with(step_fn, instruments=None):
+    model, windows = _problem("mlp")
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, instruments or [Alpha(), BatchDot()], optimizer=opt)
+    for x, y in windows:
+        out = model(x)
+        loss = loss_fn(out, y)
+        with lens.capture(losses=F.cross_entropy(out, y, reduction="none")):
+            loss.backward()
+        step_fn(lens, opt)
+    return lens
+
+
+def test_skipped_or_zero_update_gives_no_alpha_and_says_why():
+    # parameters unchanged (a step that did not move them, e.g. skipped inside the step)
+    lens = _one_window_with(lambda lens, opt: (opt.step(), opt.zero_grad()))
+    rec = lens.records[0]
+    assert rec["alpha"] is None and "update was zero" in rec.meta["alpha"]
+    assert "search_dir_projections" not in rec
+    # the optimizer step never fired (skipped by a GradScaler): the window is closed by flush()
+    lens = _one_window_with(lambda lens, opt: lens.flush())
+    rec = lens.records[0]
+    assert rec["alpha"] is None and "no optimizer update" in rec.meta["alpha"]
+    assert rec.meta["batch_dot"] == "exact"
+
+
+def test_pending_record_goes_to_sinks_when_settled(tmp_path):
+    model, windows = _problem("mlp")
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    log = tmp_path / "log.jsonl"
+    lens = Lens(model, [Alpha()], optimizer=opt, log=log)
+    for i, (x, y) in enumerate(windows + windows[:1]):
+        out = model(x)
+        loss = loss_fn(out, y)
+        with lens.capture(losses=F.cross_entropy(out, y, reduction="none")):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert lens.records[-1].meta["alpha"].startswith("pending")
+        assert len(gradlens.load_log(log)) == i  # written once the next window closed
+    lens.flush()  # nothing captured: the pending record is written without alpha
+    recs = gradlens.load_log(log)
+    assert [r.step for r in recs] == [0, 1, 2]
+    assert all(isinstance(r["alpha"], float) for r in recs[:2])
+    assert recs[2]["alpha"] is None and "captured nothing" in recs[2].meta["alpha"]
+    lens.close()
+
+
+def test_untracked_next_window_gives_no_alpha():
+    model, windows = _problem("mlp")
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    lens = Lens(model, [Alpha()], optimizer=opt, every=2)
+    for x, y in windows * 2:
+        out = model(x)
+        loss = loss_fn(out, y)
+        with lens.capture(losses=F.cross_entropy(out, y, reduction="none")):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    lens.close()
+    assert [r.step for r in lens.records] == [0, 2]
+    for r in lens.records:
+        assert r["alpha"] is None and "not tracked" in r.meta["alpha"]
+
+
+def test_missing_losses_say_so():
+    model, windows = _problem("mlp")
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    lens = Lens(model, [Alpha()], optimizer=opt)
+    for x, y in windows:
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    rec = lens.records[0]
+    assert rec["alpha"] is None and "losses=" in rec.meta["alpha"]
+    assert "end" in rec["search_dir_projections"]  # projections do not need the losses
+
+
+# ------------------------------------------------------------------------------ cockpit
+def test_alpha_and_tests_match_cockpit_on_plain_sgd():
+    """Alpha, InnerTest and OrthoTest on plain SGD equal cockpit-for-pytorch's on the same model,
+    data and steps (runs only where cockpit is importable)."""
+    cockpit = pytest.importorskip("cockpit")
+    from backpack import extend as bp_extend
+
+    model0, windows = _problem("cnn")
+    lr = 0.3
+    # cockpit
+    cmodel = bp_extend(copy.deepcopy(model0))
+    closs = bp_extend(nn.CrossEntropyLoss())
+    copt = torch.optim.SGD(cmodel.parameters(), lr=lr)
+    qs = [
+        cockpit.quantities.Alpha(lambda s: s == 0),
+        cockpit.quantities.InnerTest(lambda s: s == 0),
+        cockpit.quantities.OrthoTest(lambda s: s == 0),
+    ]
+    ck = cockpit.Cockpit(cmodel.parameters(), quantities=qs)
+    for step, (x, y) in enumerate(windows):
+        out = cmodel(x)
+        loss = closs(out, y)
+        losses = F.cross_entropy(out, y, reduction="none")
+        info = {"batch_size": len(x), "individual_losses": losses, "loss": loss, "optimizer": copt}
+        with ck(step, info=info):
+            loss.backward(create_graph=ck.create_graph(step))
+        copt.step()
+        copt.zero_grad()
+    ck_alpha, ck_inner, ck_ortho = (q.get_output()[0] for q in qs)
+    # gradlens, with accumulation over unequal micro-steps
+    lens, _ = run_windows(model0, windows, [5, 1, 6], "mean", "sgd", "plain", _instruments())
+    rec = lens.records[0]
+    _close(rec["alpha"], ck_alpha, rtol=1e-7)
+    _close(rec["inner_test"], ck_inner, rtol=1e-8)
+    _close(rec["ortho_test"], ck_ortho, rtol=1e-8)
+
+
+def test_wide_mlp_gram_route_matches_oracle():
+    """A layer with N (d_in + d_out) < d_in d_out takes the Gram route in InnerTest/OrthoTest."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 4)).double()
+    windows = [
+        (torch.randn(12, 30, dtype=torch.float64), torch.randint(0, 4, (12,))) for _ in range(2)
+    ]
+    lens, thetas = run_windows(model, windows, [7, 5], "sum", "adam", "plain", _instruments())
+    o = oracle_window(thetas, windows, 0)
+    for key in KEYS:
+        _close(lens.records[0][key], o[key])
+
+
+def test_sketch_routes_agree():
+    """The factor route and the materialising route compute the same sketch."""
+    from gradlens.capture import watched_modules
+    from gradlens.instruments.dots import _Sketcher
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 5, 3, padding=1).double()
+    lin = nn.Linear(6, 4).double()
+    for mod, a, delta in [
+        (conv, torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, 5, 6, 6, dtype=torch.float64)),
+        (lin, torch.randn(4, 2, 6, dtype=torch.float64), torch.randn(4, 2, 4, dtype=torch.float64)),
+    ]:
+        (w,) = watched_modules(mod)
+        sk = _Sketcher(k=2, seed=1)  # small k: sketch() takes the factor route
+        factor = sk.sketch(w, a, delta)
+        dims = (mod.weight.shape[0], mod.weight[0].numel())
+        u, v = sk._pair(w, "wb", dims[0], dims[1] + 1, delta)
+        mat = sk._sketch_materialised(w, a, delta, u, v[:, :-1], v[:, -1], *dims)
+        _close(factor, mat)
+
+
+@pytest.mark.skipif(not _accum_ok(), reason="GradientAccumulateOptimizer not usable")
+def test_window_skipped_by_accumulating_optimizer_keeps_alpha_pending():
+    """A window the accumulating optimizer ends without an update (GradScaler inf, reset()) is
+    dropped by the Lens; the pending alpha then comes from the next real window, still at
+    theta_{t+1}, and equals the oracle on that window's data."""
+    model0, windows = _problem("mlp")
+    model = gradlens.extend(copy.deepcopy(model0))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), accum_steps=2)
+    lens = Lens(model, _instruments(), optimizer=opt)
+    thetas = [copy.deepcopy(model0)]
+
+    def window(x, y, skip=False):
+        for xb, yb in zip(x.split(6), y.split(6)):
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
+                loss.backward()
+            opt.step(num_samples=len(xb))
+            opt.zero_grad()
+            if skip:
+                opt.reset()  # as a GradScaler inf would: the window ends without an update
+                return
+
+    window(*windows[0])
+    theta = copy.deepcopy(model0)
+    theta.load_state_dict(model.state_dict())
+    thetas.append(theta)
+    x_bad = torch.randn(12, 12, dtype=torch.float64)
+    window(x_bad, windows[1][1], skip=True)
+    assert lens.skipped_windows == 1
+    assert lens.records[0].meta["alpha"].startswith("pending")
+    window(*windows[1])
+    lens.close()
+    assert [r.step for r in lens.records] == [0, 1]
+    o = oracle_window(thetas, windows, 0)
+    _close(lens.records[0]["alpha"], o["alpha"], rtol=1e-7)
+    _close(lens.records[0]["search_dir_projections"]["end"], o["end"])
