@@ -34,21 +34,9 @@ import gradlens
 from gradlens import Lens
 from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
 
+from _common import cnn, interleaved_ms, mlp
+
 warnings.filterwarnings("ignore")
-
-
-def mlp():
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-    )
-
-
-def cnn():
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
-    )
 
 
 # name -> (description, constructor, input shape, batch N, micro-steps K)
@@ -56,21 +44,6 @@ MODELS = {
     "mlp": ("MLP 784-512-512-10, batch 128 = 4 x 32", mlp, (1, 28, 28), 128, 4),
     "cnn": ("CNN conv 3-32-64 + pools, linear 4096-10, batch 64 = 2 x 32", cnn, (3, 32, 32), 64, 2),
 }
-
-
-def interleaved_ms(steps: dict, rounds: int, warmup: int = 3) -> dict:
-    """Median ms per window of each step function, timed in interleaved rounds (one window of
-    every configuration per round) so that load from other processes hits all rows alike."""
-    for st in steps.values():
-        for _ in range(warmup):
-            st()
-    times = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, st in steps.items():
-            t0 = time.perf_counter()
-            st()
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
 def plain_window(model, x, y, k):

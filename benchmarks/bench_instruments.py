@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/bench_instruments.py [--steps 20] [--models mlp,cnn] [--device cpu]
 
-For each model it times (median over ``--steps`` after warm-up) one training step — forward,
+For each model it times (median over ``--steps`` interleaved rounds after warm-up) one training step — forward,
 backward, SGD update, zero_grad — with nothing attached ("plain"), and with:
   (a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale,
   (b) GradHist1d, (c) GradHist2d, (b+c) both,
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 import warnings
 
 import torch
@@ -35,38 +33,15 @@ from gradlens.instruments import (
     SumGradSquared,
 )
 
+from _common import cnn, interleaved_ms, mlp
+
 warnings.filterwarnings("ignore")
-
-
-def mlp():
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-    )
-
-
-def cnn():
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
-    )
 
 
 MODELS = {
     "mlp": ("MLP 784-512-512-10, batch 128", mlp, (1, 28, 28), 128),
     "cnn": ("CNN conv 3-32-64 + pools, linear 4096-10, batch 64", cnn, (3, 32, 32), 64),
 }
-
-
-def median_ms(step, steps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def plain_step(model, x, y):
@@ -217,22 +192,22 @@ def main(argv=None):
         x = torch.randn(batch, *shape, device=dev)
         y = torch.randint(0, 10, (batch,), device=dev)
 
-        def timed(build, steps):
+        builds = [("plain step", plain_step)] + configs(cockpit)
+        steps, closers = {}, []
+        for name, build in builds:
             step, close = build(copy.deepcopy(base), x, y)
-            try:
-                return median_ms(lambda: (step(), sync()), steps)
-            finally:
-                close()
-
-        plain = timed(plain_step, args.steps)
-        rows = [("plain step", plain)]
-        for name, build in configs(cockpit):
-            slow = "cockpit" in name or name == "BackPACK BatchGrad"
-            rows.append((name, timed(build, max(3, args.steps // 4) if slow else args.steps)))
-        plain2 = timed(plain_step, args.steps)
-        plain = min(plain, plain2)
+            steps[name] = lambda step=step: (step(), sync())
+            closers.append(close)
+        slow = {n: s for n, s in steps.items() if "cockpit" in n or n == "BackPACK BatchGrad"}
+        fast = {n: s for n, s in steps.items() if n not in slow}
+        ms = interleaved_ms(fast, args.steps)
+        ms.update(interleaved_ms(slow, max(3, args.steps // 4), warmup=1))
+        for close in closers:
+            close()
+        plain = ms["plain step"]
+        rows = [(name, ms[name]) for name, _ in builds]
         results[key] = rows
-        print(f"\n## {title}  (plain step {plain:.2f} ms; re-measured {plain2:.2f} ms)")
+        print(f"\n## {title}  (plain step {plain:.2f} ms)")
         print(f"| {'configuration':<62} | {'ms/step':>9} | {'x plain':>8} |")
         print(f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|")
         for name, ms in rows:

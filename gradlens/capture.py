@@ -40,8 +40,21 @@ class LossCall:
     reduction: str
     batch_size: int
     value: Tensor  # the loss, detached (0-d)
-    ignored: Tensor | None = None  # count of targets equal to ignore_index (mean CE/NLL only)
+    target: tuple[Tensor, int] | None = None  # (class targets, ignore_index) of a mean CE/NLL
     module_name: str = ""
+    #: d(backpropagated objective)/d(loss), seen by a hook on the loss output during backward:
+    #: 1 for loss.backward(), S under GradScaler, 1/K for "divide the loss by K" recipes.
+    multiplier: Tensor | None = None
+
+    def _set_multiplier(self, grad: Tensor) -> None:
+        self.multiplier = grad.detach()
+
+    def ignored(self) -> int:
+        """How many targets equal ``ignore_index`` (0 unless a mean CE/NLL loss)."""
+        if self.target is None:
+            return 0
+        targets, index = self.target
+        return int((targets == index).sum())
 
 
 def last_loss_call(consume: bool = True) -> LossCall | None:
@@ -60,7 +73,7 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
             f"{type(module).__name__} returned a tensor of shape {tuple(output.shape)}; gradlens "
             "needs a scalar loss: use reduction='mean' or 'sum'"
         )
-    ignored = None
+    target = None
     if module.reduction == "mean" and isinstance(module, (nn.CrossEntropyLoss, nn.NLLLoss)):
         if getattr(module, "weight", None) is not None:
             raise ValueError(
@@ -69,14 +82,17 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
                 "recovered; use reduction='sum' and divide the loss yourself"
             )
         if len(inputs) > 1 and isinstance(inputs[1], Tensor) and not inputs[1].is_floating_point():
-            ignored = (inputs[1] == module.ignore_index).sum()
-    _loss_calls.last = LossCall(
+            target = (inputs[1], module.ignore_index)  # checked by a tracked capture only
+    call = LossCall(
         reduction=module.reduction,
         batch_size=int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1,
         value=output.detach(),
-        ignored=ignored,
+        target=target,
         module_name=type(module).__name__,
     )
+    if output.requires_grad:
+        output.register_hook(call._set_multiplier)
+    _loss_calls.last = call
 
 
 def _is_loss(module: nn.Module) -> bool:
@@ -182,7 +198,24 @@ def watched_modules(model: nn.Module, exclude: tuple[str, ...] = ()) -> list[Wat
     return out
 
 
-OnGrad = Callable[[WatchedModule, Tensor, Tensor], None]
+OnGrad = Callable[[WatchedModule, Tensor, Tensor, bool], None]
+OnWeightGrad = Callable[[WatchedModule, Tensor], None]
+
+
+def _weight_grad_node(output: Tensor, weight: Tensor):
+    """The autograd node through which this call's dL/dW reaches ``weight`` (a leaf), for
+    ``F.linear`` on a 2-D input (``addmm``/``mm`` of ``input`` and ``weight.t()``), else None.
+    A hook on it sees exactly the weight gradient of this call, before other uses of the
+    parameter (regularisers, reuse) are added to ``weight.grad``."""
+    fn = output.grad_fn
+    if fn is None or type(fn).__name__ not in ("AddmmBackward0", "MmBackward0"):
+        return None
+    for node, _ in fn.next_functions:
+        if node is not None and type(node).__name__ == "TBackward0":
+            leaf = node.next_functions[0][0] if node.next_functions else None
+            if getattr(leaf, "variable", None) is weight:
+                return node
+    return None
 
 
 class Tap:
@@ -199,9 +232,11 @@ class Tap:
         on_grad: OnGrad,
         sentinels: list[tuple[str, nn.Module]] = (),
         on_sentinel: Callable[[str, nn.Module], None] | None = None,
+        on_weight_grad: OnWeightGrad | None = None,
     ):
         self.watched = watched
         self.on_grad = on_grad
+        self.on_weight_grad = on_weight_grad
         self.sentinels = list(sentinels)
         self.on_sentinel = on_sentinel
         self._handles: list = []
@@ -224,13 +259,17 @@ class Tap:
         self._handles = []
 
     def _make_hook(self, w: WatchedModule):
-        on_grad = self.on_grad
+        on_grad, on_weight_grad = self.on_grad, self.on_weight_grad
+        linear = on_weight_grad is not None and isinstance(w.module, nn.Linear) and "weight" in w.params
 
         def forward_hook(module, inputs, output):
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
                 return
             a = inputs[0]
-            output.register_hook(lambda g: on_grad(w, a, g))
+            node = _weight_grad_node(output, module.weight) if linear else None
+            if node is not None:  # sum_n g_n of the weight comes free with autograd's own dL/dW
+                node.register_hook(lambda grad_in, grad_out: on_weight_grad(w, grad_in[0]))
+            output.register_hook(lambda g: on_grad(w, a, g, node is not None))
 
         return forward_hook
 

@@ -60,6 +60,21 @@ class Kernel:
             return {n: torch.cat(v) for n, v in parts.items()}
         return {n: torch.stack(v).sum(0) for n, v in parts.items()}
 
+    def reduce(self, module, a, delta, want, names: dict[str, str], acc, skip=()) -> list[Tensor]:
+        """Add this micro-step's sums into the window: for ``q`` in ``want`` among
+        ``"sum_grad_squared"``/``"grad_sum"``, ``acc[q][names[attr]]`` += value (stored on first
+        use); returns the ``[B]`` ||g_n||^2 parts of the tracked parameters if ``"batch_l2"``
+        is wanted. Only parameters in ``names`` count; ``(quantity, attr)`` pairs in ``skip``
+        are delivered by someone else (the weight gradient autograd computes anyway)."""
+        for q in ("sum_grad_squared", "grad_sum"):
+            if q in want:
+                for attr, v in getattr(self, q)(module, a, delta).items():
+                    if attr in names and (q, attr) not in skip:
+                        _add_into(acc[q], names[attr], v)
+        if "batch_l2" not in want:
+            return []
+        return [v for attr, v in self.batch_l2(module, a, delta).items() if attr in names]
+
     def batch_l2(self, module, a, delta) -> dict[str, Tensor]:
         return self._reduce(module, a, delta, lambda g: g.flatten(1).square().sum(1), cat=True)
 
@@ -68,6 +83,26 @@ class Kernel:
 
     def grad_sum(self, module, a, delta) -> dict[str, Tensor]:
         return self._reduce(module, a, delta, lambda g: g.sum(0), cat=False)
+
+
+def _add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
+    if key in acc:
+        acc[key].add_(v)
+    else:
+        acc[key] = v
+
+
+def _addmm_into(acc: dict[str, Tensor], key: str, m1: Tensor, m2: Tensor) -> None:
+    """acc[key] += m1 @ m2. The first product of a window is written into the buffer the
+    accumulator dict offers for ``key`` (``acc.buffer(key, shape, like)``, see
+    :class:`gradlens.instruments.base.Accumulators`) so that large sums reuse memory across
+    windows instead of faulting in fresh pages every step."""
+    if key in acc:
+        acc[key].addmm_(m1, m2)
+        return
+    buffer = getattr(acc, "buffer", None)
+    out = buffer(key, (m1.shape[0], m2.shape[1]), m1) if buffer else None
+    acc[key] = m1 @ m2 if out is None else torch.mm(m1, m2, out=out)
 
 
 class LinearKernel(Kernel):
@@ -103,6 +138,36 @@ class LinearKernel(Kernel):
         if not (torch.isfinite(a).all() and torch.isfinite(delta).all()):
             return {}  # inf * 0 = nan: let the materialised path see what autograd would
         return {"weight": (delta, a)}
+
+    def reduce(self, module, a, delta, want, names, acc, skip=()):
+        if delta.dim() != 2:
+            return super().reduce(module, a, delta, want, names, acc, skip)
+        # one pass over the factors; the two weight sums are addmm's into the accumulators
+        d2 = a2 = None
+        if "sum_grad_squared" in want or "batch_l2" in want:
+            scratch = getattr(acc["sum_grad_squared"], "scratch", lambda tag, like: None)
+            d2 = torch.square(delta, out=scratch("d2", delta))
+            a2 = torch.square(a, out=scratch("a2", a))
+        w, b = names.get("weight"), names.get("bias")
+        if "sum_grad_squared" in want:
+            if w:
+                _addmm_into(acc["sum_grad_squared"], w, d2.t(), a2)
+            if b:
+                _add_into(acc["sum_grad_squared"], b, d2.sum(0))
+        if "grad_sum" in want:
+            if w and ("grad_sum", "weight") not in skip:
+                _addmm_into(acc["grad_sum"], w, delta.t(), a)
+            if b:
+                _add_into(acc["grad_sum"], b, delta.sum(0))
+        if "batch_l2" not in want:
+            return []
+        d2n = d2.sum(1)
+        out = []
+        if w:
+            out.append(d2n * a2.sum(1))
+        if b:
+            out.append(d2n)
+        return out
 
     def _use_gram(self, module, t: int) -> bool:
         return 2 * t * t <= module.in_features * module.out_features

@@ -9,6 +9,7 @@ fires on real updates only); without one, call :meth:`Lens.flush` at the end of 
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -24,7 +25,7 @@ from gradlens.capture import (
     model_exclusions,
     watched_modules,
 )
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import Accumulators, Instrument, WindowStats
 from gradlens.records import Record
 
 __all__ = ["Lens"]
@@ -41,6 +42,17 @@ class _MicroStep:
     batch_l2: Tensor | None = None
     tainted_by: str | None = None
     losses: Tensor | None = None
+    loss_call: Any = None  # the LossCall of this micro-step (its multiplier), if any
+    _scale: Any = None
+
+    def scale(self) -> float | Tensor:
+        """Output gradients -> per-sample units: B / c under a mean loss, 1 / c under a sum,
+        c being what multiplied the loss in backward (1, a GradScaler scale, 1/K, ...)."""
+        if self._scale is None:
+            base = float(self.batch_size) if self.reduction == "mean" else 1.0
+            c = getattr(self.loss_call, "multiplier", None)
+            self._scale = base if c is None else base / c
+        return self._scale
 
 
 class Lens:
@@ -149,7 +161,13 @@ class Lens:
             for n, m in model.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
-        self._tap = Tap(self.watched, self._on_grad, sentinels, self._on_sentinel)
+        self._tap = Tap(
+            self.watched,
+            self._on_grad,
+            sentinels,
+            self._on_sentinel,
+            on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
+        )
 
         self._sinks: list[Any] = []
         if log is not None:
@@ -167,6 +185,7 @@ class Lens:
             self._hooks.append(optimizer.register_step_post_hook(self._on_step))
             if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
                 self._hooks.append(optimizer.register_window_end_hook(self._on_window_end))
+        self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._micro: _MicroStep | None = None
         self._pending: tuple[Record, dict[int, Any]] | None = None
         self._window: WindowStats | None = None
@@ -182,7 +201,10 @@ class Lens:
 
     def _open_window(self) -> None:
         if self.is_tracked():
-            self._window = WindowStats()
+            self._window = WindowStats(
+                sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
+                grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
+            )
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._tap.install()
         else:
@@ -279,9 +301,10 @@ class Lens:
                     "wrap the loss module (loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())) "
                     "or state the reduction: lens.capture(reduction='mean')"
                 )
-            if call.ignored is not None and int(call.ignored) > 0:
+            ignored = call.ignored()
+            if ignored:
                 raise ValueError(
-                    f"{call.module_name}(reduction='mean') saw {int(call.ignored)} targets equal to "
+                    f"{call.module_name}(reduction='mean') saw {ignored} targets equal to "
                     "ignore_index, so it divides by fewer than the batch size and per-sample "
                     "gradients cannot be recovered; use reduction='sum'"
                 )
@@ -298,9 +321,22 @@ class Lens:
             states={id(i): i.start_window() for i in self._micro_insts},
             losses=losses,
         )
+        micro.loss_call = call if batch is not None else None
         self._micro = micro
         try:
             yield
+        except BaseException:
+            # Sums of this window are accumulated in place: a micro-step that failed half way
+            # invalidates the whole window. Drop it (no record) and let the error through.
+            if micro.seen:
+                warnings.warn(
+                    f"an exception inside lens.capture() interrupted window {self.step}; its "
+                    "statistics are dropped",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self._open_window()
+            raise
         finally:
             self._micro = None
         if not micro.seen:
@@ -334,7 +370,26 @@ class Lens:
         if micro is not None and module.training and micro.tainted_by is None:
             micro.tainted_by = name
 
-    def _on_grad(self, w: WatchedModule, a: Tensor, g: Tensor) -> None:
+    def _on_weight_grad(self, w: WatchedModule, grad: Tensor | None) -> None:
+        """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
+        sum_n g_n of the weight is that times the per-sample scale; no extra matmul."""
+        micro = self._micro
+        if micro is None or grad is None or self._window is None:
+            return
+        with torch.no_grad():
+            scale = micro.scale()
+            acc, key = self._window.grad_sum, w.params["weight"]
+            if key in acc:
+                if isinstance(scale, Tensor):
+                    acc[key].addcmul_(grad, scale)
+                else:
+                    acc[key].add_(grad, alpha=scale)
+                return
+            dtype = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32
+            out = acc.buffer(key, tuple(grad.shape), grad.to(dtype) if dtype != grad.dtype else grad)
+            acc[key] = torch.mul(grad, scale, out=out)
+
+    def _on_grad(self, w: WatchedModule, a: Tensor, g: Tensor, weight_via_node: bool = False) -> None:
         micro = self._micro
         if micro is None:
             raise RuntimeError(
@@ -368,31 +423,30 @@ class Lens:
                 "needs the first dimension of the loss input to be the sample dimension"
             )
         with torch.no_grad():
-            self._measure(w, a.detach(), g.detach(), micro)
+            self._measure(w, a.detach(), g.detach(), micro, weight_via_node)
 
-    def _measure(self, w: WatchedModule, a: Tensor, g: Tensor, micro: _MicroStep) -> None:
+    def _measure(
+        self, w: WatchedModule, a: Tensor, g: Tensor, micro: _MicroStep, weight_via_node: bool = False
+    ) -> None:
         dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
-        delta = g.to(dtype) * micro.batch_size if micro.reduction == "mean" else g.to(dtype)
+        delta = g.to(dtype) * micro.scale()
         if a.is_floating_point():
             a = a.to(dtype)
-        kernel, module, needs, stats = w.kernel, w.module, self._needs, micro.stats
+        kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
         per_sample = bool(self._per_sample_insts)
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
         # per-sample pass when one runs anyway, else from the kernel's own reduction.
         from_chunks = set()
         if not getattr(kernel, "factored", False):  # one materialising pass serves them all
             from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
-        if "batch_l2" in needs and "batch_l2" not in from_chunks:
-            l2 = kernel.batch_l2(module, a, delta)
-            self._add_l2(micro, sum(v for attr, v in l2.items() if attr in w.params))
-        if "sum_grad_squared" in needs and "sum_grad_squared" not in from_chunks:
-            for attr, v in kernel.sum_grad_squared(module, a, delta).items():
-                if attr in w.params:
-                    stats.sum_grad_squared[w.params[attr]] = v
-        if "grad_sum" in needs and "grad_sum" not in from_chunks:
-            for attr, v in kernel.grad_sum(module, a, delta).items():
-                if attr in w.params:
-                    stats.grad_sum[w.params[attr]] = v
+        want = (needs & {"batch_l2", "sum_grad_squared", "grad_sum"}) - from_chunks
+        if want:
+            # sums go straight into the window's accumulators (in place, no per-step copies)
+            acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
+            skip = {("grad_sum", "weight")} if weight_via_node else ()
+            l2 = kernel.reduce(module, a, delta, want, w.params, acc, skip)
+            if l2:
+                self._add_l2(micro, sum(l2))
         for inst in self._layer_insts:
             inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not (per_sample or from_chunks):
@@ -429,9 +483,9 @@ class Lens:
                 if "batch_l2" in from_chunks:
                     l2 = l2 + gb.flatten(1).square().sum(1)
                 if "sum_grad_squared" in from_chunks:
-                    _acc(stats.sum_grad_squared, qname, gb.square().sum(0))
+                    _acc(window.sum_grad_squared, qname, gb.square().sum(0))
                 if "grad_sum" in from_chunks:
-                    _acc(stats.grad_sum, qname, gb.sum(0))
+                    _acc(window.grad_sum, qname, gb.sum(0))
             if "batch_l2" in from_chunks:
                 l2_parts.append(l2)
         if l2_parts:
@@ -474,4 +528,7 @@ class Lens:
 
 
 def _acc(d: dict[str, Tensor], key: str, v: Tensor) -> None:
-    d[key] = d[key] + v if key in d else v
+    if key in d:
+        d[key].add_(v)
+    else:
+        d[key] = v

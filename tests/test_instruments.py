@@ -232,3 +232,66 @@ def test_histogram_range_adapts_between_windows():
     # the max element sits on the upper edge: it is counted in the last bin, not clamped
     assert torch.equal(second["grad_hist_1d"].counts, counts)
     assert math.isclose(first["loss"], second["loss"])
+
+
+def test_records_keep_their_sums_while_buffers_are_reused():
+    """Window sums live in reused buffers; a record that is kept must not see the next window."""
+    model, x, y = make_problem(MODELS["mlp"])
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, [SumGradSquared(), GradNorm()])
+    for i in range(3):
+        loss = loss_fn(model(x * (i + 1)), y)
+        with lens.capture():
+            loss.backward()
+        lens.flush()
+    first = {k: v.clone() for k, v in lens.records[0]["sum_grad_squared"].items()}
+    a, b, c = (r["sum_grad_squared"]["1.weight"] for r in lens.records)
+    assert a.data_ptr() != b.data_ptr() != c.data_ptr()
+    for k, v in lens.records[0]["sum_grad_squared"].items():
+        assert torch.equal(v, first[k])
+    assert len({r["grad_norm"] for r in lens.records}) == 3
+
+
+@pytest.mark.parametrize("how", ["times-3.7", "divide-by-K", "plus-regulariser"])
+def test_scaled_or_regularised_loss_still_gives_per_sample_units(problem, how):
+    """What multiplies the loss in backward (GradScaler's S, a "divide the loss by K" recipe)
+    is read from the loss output's gradient and divided out; a regulariser added to the loss
+    is not part of any g_n, and leaves every statistic unchanged."""
+    P = problem
+    sizes = [5, 1, 6]
+    model = gradlens.extend(copy.deepcopy(P["model"]))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    insts = [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=HIST_BINS, range=(-P["grad_r"], P["grad_r"]))]
+    lens = Lens(model, insts)
+    for xb, yb in zip(P["x"].split(sizes), P["y"].split(sizes)):
+        loss = loss_fn(model(xb), yb)
+        if how == "times-3.7":
+            total = loss * 3.7
+        elif how == "divide-by-K":
+            total = loss / len(sizes)
+        else:
+            total = loss + 0.3 * sum(p.square().sum() for p in model.parameters())
+        with lens.capture():
+            total.backward()
+    rec = lens.flush()
+    G = P["G"]
+    _close(rec["batch_l2"], G.square().sum(1))
+    _close(rec["grad_norm"], G.mean(0).norm())
+    for name, g in P["gs"].items():
+        _close(rec["sum_grad_squared"][name], g.square().sum(0))
+    counts, _, _ = hist_oracle(G, -P["grad_r"], P["grad_r"], HIST_BINS)
+    assert torch.equal(rec["grad_hist_1d"].counts, counts)
+
+
+def test_weight_gradient_comes_from_autograd_for_linear_layers(monkeypatch):
+    """GradNorm on Linear layers reuses autograd's dL/dW (no extra matmul), and agrees."""
+    import gradlens.kernels as kernels
+
+    model, x, y = make_problem(MODELS["mlp"])
+    calls = []
+    orig = kernels._addmm_into
+    monkeypatch.setattr(kernels, "_addmm_into", lambda *a: (calls.append(a[1]), orig(*a)))
+    rec = run_lens(model, x, y, [12], "mean", [GradNorm()])
+    assert calls == []  # every weight's sum came through the autograd node hook
+    _close(rec["grad_norm"], flat(per_sample_grads(model, x, y)).mean(0).norm())

@@ -18,15 +18,65 @@ Quantities a capture can provide (all in per-sample units g_n, see DESIGN.md):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["Instrument", "WindowStats", "QUANTITIES"]
+__all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES"]
 
 QUANTITIES = frozenset({"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer"})
+
+
+def _storage_users(t: Tensor) -> int | None:
+    try:  # tensors (views, detached copies) sharing t's memory; private API, so guarded
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    except Exception:  # pragma: no cover - API missing: never reuse
+        return None
+
+
+_STORAGE_BASE = _storage_users(torch.empty(1))
+
+
+def _unshared(buf: Tensor) -> bool:
+    """True if only the pool refers to ``buf``: no other Python reference to the object (the
+    pool, the caller's variable and getrefcount's argument make 3) and no other tensor on its
+    memory."""
+    users = _storage_users(buf)
+    return sys.getrefcount(buf) <= 4 and users is not None and users <= _STORAGE_BASE
+
+
+class Accumulators(dict):
+    """A dict parameter name -> running sum whose large first values may be written into a
+    buffer kept from an earlier window (``pool``), so that a step does not fault in fresh
+    memory for them. A buffer is reused only when nothing but the pool refers to it any more
+    (a record that still holds the previous window's sum keeps its own tensor)."""
+
+    def __init__(self, pool: dict | None = None):
+        super().__init__()
+        self.pool = pool
+
+    def buffer(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+        if self.pool is None:
+            return None
+        buf = self.pool.get(key)
+        free = buf is not None and _unshared(buf)
+        if not (free and buf.shape == shape and buf.dtype == like.dtype and buf.device == like.device):
+            buf = self.pool[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        return buf
+
+    def scratch(self, tag: str, like: Tensor) -> Tensor | None:
+        """A reusable buffer shaped like ``like`` for a temporary that dies within one kernel
+        call (e.g. the squared layer input); None without a pool."""
+        if self.pool is None:
+            return None
+        key = ("scratch", tag)
+        buf = self.pool.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self.pool[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return buf
 
 
 @dataclass
@@ -49,8 +99,8 @@ class WindowStats:
     micro_steps: int = 0
     loss_sum: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     batch_l2: list[Tensor] = field(default_factory=list)
-    sum_grad_squared: dict[str, Tensor] = field(default_factory=dict)
-    grad_sum: dict[str, Tensor] = field(default_factory=dict)
+    sum_grad_squared: dict[str, Tensor] = field(default_factory=Accumulators)
+    grad_sum: dict[str, Tensor] = field(default_factory=Accumulators)
     params: dict[str, Tensor] = field(default_factory=dict)
 
     def merge(self, other: "WindowStats") -> "WindowStats":
@@ -76,15 +126,25 @@ class WindowStats:
         """``[N]`` ||g_n||^2 in the order the samples were seen."""
         return torch.cat(self.batch_l2) if self.batch_l2 else torch.zeros(0, dtype=torch.float64)
 
+    def grad_sum_sq_norm(self) -> Tensor:
+        """||sum_n g_n||^2 over the tracked parameters (0-d float64; computed once, in the
+        accumulation dtype, float32 or wider)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if "grad_sum_sq" not in memo:
+            memo["grad_sum_sq"] = sum(
+                (torch.dot(s.reshape(-1), s.reshape(-1)).double() for s in self.grad_sum.values()),
+                torch.zeros((), dtype=torch.float64),
+            )
+        return memo["grad_sum_sq"]
+
     def mean_grad_sq_norm(self) -> Tensor:
         """||G||^2 for the sample mean G = (1/N) sum_n g_n (0-d float64)."""
-        n = max(self.num_samples, 1)
-        return sum((s.double() / n).square().sum() for s in self.grad_sum.values())
+        return self.grad_sum_sq_norm() / max(self.num_samples, 1) ** 2
 
     def window_grad_sq_norm(self) -> Tensor:
         """||g||^2 of the window gradient: the mean G (reduction "mean") or sum_n g_n ("sum")."""
         if self.reduction == "sum":
-            return sum(s.double().square().sum() for s in self.grad_sum.values())
+            return self.grad_sum_sq_norm()
         return self.mean_grad_sq_norm()
 
     def window_loss(self) -> float:
@@ -94,7 +154,8 @@ class WindowStats:
 
 
 def _add_dicts(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = dict(a)
+    out = Accumulators(getattr(a, "pool", None))
+    out.update(a)
     for k, v in b.items():
         out[k] = out[k] + v if k in out else v
     return out

@@ -27,14 +27,15 @@ class BatchL2(Instrument):
 
 
 class SumGradSquared(Instrument):
-    """``record["sum_grad_squared"]``: dict parameter name -> ``[*param]`` float64,
-    sum_n g_n * g_n over the window's N samples (micro-steps add)."""
+    """``record["sum_grad_squared"]``: dict parameter name -> ``[*param]`` (CPU, in the
+    accumulation dtype: float32 or wider), sum_n g_n * g_n over the window's N samples
+    (micro-steps add)."""
 
     key = "sum_grad_squared"
     needs = frozenset({"sum_grad_squared"})
 
     def finalize(self, stats: WindowStats, state):
-        return {k: v.double().cpu() for k, v in stats.sum_grad_squared.items()}
+        return {k: v.detach().cpu() for k, v in stats.sum_grad_squared.items()}
 
 
 class GradNorm(Instrument):

@@ -21,8 +21,10 @@ def _trace_cov(stats: WindowStats) -> tuple[float, float]:
     g2 = float(stats.mean_grad_sq_norm())
     if n < 2:
         return math.nan, g2
-    total = float(stats.batch_l2_all().double().sum())
-    return (total - n * g2) / (n - 1), g2
+    memo = stats.__dict__.setdefault("_memo", {})
+    if "l2_total" not in memo:
+        memo["l2_total"] = float(stats.batch_l2_all().double().sum())
+    return (memo["l2_total"] - n * g2) / (n - 1), g2
 
 
 class NormTest(Instrument):
