@@ -30,6 +30,9 @@ def _run(model, lens, x, y, loss_fn=None):
 
 X, Y = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1])
 
+# errors raised inside backward also drop the window, with a RuntimeWarning (tested below)
+pytestmark = pytest.mark.filterwarnings("ignore:an exception inside lens.capture")
+
 
 @pytest.mark.parametrize(
     "layer",
@@ -252,3 +255,21 @@ def test_skipped_window_is_dropped_not_merged():
         opt.zero_grad()
     assert [r.num_samples for r in lens.records] == [12, 12]
     assert [r.step for r in lens.records] == [0, 1]
+
+
+def test_error_during_backward_drops_the_window_with_a_warning():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model = gradlens.extend(model, exclude=["1"])
+    model[1].eval()
+    lens = Lens(model, [BatchL2()])
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    loss = loss_fn(model(X), Y)
+    with lens.capture():
+        loss.backward()  # a good micro-step ...
+    model[1].train()  # ... then the BatchNorm mixes samples again
+    loss = loss_fn(model(X), Y)
+    with pytest.warns(RuntimeWarning, match="statistics are dropped"):
+        with pytest.raises(RuntimeError, match="comes before BatchNorm '1'"):
+            with lens.capture():
+                loss.backward()
+    assert lens.flush() is None  # nothing is left of the interrupted window

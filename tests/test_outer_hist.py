@@ -10,7 +10,7 @@ from gradlens.instruments.outer_hist import bin_of, outer_hist1d
 @settings(max_examples=60, deadline=None)
 @given(
     b=st.integers(1, 4),
-    o=st.integers(1, 6),
+    o=st.integers(12, 20),
     i=st.integers(1, 17),
     bins=st.integers(1, 12),
     lo=st.floats(-2.0, 0.0),
@@ -35,9 +35,10 @@ def test_outer_hist_matches_materialised(b, o, i, bins, lo, width, seed, dtype, 
     assert int(high) == int((g > hi).sum())
 
 
-def test_gives_up_when_rows_span_many_bins():
-    delta, a = torch.randn(4, 8), torch.randn(4, 100)
+def test_gives_up_when_rows_span_many_bins_or_are_few():
+    delta, a = torch.randn(4, 64), torch.randn(4, 100)
     assert outer_hist1d(delta, a, -1e-4, 1e-4, 1000) is None
+    assert outer_hist1d(torch.randn(4, 3), a, -1.0, 1.0, 10) is None  # 3 rows: not worth a sort
 
 
 @settings(max_examples=40, deadline=None)

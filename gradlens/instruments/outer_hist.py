@@ -58,13 +58,17 @@ def outer_hist1d(
         a: ``[B, I]`` layer inputs (finite).
         lo, hi, bins: the histogram (clamping rule of :class:`~gradlens.records.Hist1d`).
         max_cost: give up (return None) when the searches would touch more than this fraction
-            of the ``B * O * I`` elements; the caller then materialises.
+            of the ``B * O * I`` elements, or when a sample has fewer than 2 log2(I) rows (the
+            sort would not pay off); the caller then materialises.
 
     Returns:
         ``(counts [bins] int64 with the clamped values included, low, high)`` (0-d int64), or None.
     """
     b, o = delta.shape
     width = a.shape[1]
+    steps = max(1, math.ceil(math.log2(width + 1)))
+    if o < 2 * steps:  # too few rows per sample to pay for sorting a_n: materialise instead
+        return None
     asc = a.sort(dim=1).values  # [B, I]
     d = delta.reshape(-1)  # row r = n * O + i
     sample = torch.arange(b, device=d.device).repeat_interleave(o)
@@ -79,7 +83,6 @@ def outer_hist1d(
     v_last = value(rows_all, torch.full_like(rows_all, top))
     f, l = bin_of(v_first, lo, hi, bins), bin_of(v_last, lo, hi, bins)
     span = l - f
-    steps = max(1, math.ceil(math.log2(width + 1)))
     pairs = int(span.sum())
     if pairs * steps > max_cost * d.numel() * width:
         return None
