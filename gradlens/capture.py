@@ -39,12 +39,22 @@ class LossCall:
 
     reduction: str
     batch_size: int
-    value: Tensor  # the loss, detached (0-d)
+    output: Tensor  # the loss (0-d), as the user will backpropagate it
     target: tuple[Tensor, int] | None = None  # (class targets, ignore_index) of a mean CE/NLL
     module_name: str = ""
     #: d(backpropagated objective)/d(loss), seen by a hook on the loss output during backward:
     #: 1 for loss.backward(), S under GradScaler, 1/K for "divide the loss by K" recipes.
     multiplier: Tensor | None = None
+
+    @property
+    def value(self) -> Tensor:
+        return self.output.detach()
+
+    def watch_multiplier(self) -> None:
+        """Hook the loss output so that backward reports what multiplied the loss (called by a
+        tracked capture only: untracked steps pay nothing)."""
+        if self.output.requires_grad:
+            self.output.register_hook(self._set_multiplier)
 
     def _set_multiplier(self, grad: Tensor) -> None:
         self.multiplier = grad.detach()
@@ -86,12 +96,10 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
     call = LossCall(
         reduction=module.reduction,
         batch_size=int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1,
-        value=output.detach(),
+        output=output,
         target=target,
         module_name=type(module).__name__,
     )
-    if output.requires_grad:
-        output.register_hook(call._set_multiplier)
     _loss_calls.last = call
 
 

@@ -321,7 +321,9 @@ class Lens:
             states={id(i): i.start_window() for i in self._micro_insts},
             losses=losses,
         )
-        micro.loss_call = call if batch is not None else None
+        if batch is not None:
+            micro.loss_call = call
+            call.watch_multiplier()
         self._micro = micro
         try:
             yield
