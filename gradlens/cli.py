@@ -289,9 +289,8 @@ def train_demo(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), accum_steps=accum_steps
     )
 
-    # LENS-INTEGRATION: attach the Lens. The only BatchNorm is the parameter-free input layer
-    # (see build_demo_model), so nothing needs `exclude=`; the Lens reads the loss value and
-    # reduction from the extended loss_fn for record["loss"].
+    # The only BatchNorm is the parameter-free input layer (see build_demo_model), so nothing
+    # needs `exclude=`; the Lens reads the loss value and reduction from the extended loss_fn.
     model = gradlens.extend(model)
     loss_fn = gradlens.extend(loss_fn)
     lens = gradlens.Lens(
@@ -305,6 +304,9 @@ def train_demo(
             ins.NormTest(),
             ins.MeanGSNR(),
             ins.NoiseScale(),
+            ins.Alpha(),
+            ins.InnerTest(),
+            ins.OrthoTest(),
         ],
         optimizer=optimizer,
         every=1,
@@ -322,10 +324,11 @@ def train_demo(
                 order = torch.randperm(len(x), generator=generator)
             idx, order = order[:micro_batch], order[micro_batch:]
             xb, yb = x[idx.to(device)], y[idx.to(device)]
-            loss = loss_fn(model(xb), yb)
-            # LENS-INTEGRATION: capture this micro-step's backward; the optimizer's real update
-            # (every accum_steps-th step call) closes the window and emits one record.
-            with lens.capture():
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            # capture this micro-step's backward (with the per-sample losses Alpha fits); the
+            # optimizer's real update (every accum_steps-th step call) closes the window
+            with lens.capture(losses=nn.functional.cross_entropy(out.detach(), yb, reduction="none")):
                 loss.backward()
             optimizer.step(num_samples=len(idx))
             optimizer.zero_grad()
