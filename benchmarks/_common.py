@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
 from torch import nn
 
 
@@ -37,3 +38,48 @@ def interleaved_ms(steps: dict, rounds: int, warmup: int = 3) -> dict:
             st()
             times[k].append(time.perf_counter() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def has_cockpit() -> bool:
+    """Whether cockpit-for-pytorch imports (``pip install -e .[bench]``)."""
+    try:
+        import cockpit  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def cockpit_step(what):
+    """A builder ``(model, x, y) -> (step, close)`` of a training step with cockpit attached:
+    ``what`` is ``"economy"`` or a list of cockpit quantity class names, tracked every step."""
+
+    def build(model, x, y):
+        import backpack
+        from cockpit import Cockpit, quantities
+        from cockpit.utils.configuration import configuration
+        from cockpit.utils.schedules import linear
+
+        model = backpack.extend(model)
+        loss_fn = backpack.extend(nn.CrossEntropyLoss())
+        loss_none = nn.CrossEntropyLoss(reduction="none")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        if what == "economy":
+            qs = configuration("economy", track_schedule=linear(1))
+        else:
+            qs = [getattr(quantities, name)(track_schedule=linear(1)) for name in what]
+        cp = Cockpit(model.parameters(), quantities=qs)
+        state = {"i": 0}
+
+        def step():
+            out = model(x)
+            loss = loss_fn(out, y)
+            info = {"batch_size": len(x), "individual_losses": loss_none(out, y), "loss": loss, "optimizer": opt}
+            with cp(state["i"], info=info):
+                loss.backward(create_graph=cp.create_graph(state["i"]))
+            opt.step()
+            opt.zero_grad()
+            state["i"] += 1
+
+        return step, lambda: None
+
+    return build

@@ -22,8 +22,6 @@ the MLP at batch 128, K = 4.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
@@ -34,7 +32,7 @@ import gradlens
 from gradlens import Lens
 from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
 
-from _common import cnn, interleaved_ms, mlp
+from _common import cnn, cockpit_step, has_cockpit, interleaved_ms, mlp
 
 warnings.filterwarnings("ignore")
 
@@ -85,41 +83,13 @@ def lens_window(instruments):
 
 
 def cockpit_window(names):
+    """cockpit cannot accumulate: one step on the whole batch (K = 1) per window."""
+    build_step = cockpit_step(names)
+
     def build(model, x, y, k):
-        import backpack
-        from cockpit import Cockpit, quantities
-        from cockpit.utils.schedules import linear
-
-        model = backpack.extend(model)
-        loss_fn = backpack.extend(nn.CrossEntropyLoss())
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        qs = [getattr(quantities, n)(track_schedule=linear(1)) for n in names]
-        cp = Cockpit(model.parameters(), quantities=qs)
-        state = {"i": 0}
-
-        def step():
-            out = model(x)
-            loss = loss_fn(out, y)
-            losses = F.cross_entropy(out, y, reduction="none")
-            i = state["i"]
-            info = {"batch_size": len(x), "individual_losses": losses, "loss": loss, "optimizer": opt}
-            with cp(i, info=info):
-                loss.backward(create_graph=cp.create_graph(i))
-            opt.step()
-            opt.zero_grad()
-            state["i"] += 1
-
-        return step, lambda: None
+        return build_step(model, x, y)
 
     return build
-
-
-def has_cockpit() -> bool:
-    try:
-        import cockpit  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def configs(k_sketch: int, cockpit: bool):

@@ -33,7 +33,7 @@ from gradlens.instruments import (
     SumGradSquared,
 )
 
-from _common import cnn, interleaved_ms, mlp
+from _common import cnn, cockpit_step, has_cockpit, interleaved_ms, mlp
 
 warnings.filterwarnings("ignore")
 
@@ -102,50 +102,6 @@ def backpack_step(ext_name):
     return build
 
 
-def cockpit_step(what):
-    def build(model, x, y):
-        import backpack
-        from cockpit import Cockpit, quantities
-        from cockpit.utils.configuration import configuration
-
-        model = backpack.extend(model)
-        loss_fn = backpack.extend(nn.CrossEntropyLoss())
-        loss_none = nn.CrossEntropyLoss(reduction="none")
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        from cockpit.utils.schedules import linear
-
-        every_step = linear(1)
-        if what == "economy":
-            qs = configuration("economy", track_schedule=every_step)
-        else:
-            qs = [getattr(quantities, what)(track_schedule=every_step)]
-        cp = Cockpit(model.parameters(), quantities=qs)
-        state = {"i": 0}
-
-        def step():
-            out = model(x)
-            loss = loss_fn(out, y)
-            losses = loss_none(out, y)
-            i = state["i"]
-            with cp(i, info={"batch_size": x.shape[0], "individual_losses": losses, "loss": loss, "optimizer": opt}):
-                loss.backward(create_graph=cp.create_graph(i))
-            opt.step()
-            opt.zero_grad()
-            state["i"] += 1
-
-        return step, lambda: None
-
-    return build
-
-
-def has_cockpit() -> bool:
-    try:
-        import cockpit  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 ECONOMY = 'cockpit "economy"'
 NORMS = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
 
@@ -163,8 +119,8 @@ def configs(cockpit: bool):
     ]
     if cockpit:
         rows += [
-            ("cockpit GradHist1d", cockpit_step("GradHist1d")),
-            ("cockpit GradHist2d", cockpit_step("GradHist2d")),
+            ("cockpit GradHist1d", cockpit_step(["GradHist1d"])),
+            ("cockpit GradHist2d", cockpit_step(["GradHist2d"])),
             (ECONOMY, cockpit_step("economy")),
         ]
     return rows

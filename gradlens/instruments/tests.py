@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 
 from gradlens.instruments.base import Instrument, WindowStats
 
