@@ -313,6 +313,11 @@ class Lens:
             if reduction not in ("mean", "sum"):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
             batch, value = None, None
+        if self._window.micro_steps and self._window.reduction != reduction:
+            raise ValueError(
+                f"this micro-step's loss uses reduction={reduction!r} but the window's earlier "
+                f"micro-steps used {self._window.reduction!r}; use one reduction per window"
+            )
         micro = _MicroStep(
             reduction=reduction,
             batch_size=batch,
@@ -353,10 +358,10 @@ class Lens:
         s = micro.stats
         s.num_samples, s.micro_steps = b, 1
         if micro.loss_value is not None:
-            v = micro.loss_value.double().cpu()
+            v = micro.loss_value.double()
             s.loss_sum = v * b if micro.reduction == "mean" else v
         elif micro.losses is not None:
-            s.loss_sum = micro.losses.detach().double().sum().cpu()
+            s.loss_sum = micro.losses.detach().double().sum()
         else:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
         if micro.batch_l2 is not None:

@@ -273,3 +273,17 @@ def test_error_during_backward_drops_the_window_with_a_warning():
             with lens.capture():
                 loss.backward()
     assert lens.flush() is None  # nothing is left of the interrupted window
+
+
+def test_mixed_reductions_in_one_window_refused_before_backward():
+    model = gradlens.extend(nn.Linear(4, 4))
+    lens = Lens(model, [BatchL2()])
+    mean, total = gradlens.extend(nn.CrossEntropyLoss()), gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
+    loss = mean(model(X), Y)
+    with lens.capture():
+        loss.backward()
+    loss = total(model(X), Y)
+    with pytest.raises(ValueError, match="reduction='sum'.*earlier micro-steps used 'mean'"):
+        with lens.capture():
+            loss.backward()
+    assert lens.flush().num_samples == 6  # the first micro-step is intact

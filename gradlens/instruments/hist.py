@@ -63,6 +63,14 @@ def _bin_index(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
     return bin_of(x, lo, hi, bins)
 
 
+def _pick(fn, a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else fn(a, b.to(a.device))
+
+
+def _num(t: Tensor | None, default: float) -> float:
+    return default if t is None else float(t)
+
+
 def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[float, float]:
     if adapt == "abs_max":
         m = max(abs(mn), abs(mx))
@@ -79,8 +87,13 @@ class _Hist1dState:
     counts: Tensor
     low: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     total: int = 0
-    mn: float = math.inf
-    mx: float = -math.inf
+    mn: Tensor | None = None  # extremes seen (only with adapt), on the gradients' device
+    mx: Tensor | None = None
+
+    def to(self, device) -> None:
+        """Keep the counters on the gradients' device (no host sync per slice)."""
+        if self.counts.device != device:
+            self.counts, self.low = self.counts.to(device), self.low.to(device)
 
 
 class GradHist1d(Instrument):
@@ -110,12 +123,13 @@ class GradHist1d(Instrument):
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
         x = grad_batch.detach()
+        state.to(x.device)
         lo, hi = state.lo, state.hi
         # histc counts in the input dtype: keep each call below 2**24 elements (float32-exact)
         for part in x.reshape(-1).split(1 << 24):
             inside = torch.histc(part, self.bins, lo, hi)  # [lo, hi], hi in the last bin
-            state.counts += inside.to(torch.int64).cpu()
-            state.low += (part < lo).sum().cpu()
+            state.counts += inside.to(torch.int64)
+            state.low += (part < lo).sum()
         state.total += x.numel()
         if self.adapt is not None:
             self._extremes(state, x)
@@ -126,12 +140,13 @@ class GradHist1d(Instrument):
         out = outer_hist1d(delta, a, state.lo, state.hi, self.bins)
         if out is None:
             return False
+        state.to(delta.device)
         counts, low, high = out
-        state.counts += counts.cpu()
+        state.counts += counts
         # counts include the clamped values; keep the layout of update(): in-range + low
-        state.counts[0] -= int(low)
-        state.counts[-1] -= int(high)
-        state.low += low.cpu()
+        state.counts[0] -= low
+        state.counts[-1] -= high
+        state.low += low
         state.total += delta.shape[0] * delta.shape[1] * a.shape[1]
         if self.adapt is not None:
             ext = torch.stack([delta.amin(1) * a.amin(1), delta.amin(1) * a.amax(1),
@@ -141,17 +156,18 @@ class GradHist1d(Instrument):
 
     @staticmethod
     def _extremes(state: _Hist1dState, x: Tensor) -> None:
-        mn, mx = torch.aminmax(x)
-        state.mn, state.mx = min(state.mn, float(mn)), max(state.mx, float(mx))
+        mn, mx = torch.aminmax(x)  # kept as tensors: no device sync per slice
+        state.mn = mn if state.mn is None else torch.minimum(state.mn, mn)
+        state.mx = mx if state.mx is None else torch.maximum(state.mx, mx)
 
     def merge(self, a: _Hist1dState, b: _Hist1dState) -> _Hist1dState:
         return _Hist1dState(
-            a.lo, a.hi, a.counts + b.counts, a.low + b.low, a.total + b.total,
-            min(a.mn, b.mn), max(a.mx, b.mx),
+            a.lo, a.hi, a.counts + b.counts.to(a.counts.device), a.low + b.low.to(a.low.device),
+            a.total + b.total, _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist1dState) -> Hist1d:
-        counts = state.counts.clone()
+        counts = state.counts.cpu().clone()
         low = int(state.low)
         high = state.total - int(counts.sum()) - low
         counts[0] += low
@@ -160,7 +176,7 @@ class GradHist1d(Instrument):
         return Hist1d(counts, edges, low, high)
 
     def end_window(self, state: _Hist1dState) -> None:
-        self.range = _adapted(self.range, state.mn, state.mx, self.adapt)
+        self.range = _adapted(self.range, _num(state.mn, math.inf), _num(state.mx, -math.inf), self.adapt)
 
 
 @dataclass
@@ -169,8 +185,12 @@ class _Hist2dState:
     grange: tuple[float, float]
     counts: Tensor
     clamped_grad: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    gmn: float = math.inf
-    gmx: float = -math.inf
+    gmn: Tensor | None = None
+    gmx: Tensor | None = None
+
+    def to(self, device) -> None:
+        if self.counts.device != device:
+            self.counts, self.clamped_grad = self.counts.to(device), self.clamped_grad.to(device)
 
 
 class GradHist2d(Instrument):
@@ -229,15 +249,15 @@ class GradHist2d(Instrument):
 
     def update(self, state: _Hist2dState, name, param, grad_batch):
         x = grad_batch.detach()
+        state.to(x.device)
         off = self._offsets(state, name, param)
         lo, hi = state.grange
         gbins = self.bins[1]
         idx = _bin_index(x, lo, hi, gbins).add_(off)
-        state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel()).cpu()
-        state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum().cpu()
+        state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel())
+        state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum()
         if self.adapt is not None:
-            mn, mx = torch.aminmax(x)
-            state.gmn, state.gmx = min(state.gmn, float(mn)), max(state.gmx, float(mx))
+            self._grad_extremes(state, *torch.aminmax(x))
 
     def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
         """Rank-one layers (``delta [B, O]``, ``a [B, I]``): a row (n, i) whose products all lie
@@ -246,6 +266,7 @@ class GradHist2d(Instrument):
         pbins, gbins = self.bins
         lo, hi = state.grange
         o, width = param.shape
+        state.to(delta.device)
         off = self._offsets(state, name, param)  # [O, I] p_bin * G
         row_counts = self._row_counts(name, off)  # [O, P]
         vmin, vmax = row_extremes(delta, a)
@@ -256,18 +277,22 @@ class GradHist2d(Instrument):
         s_rows = rows[single]
         per_col = torch.bincount(row_i[s_rows] * gbins + first[s_rows], minlength=o * gbins)
         joint = row_counts.t().double() @ per_col.view(o, gbins).double()  # [P, G], exact ints
-        state.counts += joint.round().long().view(-1).cpu()
+        state.counts += joint.round().long().view(-1)
         multi = rows[~single]
         step = max(1, (1 << 20) // max(width, 1))
         for c in multi.split(step):
             x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
             idx = _bin_index(x, lo, hi, gbins).add_(off[c % o])
-            state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel()).cpu()
-            state.clamped_grad += ((x < lo) | (x > hi)).sum().cpu()
+            state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel())
+            state.clamped_grad += ((x < lo) | (x > hi)).sum()
         if self.adapt is not None:
-            state.gmn = min(state.gmn, float(vmin.min()))
-            state.gmx = max(state.gmx, float(vmax.max()))
+            self._grad_extremes(state, vmin.min(), vmax.max())
         return True
+
+    @staticmethod
+    def _grad_extremes(state: _Hist2dState, mn: Tensor, mx: Tensor) -> None:
+        state.gmn = mn if state.gmn is None else torch.minimum(state.gmn, mn)
+        state.gmx = mx if state.gmx is None else torch.maximum(state.gmx, mx)
 
     def _row_counts(self, name: str, off: Tensor) -> Tensor:
         """``[O, P]`` parameter-bin counts of each row of a 2-D parameter (cached per window)."""
@@ -283,14 +308,15 @@ class GradHist2d(Instrument):
 
     def merge(self, a: _Hist2dState, b: _Hist2dState) -> _Hist2dState:
         return _Hist2dState(
-            a.prange, a.grange, a.counts + b.counts, a.clamped_grad + b.clamped_grad,
-            min(a.gmn, b.gmn), max(a.gmx, b.gmx),
+            a.prange, a.grange, a.counts + b.counts.to(a.counts.device),
+            a.clamped_grad + b.clamped_grad.to(a.clamped_grad.device),
+            _pick(torch.minimum, a.gmn, b.gmn), _pick(torch.maximum, a.gmx, b.gmx),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
         pb, gb = self.bins
         return Hist2d(
-            counts=state.counts.view(pb, gb).clone(),
+            counts=state.counts.view(pb, gb).cpu().clone(),
             param_edges=_edges(*state.prange, pb),
             grad_edges=_edges(*state.grange, gb),
             clamped_param=sum(c[1] for c in self._window_cache.values()) * stats.num_samples,
@@ -303,4 +329,6 @@ class GradHist2d(Instrument):
         self._window_cache = {}
         self._row_cache = {}
         self.param_range = _adapted(self.param_range, pmn, pmx, self.adapt)
-        self.grad_range = _adapted(self.grad_range, state.gmn, state.gmx, self.adapt)
+        self.grad_range = _adapted(
+            self.grad_range, _num(state.gmn, math.inf), _num(state.gmx, -math.inf), self.adapt
+        )
