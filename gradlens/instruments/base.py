@@ -72,9 +72,9 @@ class Accumulators(dict):
         call (e.g. the squared layer input); None without a pool."""
         if self.pool is None:
             return None
-        key = ("scratch", tag)
+        key = ("scratch", tag, tuple(like.shape), like.dtype, like.device)
         buf = self.pool.get(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.device != like.device:
+        if buf is None:
             buf = self.pool[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
         return buf
 
