@@ -10,6 +10,11 @@ DESIGN.md), and returns a dict parameter attribute name (``"weight"``, ``"bias"`
 - ``batch_l2(module, a, delta)``: ``[B]``, ||g_n||^2.
 - ``sum_grad_squared(module, a, delta)``: ``[*param]``, sum_n g_n * g_n.
 - ``grad_sum(module, a, delta)``: ``[*param]``, sum_n g_n.
+- ``reduce(module, a, delta, want, names, acc)``: what the Lens calls: the wanted sums added
+  into the window's accumulators in place (Linear: squares once, ``addmm_`` into reused
+  buffers), and the ``[B]`` norms returned.
+- ``outer_factors(module, a, delta)``: ``(delta [B, O], a [B, I])`` for weights whose g_n is a
+  rank-one outer product (histograms use it to skip materialisation).
 
 Linear layers use the factor identities of DESIGN.md (no ``[B, *param]`` tensor). Conv2d uses
 unfold + bmm; layers without a gradlens kernel (Conv1d/3d, transposed and grouped convolutions,
