@@ -17,8 +17,9 @@ DESIGN.md), and returns a dict parameter attribute name (``"weight"``, ``"bias"`
   rank-one outer product (histograms use it to skip materialisation).
 
 Linear layers use the factor identities of DESIGN.md (no ``[B, *param]`` tensor). Conv2d uses
-unfold + bmm; layers without a gradlens kernel (Conv1d/3d, transposed and grouped convolutions,
-Embedding) use BackPACK's derivatives (``param_mjp`` with ``sum_batch=False``).
+unfold + bmm, Embedding a scatter of the output gradients; layers without a gradlens kernel
+(Conv1d/3d, transposed and grouped convolutions) use BackPACK's derivatives (``param_mjp`` with
+``sum_batch=False``).
 """
 
 from __future__ import annotations
@@ -246,6 +247,35 @@ class BatchNormEvalKernel(Kernel):
         return {n: out[n] for n in self.params(module)}
 
 
+class EmbeddingKernel(Kernel):
+    """``nn.Embedding``: g_n of the table is the sum of delta_nt over the positions t whose
+    index is v, row v (the ``padding_idx`` row gets no gradient, as in autograd)."""
+
+    def _flat(self, module, a, delta):
+        b = delta.shape[0]
+        idx, d = a.reshape(b, -1), delta.reshape(b, -1, module.embedding_dim)
+        if module.padding_idx is not None:
+            d = d * (idx != module.padding_idx).unsqueeze(-1)
+        return idx, d
+
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
+        idx, d = self._flat(module, a[start:stop], delta[start:stop])
+        out = d.new_zeros(idx.shape[0], module.num_embeddings, module.embedding_dim)
+        out.scatter_add_(1, idx.unsqueeze(-1).expand_as(d), d)
+        return {"weight": out}
+
+    def batch_l2(self, module, a, delta):
+        # ||g_n||^2 = sum_{t,t'} [idx_t = idx_t'] delta_t . delta_t' (no [V, D] per sample)
+        idx, d = self._flat(module, a, delta)
+        same = idx.unsqueeze(2) == idx.unsqueeze(1)
+        return {"weight": (torch.bmm(d, d.transpose(1, 2)) * same).sum((1, 2))}
+
+    def grad_sum(self, module, a, delta):
+        idx, d = self._flat(module, a, delta)
+        out = d.new_zeros(module.num_embeddings, module.embedding_dim)
+        return {"weight": out.index_add_(0, idx.reshape(-1), d.reshape(-1, d.shape[-1]))}
+
+
 class BackpackKernel(Kernel):
     """Any module with BackPACK derivatives: per-sample gradients through ``param_mjp``."""
 
@@ -274,7 +304,6 @@ def _backpack_kernels() -> dict[type, Callable[[], Kernel]]:
     from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
     from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
     from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
-    from backpack.core.derivatives.embedding import EmbeddingDerivatives
 
     return {
         nn.Conv1d: lambda: BackpackKernel(Conv1DDerivatives()),
@@ -283,7 +312,6 @@ def _backpack_kernels() -> dict[type, Callable[[], Kernel]]:
         nn.ConvTranspose1d: lambda: BackpackKernel(ConvTranspose1DDerivatives()),
         nn.ConvTranspose2d: lambda: BackpackKernel(ConvTranspose2DDerivatives()),
         nn.ConvTranspose3d: lambda: BackpackKernel(ConvTranspose3DDerivatives()),
-        nn.Embedding: lambda: BackpackKernel(EmbeddingDerivatives()),
     }
 
 
@@ -313,6 +341,10 @@ def kernel_for(module: nn.Module) -> Kernel:
         raise TypeError(f"no per-sample gradient kernel for {type(module).__name__}")
     if base is nn.Linear:
         return LinearKernel()
+    if base is nn.Embedding:
+        if module.scale_grad_by_freq:
+            raise TypeError("nn.Embedding(scale_grad_by_freq=True) rescales by batch counts")
+        return EmbeddingKernel()
     if base is nn.Conv2d and module.groups == 1:
         return Conv2dKernel()
     return _backpack_kernels()[base]()

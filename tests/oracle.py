@@ -49,17 +49,44 @@ def mlp_bn_eval() -> nn.Module:
     return m.eval()
 
 
+class SeqModel(nn.Module):
+    """Embedding -> Linear on [B, T, d] (a sequence axis) -> mean over T -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 5)
+        self.proj = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.proj(self.emb(tokens))).mean(1))
+
+
+def conv1d_net() -> nn.Module:
+    """Conv1d (BackPACK's derivatives) and a ConvTranspose1d, then a Linear head."""
+    return nn.Sequential(
+        nn.Conv1d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose1d(3, 2, 2, stride=2),
+        nn.Flatten(),
+        nn.Linear(2 * 12, 4),
+    )
+
+
 @dataclass
 class Case:
     name: str
     make: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
+    tokens: int = 0  # > 0: integer inputs in [0, tokens)
 
 
 MODELS = {
     "mlp": Case("mlp", mlp, (12,)),
     "cnn": Case("cnn", cnn, (2, 8, 8)),
     "mlp_bn_eval": Case("mlp_bn_eval", mlp_bn_eval, (12,)),
+    "seq": Case("seq", SeqModel, (7,), tokens=10),
+    "conv1d": Case("conv1d", conv1d_net, (2, 6)),
 }
 
 
@@ -67,7 +94,10 @@ def make_problem(case: Case, seed: int = 0):
     """(model float64, x [N, *input], y [N]) with fixed seeds."""
     torch.manual_seed(seed)
     model = case.make().double()
-    x = torch.randn(N, *case.input_shape, dtype=torch.float64)
+    if case.tokens:
+        x = torch.randint(0, case.tokens, (N, *case.input_shape))
+    else:
+        x = torch.randn(N, *case.input_shape, dtype=torch.float64)
     y = torch.randint(0, 4, (N,))
     return model, x, y
 

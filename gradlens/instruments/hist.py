@@ -254,7 +254,7 @@ class GradHist2d(Instrument):
         lo, hi = state.grange
         gbins = self.bins[1]
         idx = _bin_index(x, lo, hi, gbins).add_(off)
-        state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel())
+        state.counts += torch.bincount(idx.reshape(-1), minlength=state.counts.numel())
         state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum()
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
@@ -283,7 +283,7 @@ class GradHist2d(Instrument):
         for c in multi.split(step):
             x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
             idx = _bin_index(x, lo, hi, gbins).add_(off[c % o])
-            state.counts += torch.bincount(idx.view(-1), minlength=state.counts.numel())
+            state.counts += torch.bincount(idx.reshape(-1), minlength=state.counts.numel())
             state.clamped_grad += ((x < lo) | (x > hi)).sum()
         if self.adapt is not None:
             self._grad_extremes(state, vmin.min(), vmax.max())
