@@ -73,6 +73,17 @@ def conv1d_net() -> nn.Module:
     )
 
 
+def cnn_strided() -> nn.Module:
+    """Strided Conv2d (gradlens' unfold kernel) and a grouped, dilated one (BackPACK's)."""
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=2, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 4),
+    )
+
+
 @dataclass
 class Case:
     name: str
@@ -87,6 +98,7 @@ MODELS = {
     "mlp_bn_eval": Case("mlp_bn_eval", mlp_bn_eval, (12,)),
     "seq": Case("seq", SeqModel, (7,), tokens=10),
     "conv1d": Case("conv1d", conv1d_net, (2, 6)),
+    "cnn_strided": Case("cnn_strided", cnn_strided, (2, 8, 8)),
 }
 
 
