@@ -43,17 +43,19 @@ unscaled window gradient; it modifies those ``.grad`` in place (its return value
 WindowEndHook = Callable[["GradientAccumulateOptimizer", bool], None]
 
 
-def _check_accum_steps(accum_steps: Any) -> int:
+def check_accum_steps(
+    accum_steps: Any,
+    meaning: str = "the number of micro-steps per update",
+    fix: str = "use accum_steps=1 for no accumulation",
+) -> int:
+    """``accum_steps`` as an int >= 1, or a TypeError/ValueError that says what it means."""
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
         raise TypeError(
-            f"accum_steps must be an int >= 1 (the number of micro-steps per update), "
+            f"accum_steps must be an int >= 1 ({meaning}), "
             f"got {accum_steps!r} of type {type(accum_steps).__name__}."
         )
     if accum_steps < 1:
-        raise ValueError(
-            f"accum_steps must be >= 1 (the number of micro-steps per update), got {accum_steps}; "
-            f"use accum_steps=1 for no accumulation."
-        )
+        raise ValueError(f"accum_steps must be >= 1 ({meaning}), got {accum_steps}; {fix}.")
     return int(accum_steps)
 
 
@@ -161,7 +163,7 @@ class GradientAccumulateOptimizer(Optimizer):
         self._patch_step_function()  # sets the profiler names; `step` is marked hooked: no patch
 
         self.optimizer = optimizer
-        self.accum_steps = _check_accum_steps(accum_steps)
+        self.accum_steps = check_accum_steps(accum_steps)
         self.reduction = _check_reduction(reduction)
         self.accum_dtype = accum_dtype
         self.clip = clip
@@ -611,7 +613,7 @@ class GradientAccumulateModel:
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(output, target), got {type(loss_fn).__name__}.")
-        self.accum_steps = _check_accum_steps(accum_steps)
+        self.accum_steps = check_accum_steps(accum_steps)
         self.reduction = _check_reduction(reduction)
         if isinstance(optimizer, GradientAccumulateOptimizer) and optimizer.reduction != reduction:
             raise ValueError(

@@ -23,13 +23,14 @@ and ignores a window still open; ``track_running_stats=False`` behaves exactly l
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradlens.accumulate import check_accum_steps
 
 __all__ = [
     "AccumBatchNorm1d",
@@ -43,17 +44,11 @@ _WINDOW_BUFFERS = ("window_mean", "window_var", "window_count", "window_steps")
 
 
 def _check_accum_steps(accum_steps: Any) -> int:
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
-        raise TypeError(
-            f"accum_steps must be an int >= 1 (training forwards per window), got "
-            f"{accum_steps!r} of type {type(accum_steps).__name__}."
-        )
-    if accum_steps < 1:
-        raise ValueError(
-            f"accum_steps must be >= 1 (training forwards per window), got {accum_steps}; use "
-            f"accum_steps=1 to update the running statistics on every forward like nn.BatchNorm."
-        )
-    return int(accum_steps)
+    return check_accum_steps(
+        accum_steps,
+        "training forwards per window",
+        "use accum_steps=1 to update the running statistics on every forward like nn.BatchNorm",
+    )
 
 
 class _AccumBatchNormMixin:
