@@ -65,6 +65,21 @@ class _AccumBatchNormMixin:
 
     accum_steps: int
 
+    def __init__(
+        self,
+        num_features: int,
+        accum_steps: int = 1,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        # the nn.BatchNorm{1,2,3}d that follows this mixin in the MRO
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self._init_window(accum_steps)
+
     def _init_window(self, accum_steps: int) -> None:
         self.accum_steps = _check_accum_steps(accum_steps)
         self._count = 0  # Python mirrors of window_count / window_steps: no device sync per step
@@ -204,22 +219,6 @@ class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):
         eps, momentum, affine, track_running_stats, device, dtype: as in ``nn.BatchNorm1d``.
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        accum_steps: int = 1,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        nn.BatchNorm1d.__init__(
-            self, num_features, eps, momentum, affine, track_running_stats, device, dtype
-        )
-        self._init_window(accum_steps)
-
 
 class AccumBatchNorm2d(_AccumBatchNormMixin, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` (input ``[B, C, H, W]``) whose running statistics are updated once per
@@ -231,22 +230,6 @@ class AccumBatchNorm2d(_AccumBatchNormMixin, nn.BatchNorm2d):
         eps, momentum, affine, track_running_stats, device, dtype: as in ``nn.BatchNorm2d``.
     """
 
-    def __init__(
-        self,
-        num_features: int,
-        accum_steps: int = 1,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        nn.BatchNorm2d.__init__(
-            self, num_features, eps, momentum, affine, track_running_stats, device, dtype
-        )
-        self._init_window(accum_steps)
-
 
 class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` (input ``[B, C, D, H, W]``) whose running statistics are updated once
@@ -257,22 +240,6 @@ class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
         accum_steps: training forwards per window (match the optimizer's ``accum_steps``).
         eps, momentum, affine, track_running_stats, device, dtype: as in ``nn.BatchNorm3d``.
     """
-
-    def __init__(
-        self,
-        num_features: int,
-        accum_steps: int = 1,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        nn.BatchNorm3d.__init__(
-            self, num_features, eps, momentum, affine, track_running_stats, device, dtype
-        )
-        self._init_window(accum_steps)
 
 
 _CONVERSIONS: dict[type, type] = {

@@ -76,7 +76,7 @@ class Kernel:
             if q in want:
                 for attr, v in getattr(self, q)(module, a, delta).items():
                     if attr in names and (q, attr) not in skip:
-                        _add_into(acc[q], names[attr], v)
+                        add_into(acc[q], names[attr], v)
         if "batch_l2" not in want:
             return []
         return [v for attr, v in self.batch_l2(module, a, delta).items() if attr in names]
@@ -91,7 +91,7 @@ class Kernel:
         return self._reduce(module, a, delta, lambda g: g.sum(0), cat=False)
 
 
-def _add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
+def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
     if key in acc:
         acc[key].add_(v)
     else:
@@ -159,12 +159,12 @@ class LinearKernel(Kernel):
             if w:
                 _addmm_into(acc["sum_grad_squared"], w, d2.t(), a2)
             if b:
-                _add_into(acc["sum_grad_squared"], b, d2.sum(0))
+                add_into(acc["sum_grad_squared"], b, d2.sum(0))
         if "grad_sum" in want:
             if w and ("grad_sum", "weight") not in skip:
                 _addmm_into(acc["grad_sum"], w, delta.t(), a)
             if b:
-                _add_into(acc["grad_sum"], b, delta.sum(0))
+                add_into(acc["grad_sum"], b, delta.sum(0))
         if "batch_l2" not in want:
             return []
         d2n = d2.sum(1)

@@ -26,6 +26,7 @@ from gradlens.capture import (
     watched_modules,
 )
 from gradlens.instruments.base import Accumulators, Instrument, WindowStats
+from gradlens.kernels import add_into
 from gradlens.records import Record
 
 __all__ = ["Lens"]
@@ -490,9 +491,9 @@ class Lens:
                 if "batch_l2" in from_chunks:
                     l2 = l2 + gb.flatten(1).square().sum(1)
                 if "sum_grad_squared" in from_chunks:
-                    _acc(window.sum_grad_squared, qname, gb.square().sum(0))
+                    add_into(window.sum_grad_squared, qname, gb.square().sum(0))
                 if "grad_sum" in from_chunks:
-                    _acc(window.grad_sum, qname, gb.sum(0))
+                    add_into(window.grad_sum, qname, gb.sum(0))
             if "batch_l2" in from_chunks:
                 l2_parts.append(l2)
         if l2_parts:
@@ -533,9 +534,3 @@ class Lens:
             f"tracked_params={len(self._param_of)})"
         )
 
-
-def _acc(d: dict[str, Tensor], key: str, v: Tensor) -> None:
-    if key in d:
-        d[key].add_(v)
-    else:
-        d[key] = v

@@ -91,7 +91,6 @@ class WindowStats:
         batch_l2: per micro-step ``[B_k]`` vectors of ||g_n||^2 (concatenate for ``[N]``).
         sum_grad_squared: parameter name -> ``[*param]``, sum_n g_n^2.
         grad_sum: parameter name -> ``[*param]``, sum_n g_n.
-        params: parameter name -> the parameter tensor (values at which gradients were taken).
     """
 
     reduction: str = "mean"
@@ -101,7 +100,6 @@ class WindowStats:
     batch_l2: list[Tensor] = field(default_factory=list)
     sum_grad_squared: dict[str, Tensor] = field(default_factory=Accumulators)
     grad_sum: dict[str, Tensor] = field(default_factory=Accumulators)
-    params: dict[str, Tensor] = field(default_factory=dict)
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
@@ -118,7 +116,6 @@ class WindowStats:
             batch_l2=self.batch_l2 + other.batch_l2,
             sum_grad_squared=_add_dicts(self.sum_grad_squared, other.sum_grad_squared),
             grad_sum=_add_dicts(self.grad_sum, other.grad_sum),
-            params={**other.params, **self.params},
         )
 
     # ---- derived views, in per-sample units --------------------------------------------
