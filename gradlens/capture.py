@@ -1,11 +1,23 @@
-"""Capture: which modules are watched, and how one micro-step's backward reaches the instruments.
+"""Capture: which parameters are tracked, and how one micro-step's backward reaches the
+instruments.
 
-``extend(model)`` checks a model once and marks it; ``extend(loss_fn)`` makes a loss module
-report its reduction and batch size. A :class:`Tap` installs forward hooks on the watched
-modules *only while a tracked window is open* (so untracked steps cost what a plain step
-costs). Each forward with grad enabled registers a hook on the module's output; during
-``backward`` that hook receives dL/d(output), rescales it to per-sample units (times B under
-reduction ``"mean"``) and hands ``(module, input, delta)`` to the Lens.
+``extend(model)`` marks a model (and remembers exclusions); ``extend(loss_fn)`` makes a loss
+module report its reduction and batch size. A :class:`Tap` is installed *only while a tracked
+window is open* (untracked steps cost what a plain step costs). During a tracked forward it
+follows every use of a tracked parameter:
+
+- a module with a closed-form kernel in :mod:`gradlens.registry` (Linear, Conv, Embedding, the
+  norms, ...) is one *site*: its input is kept and its output hooked;
+- modules with a registered tracked-window forward (``nn.MultiheadAttention``, RNNs) run it, so
+  that their parameters are used through batch-first ``F.linear`` calls;
+- every other operation is seen by a ``TorchFunctionMode``: tensors computed from the batch
+  ("data") and from parameters only ("derived") are told apart, and the operation where a
+  parameter (or a derived tensor) meets the batch is hooked; ``F.linear`` there is a site, the
+  rest follows the exact per-operation rules of :mod:`gradlens.ops`.
+
+In backward each hooked output hands its gradient to the Lens, which rescales it to per-sample
+units and measures it. The sample axis of a use is the axis whose size is the micro-batch size
+(read from the model's first input; dim 1 where a ``batch_first=False`` module says so).
 
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
 on the model and cost ~1.6x a plain step on a 784-512-512-10 MLP even outside a ``backpack``
@@ -17,14 +29,21 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from collections import Counter
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradlens.kernels import Kernel, kernel_for
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["extend", "LossCall", "last_loss_call", "Tap", "WatchedModule", "watched_modules"]
+from gradlens import ops
+from gradlens.kernels import Kernel, LinearKernel, OpLinear
+from gradlens.registry import forward_for, kernel_for
+
+__all__ = ["extend", "LossCall", "last_loss_call", "Tap", "Site", "tracked_parameters"]
 
 _EXTENDED = "_gradlens_extended"
 _EXCLUDE = "_gradlens_exclude"
@@ -113,17 +132,15 @@ def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
     For a loss module (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ...): installs a light forward
     hook that tells :meth:`gradlens.Lens.capture` the reduction and batch size of the loss.
 
-    For a model: checks every module that owns parameters. Unsupported modules (e.g. LayerNorm,
-    GroupNorm, MultiheadAttention, GRU, a custom module with its own parameters) and Conv layers
-    with ``padding_mode`` other than ``"zeros"`` raise ``TypeError``/``ValueError`` unless their
-    parameters are excluded by qualified name or module-name prefix in ``exclude``; the exclusion
-    is remembered and applied by every :class:`~gradlens.Lens` on this model. No hook is left on
-    the model: the Lens installs its hooks for tracked windows only.
+    For a model: marks it and remembers ``exclude``; every trainable parameter not excluded is
+    tracked by each :class:`~gradlens.Lens` on it (see :mod:`gradlens.registry` for how each
+    layer is handled). No hook is left on the model: the Lens installs its hooks for tracked
+    windows only.
 
     Args:
         module: a model or a loss module.
-        exclude: parameter names (``"fc.weight"``) or module names (``"fc"``, ``"encoder.norm"``)
-            whose parameters gradlens must not track.
+        exclude: parameter names (``"fc.weight"``, ``"cls_token"``) or module names (``"fc"``,
+            ``"encoder.norm"``) whose parameters gradlens must not track.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}")
@@ -137,8 +154,10 @@ def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
         if not hasattr(module, _LOSS_HOOK):
             setattr(module, _LOSS_HOOK, module.register_forward_hook(_loss_forward_hook))
         return module
+    if isinstance(exclude, str):
+        raise TypeError(f"exclude must be a list of names, got the string {exclude!r}; use exclude=[{exclude!r}]")
     exclude = tuple(getattr(module, _EXCLUDE, ())) + tuple(exclude)
-    watched_modules(module, exclude)  # raises on unsupported modules
+    tracked_parameters(module, exclude)  # checks the names
     setattr(module, _EXCLUDE, exclude)
     setattr(module, _EXTENDED, True)
     return module
@@ -156,58 +175,544 @@ def _excluded(name: str, exclude: tuple[str, ...]) -> bool:
     return any(name == e or name.startswith(e + ".") for e in exclude if e)
 
 
-@dataclass
-class WatchedModule:
-    """A module whose parameters are tracked: its name, kernel and tracked parameters."""
-
-    name: str
-    module: nn.Module
-    kernel: Kernel
-    params: dict[str, str]  # attribute ("weight") -> qualified name ("fc1.weight")
-
-    @property
-    def is_batchnorm(self) -> bool:
-        return isinstance(self.module, nn.modules.batchnorm._BatchNorm)
 
 
-def watched_modules(model: nn.Module, exclude: tuple[str, ...] = ()) -> list[WatchedModule]:
-    """The modules of ``model`` whose parameters will be tracked, after exclusions.
+def tracked_parameters(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
+    """Qualified name -> parameter for every trainable parameter of ``model`` not excluded (a
+    shared parameter once, under its first name in ``named_parameters()``).
 
     Raises:
-        TypeError: a module with tracked parameters has no per-sample gradient kernel.
-        ValueError: a Conv layer uses a ``padding_mode`` other than ``"zeros"``.
+        ValueError: a name in ``exclude`` matches no parameter or module of ``model``.
     """
-    out: list[WatchedModule] = []
-    for mname, mod in model.named_modules():
-        own = {
-            pn: (f"{mname}.{pn}" if mname else pn)
-            for pn, p in mod.named_parameters(recurse=False)
-            if p.requires_grad
-        }
-        own = {pn: q for pn, q in own.items() if not _excluded(q, exclude)}
-        if not own:
-            continue
-        where = f"module {mname!r} ({type(mod).__name__})" if mname else type(mod).__name__
-        try:
-            kernel = kernel_for(mod)
-        except TypeError:
-            raise TypeError(
-                f"{where} has parameters {sorted(own.values())} for which per-sample gradients "
-                "are not available (BackPACK and gradlens support Linear, Conv, ConvTranspose, "
-                "Embedding and eval-mode BatchNorm); exclude them: "
-                f"gradlens.extend(model, exclude=[{mname!r}]) or Lens(..., exclude=[{mname!r}])"
-            ) from None
-        if getattr(mod, "padding_mode", "zeros") != "zeros":
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in model.named_modules(remove_duplicate=False) if n}
+    for e in exclude:
+        if e and not any(n == e or n.startswith(e + ".") for n in names):
             raise ValueError(
-                f"{where} uses padding_mode={mod.padding_mode!r}; per-sample gradients need "
-                f"padding_mode='zeros' (or exclude it: exclude=[{mname!r}])"
+                f"exclude names {e!r}, which is neither a parameter nor a module of "
+                f"{type(model).__name__}; names are as in model.named_parameters() "
+                "(e.g. 'encoder.norm.weight') or model.named_modules() (e.g. 'encoder.norm')"
             )
-        out.append(WatchedModule(mname, mod, kernel, own))
+    return {
+        n: p
+        for n, p in model.named_parameters()
+        if p.requires_grad and not _excluded(n, exclude)
+    }
+
+
+@dataclass(eq=False)
+class Site:
+    """One use of tracked parameters with a closed-form kernel: a module call, an ``F.linear``
+    call, or (built by the Lens) a parameter whose per-sample gradients were materialised.
+
+    Attributes:
+        name: unique within a micro-step, stable across micro-steps (module name, or
+            ``"op<k>:<param>"`` for the k-th operation of a forward).
+        module: what the kernel reads (the module, or a stand-in with the same attributes).
+        kernel: the :class:`~gradlens.kernels.Kernel`.
+        params: attribute (``"weight"``) -> qualified name of the tracked parameter.
+    """
+
+    name: str
+    module: Any
+    kernel: Kernel
+    params: dict[str, str]
+
+    def only(self, attrs) -> "Site":
+        """The same use restricted to the parameters ``attrs``."""
+        return Site(self.name, self.module, self.kernel, {a: q for a, q in self.params.items() if a in attrs})
+
+
+#: Called in backward: (site, input a [B, ...], output gradient [B, ...], weight grad comes via
+#: autograd's node, micro-batch size seen in forward)
+OnUse = Callable[[Site, Tensor, Tensor, bool, int], None]
+
+
+@dataclass(eq=False)
+class OpUse:
+    """An operation where tracked parameters (or tensors derived from parameters only) meet the
+    batch; per-sample gradients follow :func:`gradlens.ops.per_sample_wrt`."""
+
+    name: str
+    func: Callable
+    args: tuple
+    kwargs: dict
+    inputs: list  # (position, tensor, frozenset of qualified names)
+    axis: int
+    batch: int
+
+
+def _tensors(args) -> Iterable[tuple[Any, Tensor]]:
+    for i, x in enumerate(args):
+        if isinstance(x, Tensor):
+            yield i, x
+        elif isinstance(x, (list, tuple)):
+            for j, y in enumerate(x):
+                if isinstance(y, Tensor):
+                    yield (i, j), y
+
+
+def _outputs(out) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [o for o in out if isinstance(o, Tensor)]
+    return []
+
+
+def _axis(shape, batch: int, hint: int) -> int | None:
+    """The sample axis of a tensor of ``shape`` in a micro-batch of ``batch``: the axis of that
+    size (``hint`` first where several have it), or None."""
+    cands = [i for i, s in enumerate(shape) if s == batch]
+    if not cands:
+        return None
+    return hint if hint in cands else cands[0]
+
+
+def _hints(model: nn.Module) -> dict[int, int]:
+    """id(module) -> the sample axis its 3-D activations use: 1 under a ``batch_first=False``
+    attention/RNN/transformer layer, else 0 (inherited from the nearest module that says)."""
+    def own(m):
+        for obj in (m, getattr(m, "self_attn", None)):
+            bf = getattr(obj, "batch_first", None)
+            if isinstance(bf, bool):
+                return 0 if bf else 1
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return own(layers[0])
+        return None
+
+    out: dict[int, int] = {}
+
+    def visit(m, inherited):
+        h = own(m)
+        h = inherited if h is None else h
+        out[id(m)] = h
+        for c in m.children():
+            visit(c, h)
+
+    visit(model, 0)
     return out
 
 
-OnGrad = Callable[[WatchedModule, Tensor, Tensor, bool], None]
-OnWeightGrad = Callable[[WatchedModule, Tensor], None]
+class _UseMode(TorchFunctionMode):
+    """Sees every torch call of a tracked forward (outside closed-form sites)."""
+
+    def __init__(self, tap: "Tap"):
+        super().__init__()
+        self.tap = tap
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tap = self.tap
+        if tap._skip:
+            return func(*args, **kwargs)
+        if func is F.linear and kwargs:
+            full = list(args) + [None] * (3 - len(args))
+            for i, k in enumerate(("input", "weight", "bias")):
+                if k in kwargs:
+                    full[i] = kwargs[k]
+            args, kwargs = tuple(full), {}
+        data = tap._data
+        derived = tap._derived
+        pid = tap._pid
+        is_data = False
+        tracked = []
+        for pos, x in _tensors(args):
+            if x in data:
+                is_data = True
+                continue
+            q = pid.get(id(x))
+            if q is not None and x is tap.params[q]:
+                tracked.append((pos, x, frozenset((q,))))
+            else:
+                d = derived.get(x)
+                if d:
+                    tracked.append((pos, x, d))
+                elif x.requires_grad and not isinstance(x, nn.Parameter):
+                    is_data = True  # computed by something the mode did not see (a custom kernel)
+        for k, x in kwargs.items():
+            if isinstance(x, Tensor):
+                if x in data:
+                    is_data = True
+                elif pid.get(id(x)) is not None or derived.get(x):
+                    raise NotImplementedError(
+                        f"gradlens: a tracked parameter is passed to {getattr(func, '__name__', func)} "
+                        f"as the keyword argument {k!r}; pass it positionally"
+                    )
+        if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
+            out = func(*args, **kwargs)
+            if is_data:
+                for o in _outputs(out):
+                    data[o] = True
+            return out
+        if func is F.batch_norm and is_data:
+            training = args[5] if len(args) > 5 else kwargs.get("training", False)
+            if training or args[1] is None:
+                tap._taint_before(args[0], "F.batch_norm (batch statistics)")
+        if not tracked:
+            out = func(*args, **kwargs)
+            if is_data:
+                for o in _outputs(out):
+                    data[o] = True
+            return out
+        if not is_data:
+            out = func(*args, **kwargs)
+            names = frozenset().union(*(t[2] for t in tracked))
+            for o in _outputs(out):
+                if o.requires_grad:
+                    derived[o] = names
+            return out
+        if ops.is_inplace(func):  # keep the inputs as they were for the per-sample rule
+            saved = tuple(a.clone() if isinstance(a, Tensor) and a in data else a for a in args)
+        else:
+            saved = args
+        out = func(*args, **kwargs)
+        for o in _outputs(out):
+            data[o] = True
+        tap._meet(func, saved, kwargs, tracked, out)
+        return out
+
+
+class Tap:
+    """The hooks of a tracked window (see the module docstring). ``install()`` / ``remove()``
+    are idempotent; per micro-step state (use counts, parameters that received a gradient,
+    parameters whose per-sample gradient is undefined) is read and reset by the Lens.
+
+    Args:
+        model: the extended model.
+        params: qualified name -> tracked parameter.
+        on_use: receives each closed-form site use in backward.
+        on_op_use: receives ``(OpUse, output gradient)`` in backward.
+        on_weight_grad: optional; receives autograd's own dL/dW of a 2-D ``nn.Linear`` call.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: dict[str, nn.Parameter],
+        on_use: OnUse,
+        on_op_use: Callable[[OpUse, Tensor], None],
+        on_weight_grad: Callable[[Site, Tensor], None] | None = None,
+    ):
+        self.model = model
+        self.on_use, self.on_op_use, self.on_weight_grad = on_use, on_op_use, on_weight_grad
+        self._handles: list = []
+        self._replaced: list[nn.Module] = []
+        self._hint = _hints(model)
+        self._mode = _UseMode(self)
+        self._mode_depth = 0
+        self._skip = 0
+        self._stack: list[int] = [0]
+        self._batch: int | None = None
+        self._data = WeakIdKeyDictionary()
+        self._derived = WeakIdKeyDictionary()
+        self._visited: set = set()
+        self._ops = 0
+        self.set_params(params)
+        self.reset_micro()
+
+    def set_params(self, params: dict[str, nn.Parameter]) -> None:
+        """The tracked parameters (their sites are rebuilt; hooks reinstalled if installed)."""
+        was = self.installed
+        self.remove()
+        self.params = dict(params)
+        self._pid = {id(p): q for q, p in self.params.items()}
+        self.sites: dict[int, tuple[nn.Module, Site | None]] = {}
+        self._names = {id(m): n for n, m in self.model.named_modules()}
+        for name, mod in self.model.named_modules():
+            kernel = kernel_for(mod)
+            if kernel is None:
+                continue
+            own = {
+                attr: self._pid[id(p)]
+                for attr, p in mod.named_parameters(recurse=False)
+                if id(p) in self._pid and p is self.params[self._pid[id(p)]]
+            }
+            site = Site(name or type(mod).__name__, mod, kernel, own) if own else None
+            self.sites[id(mod)] = (mod, site)
+        if was:
+            self.install()
+
+    def reset_micro(self) -> None:
+        self.uses: Counter = Counter()
+        self.received: set[str] = set()
+        self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
+        self._visited = set()
+        self._ops = 0
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    # ------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        if self._handles:
+            return
+        # hooks are closures, not bound methods: copy.deepcopy(model) during a tracked window
+        # must not copy the Tap (and the Lens, its sinks, ...)
+        root, tap = self.model, self
+        self._handles.append(
+            root.register_forward_pre_hook(lambda m, a, k: tap._root_pre(m, a, k), with_kwargs=True)
+        )
+        for mod in root.modules():
+            entry = self.sites.get(id(mod))
+            site_mod = entry is not None
+            self._handles.append(mod.register_forward_pre_hook(self._pre(mod, site_mod)))
+            post = self._site_post(mod, entry[1]) if site_mod else (lambda m, a, o: tap._post(m, a, o))
+            self._handles.append(mod.register_forward_hook(post, always_call=True))
+            fwd = forward_for(mod)
+            if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
+                mod.forward = _TrackedForward(fwd, mod, self)
+                self._replaced.append(mod)
+        # last, so that the module hooks of the root (a model that is one layer) run before it
+        self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
+        for q, p in self.params.items():
+            self._handles.append(p.register_post_accumulate_grad_hook(self._received(q)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for mod in self._replaced:
+            mod.__dict__.pop("forward", None)
+        self._replaced = []
+        while self._mode_depth:
+            self._mode_depth -= 1
+            self._mode.__exit__(None, None, None)
+        self._skip = 0
+        self._stack = [0]
+
+    def _received(self, q: str):
+        def hook(p):
+            self.received.add(q)
+
+        return hook
+
+    # ------------------------------------------------------------------ forward hooks
+    def _root_pre(self, module, args, kwargs):
+        if not torch.is_grad_enabled() or _in_functorch():
+            return None  # no gradients here, or a torch.func transform of the model (an oracle)
+        if self._mode_depth == 0:
+            hint = self._hint.get(id(module), 0)
+            first = next((x for _, x in _tensors(tuple(args) + tuple(kwargs.values())) if x.dim() > 0), None)
+            if first is not None:
+                ax = hint if first.dim() > hint else 0
+                self._batch = int(first.shape[ax])
+                for _, x in _tensors(tuple(args) + tuple(kwargs.values())):
+                    if x.dim() > ax and x.shape[ax] == self._batch:
+                        self._data[x] = True
+            self._mode.__enter__()
+        self._mode_depth += 1
+        return None
+
+    def _root_post(self, module, args, output):
+        if self._mode_depth:
+            self._mode_depth -= 1
+            if self._mode_depth == 0:
+                self._mode.__exit__(None, None, None)
+        return None
+
+    def _pre(self, mod: nn.Module, site: bool):
+        hint = 0 if forward_for(mod) is not None else self._hint.get(id(mod), 0)  # batch-first inside
+        stack = self._stack
+
+        def pre(module, args):
+            stack.append(hint)
+            if site and self._mode_depth:
+                self._skip += 1
+            return None
+
+        return pre
+
+    def _post(self, module, args, output):
+        if len(self._stack) > 1:
+            self._stack.pop()
+        return None
+
+    def _is_data(self, x: Tensor) -> bool:
+        """``x`` carries samples: computed from the model's inputs, or (made by an operation the
+        mode cannot see, e.g. a custom kernel) requiring grad without being derived from
+        parameters only."""
+        if x in self._data:
+            return True
+        return x.requires_grad and x not in self._derived and id(x) not in self._pid
+
+    def _site_post(self, mod: nn.Module, site: Site | None):
+        hint = self._hint.get(id(mod), 0)
+        linear = isinstance(mod, nn.Linear) and site is not None and "weight" in site.params
+        stateful = isinstance(mod, nn.modules.batchnorm._BatchNorm)  # kernel follows train/eval
+
+        def post(module, args, output):
+            nonlocal site
+            if len(self._stack) > 1:
+                self._stack.pop()
+            if not self._mode_depth:
+                return None
+            self._skip -= 1
+            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and args and isinstance(args[0], Tensor)):
+                return None
+            kernel = kernel_for(module) if stateful else None
+            if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
+                site = Site(site.name, module, kernel, site.params)
+            mixes = getattr(kernel, "mixes_samples", False)
+            a = args[0]
+            if not self._is_data(a):
+                if site is not None and output.requires_grad:
+                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
+                    self._derived[output] = names
+                elif a in self._derived and output.requires_grad:
+                    self._derived[output] = self._derived[a]
+                return None
+            self._data[output] = True
+            if mixes:
+                self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
+            if site is None or not output.requires_grad:
+                return None
+            batch = self._batch
+            ax = _axis(a.shape, batch, hint) if a.dim() > 1 or not isinstance(module, nn.Embedding) else 0
+            if ax is None:
+                _raise_in_backward(
+                    output,
+                    f"gradlens cannot find the sample axis of the input of {site.name!r} "
+                    f"({type(module).__name__}, shape {tuple(a.shape)}) in a micro-batch of {batch} "
+                    "(read from the model's first input): the layer must see the samples on an axis "
+                    "of their own",
+                )
+                return None
+            for q in site.params.values():
+                self.uses[q] += 1
+            a_b = a.movedim(ax, 0) if ax else a
+            node = None
+            if linear and self.on_weight_grad is not None and ax == 0:
+                node = _weight_grad_node(output, module.weight)
+                if node is not None:
+                    on_wg = self.on_weight_grad
+                    node.register_hook(lambda grad_in, grad_out: on_wg(site, grad_in[0]))
+            on_use, via = self.on_use, node is not None
+            output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch))
+            return None
+
+        return post
+
+    # ------------------------------------------------------------------ operations
+    def _meet(self, func, args, kwargs, tracked, out) -> None:
+        """An operation combining tracked parameters (or derived tensors) with the batch."""
+        outs = _outputs(out)
+        if not outs or not outs[0].requires_grad:
+            return
+        fname = getattr(func, "__name__", str(func))
+        if len(outs) != 1:
+            raise NotImplementedError(
+                f"gradlens: {fname} combines the parameters {sorted(set().union(*(t[2] for t in tracked)))} "
+                "with the batch and returns several tensors; per-sample gradients of such "
+                "operations are not supported: exclude these parameters (Lens(..., exclude=[...]))"
+            )
+        out = outs[0]
+        batch = self._batch
+        hint = self._stack[-1]
+        ax = _axis(out.shape, batch, hint)
+        if ax is None:
+            _raise_in_backward(
+                out,
+                f"gradlens cannot find the sample axis of the output of {fname} (shape "
+                f"{tuple(out.shape)}, micro-batch of {batch}), which uses the parameters "
+                f"{sorted(set().union(*(t[2] for t in tracked)))}: keep the samples on an axis "
+                "of their own where parameters are applied",
+            )
+            return
+        k = self._ops
+        self._ops += 1
+        positions = {t[0] for t in tracked}
+        if func is F.linear and positions <= {1, 2} and 1 in positions and isinstance(args[0], Tensor):
+            w = args[1]
+            bias = args[2] if len(args) > 2 else None
+            direct = all(t[1] is self.params.get(next(iter(t[2]))) for t in tracked)
+            if direct and (bias is None or 2 in positions or not bias.requires_grad):
+                names = {"weight": next(iter(tracked[[t[0] for t in tracked].index(1)][2]))}
+                if 2 in positions:
+                    names["bias"] = next(iter(tracked[[t[0] for t in tracked].index(2)][2]))
+                site = Site(f"op{k}:{names['weight']}", OpLinear(w, bias, tuple(names)), LinearKernel(), names)
+                for q in names.values():
+                    self.uses[q] += 1
+                a = args[0]
+                a_b = a.movedim(ax, 0) if ax else a
+                on_use = self.on_use
+                out.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, False, batch))
+                return
+        detached = tuple(
+            a.detach() if isinstance(a, Tensor) else
+            (type(a)(x.detach() if isinstance(x, Tensor) else x for x in a) if isinstance(a, (list, tuple)) else a)
+            for a in args
+        )
+        use = OpUse(f"op{k}:{fname}", func, detached, kwargs, list(tracked), ax, batch)
+        for _, _, names in tracked:
+            for q in names:
+                self.uses[q] += 1
+        on_op_use = self.on_op_use
+        out.register_hook(lambda g: on_op_use(use, g))
+
+    def _taint_before(self, x: Tensor, layer: str) -> None:
+        """Every tracked parameter whose output reaches ``x`` (the input of a layer that mixes
+        samples) has an undefined per-sample gradient."""
+        stack = [x.grad_fn]
+        visited = self._visited
+        while stack:
+            node = stack.pop()
+            if node is None or node in visited:
+                continue
+            visited.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None:
+                q = self._pid.get(id(var))
+                if q is not None:
+                    self.tainted.setdefault(q, layer)
+                continue
+            stack.extend(n for n, _ in node.next_functions)
+
+    def name_of(self, module: nn.Module) -> str:
+        """The qualified name of a module of the model (``""`` for the root)."""
+        return self._names.get(id(module), type(module).__name__)
+
+    def mark_data(self, x: Tensor) -> None:
+        """Declare ``x`` (made inside a tracked forward, e.g. an RNN's zero initial state) part
+        of the batch."""
+        self._data[x] = True
+
+    @property
+    def batch(self) -> int | None:
+        return self._batch
+
+
+def _in_functorch() -> bool:
+    try:
+        return torch._C._functorch.maybe_current_level() is not None
+    except AttributeError:  # pragma: no cover - older torch
+        return False
+
+
+def _raise_in_backward(t: Tensor, message: str) -> None:
+    """A use gradlens cannot measure: the error comes when (and only if) backward reaches it."""
+
+    def hook(g):
+        raise RuntimeError(message)
+
+    t.register_hook(hook)
+
+
+class _TrackedForward:
+    """``module.forward`` during tracked windows (a registered tracked-window forward). A deep
+    copy of the module taken meanwhile gets the module's own forward back."""
+
+    def __init__(self, fwd: Callable, module: nn.Module, tap: Tap):
+        self.fwd, self.module, self.tap = fwd, module, tap
+
+    def __call__(self, *args, **kwargs):
+        return self.fwd(self.module, self.tap, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        copied = memo.get(id(self.module))
+        return type(copied).forward.__get__(copied) if copied is not None else None
 
 
 def _weight_grad_node(output: Tensor, weight: Tensor):
@@ -224,68 +729,3 @@ def _weight_grad_node(output: Tensor, weight: Tensor):
             if getattr(leaf, "variable", None) is weight:
                 return node
     return None
-
-
-class Tap:
-    """Forward hooks on the watched modules that route output gradients to ``on_grad``.
-
-    ``install()`` / ``remove()`` are idempotent. While installed, every forward pass with grad
-    enabled attaches a hook to each watched module's output; ``on_grad(watched, input, grad)``
-    runs when backward reaches that output.
-    """
-
-    def __init__(
-        self,
-        watched: list[WatchedModule],
-        on_grad: OnGrad,
-        sentinels: list[tuple[str, nn.Module]] = (),
-        on_sentinel: Callable[[str, nn.Module], None] | None = None,
-        on_weight_grad: OnWeightGrad | None = None,
-    ):
-        self.watched = watched
-        self.on_grad = on_grad
-        self.on_weight_grad = on_weight_grad
-        self.sentinels = list(sentinels)
-        self.on_sentinel = on_sentinel
-        self._handles: list = []
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
-    def install(self) -> None:
-        if self._handles:
-            return
-        for w in self.watched:
-            self._handles.append(w.module.register_forward_hook(self._make_hook(w)))
-        for name, mod in self.sentinels:
-            self._handles.append(mod.register_forward_hook(self._make_sentinel(name)))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def _make_hook(self, w: WatchedModule):
-        on_grad, on_weight_grad = self.on_grad, self.on_weight_grad
-        linear = on_weight_grad is not None and isinstance(w.module, nn.Linear) and "weight" in w.params
-
-        def forward_hook(module, inputs, output):
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
-                return
-            a = inputs[0]
-            node = _weight_grad_node(output, module.weight) if linear else None
-            if node is not None:  # sum_n g_n of the weight comes free with autograd's own dL/dW
-                node.register_hook(lambda grad_in, grad_out: on_weight_grad(w, grad_in[0]))
-            output.register_hook(lambda g: on_grad(w, a, g, node is not None))
-
-        return forward_hook
-
-    def _make_sentinel(self, name: str):
-        on_sentinel = self.on_sentinel
-
-        def forward_hook(module, inputs, output):
-            if torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
-                output.register_hook(lambda g: on_sentinel(name, module))
-
-        return forward_hook

@@ -36,6 +36,11 @@ __all__ = ["Kernel", "kernel_for", "SUPPORTED_MODULES"]
 class Kernel:
     """Default kernel: everything derived from materialised per-sample gradients."""
 
+    #: what the cross-micro-step instruments may assume of the layer's maths: ``"linear"``
+    #: (``F.linear`` factors), ``"conv"`` (a ``_conv_forward`` along a direction), ``"bn"``
+    #: (an affine map of fixed statistics), or ``"other"`` (materialise per-sample slices).
+    kind = "other"
+
     #: sample slice used when a reduction has to materialise; bounded by element count.
     max_chunk_elements = 1 << 22
 
@@ -115,6 +120,7 @@ class LinearKernel(Kernel):
     """``nn.Linear`` with input ``[B, *, d_in]``; g_n = sum_t delta_nt a_nt^T."""
 
     factored = True
+    kind = "linear"
 
     @staticmethod
     def _flat(module, a, delta):
@@ -207,6 +213,8 @@ class LinearKernel(Kernel):
 class Conv2dKernel(Kernel):
     """``nn.Conv2d`` (groups=1, zero padding): per-sample gradients via unfold + bmm."""
 
+    kind = "conv"
+
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         x = F.unfold(
             a[start:stop], module.kernel_size, module.dilation, module.padding, module.stride
@@ -232,6 +240,8 @@ class Conv2dKernel(Kernel):
 
 class BatchNormEvalKernel(Kernel):
     """``nn.BatchNorm{1,2,3}d`` in eval mode: a per-channel affine map of the running statistics."""
+
+    kind = "bn"
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         x, d = a[start:stop], delta[start:stop]
@@ -313,6 +323,194 @@ def _backpack_kernels() -> dict[type, Callable[[], Kernel]]:
         nn.ConvTranspose2d: lambda: BackpackKernel(ConvTranspose2DDerivatives()),
         nn.ConvTranspose3d: lambda: BackpackKernel(ConvTranspose3DDerivatives()),
     }
+
+
+# =============================================================================== norms
+class _NormKernel(Kernel):
+    """Normalisation layers with an elementwise affine map ``y = x_hat * weight + bias``:
+    g_n(weight) = sum over the non-parameter axes of ``delta_n * x_hat_n``, g_n(bias) = sum of
+    ``delta_n``. ``x_hat`` is recomputed from the layer input (subclasses define it and where the
+    parameter axes are)."""
+
+    def x_hat(self, module, a: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def param_dims(self, module, x: Tensor) -> tuple[int, ...]:
+        """Axes of the batch-first input ``x`` that the parameter spans."""
+        raise NotImplementedError
+
+    def _sum_to_param(self, module, x: Tensor, t: Tensor) -> Tensor:
+        keep = set(self.param_dims(module, x)) | {0}
+        dims = tuple(d for d in range(1, t.dim()) if d not in keep)
+        return t.sum(dims) if dims else t
+
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
+        attrs = self.params(module) if attrs is None else attrs
+        x, d = a[start:stop], delta[start:stop]
+        out = {}
+        if "weight" in attrs:
+            out["weight"] = self._sum_to_param(module, x, d * self.x_hat(module, a)[start:stop])
+        if "bias" in attrs:
+            out["bias"] = self._sum_to_param(module, x, d)
+        return out
+
+
+class LayerNormKernel(_NormKernel):
+    """``nn.LayerNorm``: statistics of each sample (and position) over ``normalized_shape``."""
+
+    def param_dims(self, module, x):
+        k = len(module.normalized_shape)
+        return tuple(range(x.dim() - k, x.dim()))
+
+    def x_hat(self, module, a):
+        dims = self.param_dims(module, a)
+        var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
+        return (a - mean) * torch.rsqrt(var + module.eps)
+
+
+class RMSNormKernel(LayerNormKernel):
+    """``nn.RMSNorm``: ``x * rsqrt(mean(x^2) + eps)`` over ``normalized_shape``."""
+
+    def x_hat(self, module, a):
+        dims = self.param_dims(module, a)
+        eps = module.eps if module.eps is not None else torch.finfo(a.dtype).eps
+        return a * torch.rsqrt(a.square().mean(dims, keepdim=True) + eps)
+
+
+class _ChannelNormKernel(_NormKernel):
+    """Norms with a per-channel affine map on ``[B, C, *spatial]`` (GroupNorm, InstanceNorm,
+    BatchNorm with batch statistics)."""
+
+    def param_dims(self, module, x):
+        return (1,)
+
+
+class GroupNormKernel(_ChannelNormKernel):
+    """``nn.GroupNorm``: statistics of each sample over each group of channels."""
+
+    def x_hat(self, module, a):
+        b = a.shape[0]
+        g = a.reshape(b, module.num_groups, -1)
+        var, mean = torch.var_mean(g, dim=2, unbiased=False, keepdim=True)
+        return ((g - mean) * torch.rsqrt(var + module.eps)).view_as(a)
+
+
+class InstanceNormKernel(_ChannelNormKernel):
+    """``nn.InstanceNorm{1,2,3}d(affine=True)``: statistics of each sample and channel (or the
+    running statistics in eval mode with ``track_running_stats=True``)."""
+
+    def x_hat(self, module, a):
+        if not module.training and module.track_running_stats and module.running_mean is not None:
+            return _running_x_hat(module, a)
+        dims = tuple(range(2, a.dim()))
+        var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
+        return (a - mean) * torch.rsqrt(var + module.eps)
+
+
+class BatchNormBatchStatsKernel(_ChannelNormKernel):
+    """``nn.BatchNorm{1,2,3}d`` normalising with the statistics of the micro-batch (training
+    mode, or ``track_running_stats=False``). The batch statistics mix samples, which makes the
+    per-sample gradients of everything *before* the layer undefined (the Lens refuses those);
+    its own weight and bias, and the layers after it, stay exact."""
+
+    mixes_samples = True
+
+    def x_hat(self, module, a):
+        dims = (0,) + tuple(range(2, a.dim()))
+        var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
+        return (a - mean) * torch.rsqrt(var + module.eps)
+
+
+def _running_x_hat(module, a: Tensor) -> Tensor:
+    shape = [1, -1] + [1] * (a.dim() - 2)
+    mean = module.running_mean.view(shape).to(a.dtype)
+    var = module.running_var.view(shape).to(a.dtype)
+    return (a - mean) * torch.rsqrt(var + module.eps)
+
+
+# =============================================================================== Linear-likes
+class TransposedLinearKernel(LinearKernel):
+    """Hugging Face ``transformers``' ``Conv1D``: ``y = x @ W + b`` with ``W [d_in, d_out]``;
+    g_n(W) = sum_t a_nt delta_nt^T (the transpose of ``nn.Linear``'s)."""
+
+    kind = "other"
+
+    class _AsLinear:
+        def __init__(self, module):
+            self.in_features, self.out_features = module.weight.shape
+            self._m = module
+
+        def named_parameters(self, recurse=False):
+            return self._m.named_parameters(recurse=False)
+
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
+        out = super().per_sample(self._AsLinear(module), a, delta, start, stop, attrs)
+        if "weight" in out:
+            out["weight"] = out["weight"].transpose(-1, -2)
+        return out
+
+    def outer_factors(self, module, a, delta):
+        got = super().outer_factors(module, a, delta)
+        return {"weight": (a, delta)} if got else {}
+
+    def reduce(self, module, a, delta, want, names, acc, skip=()):
+        return Kernel.reduce(self, module, a, delta, want, names, acc, skip)
+
+    def batch_l2(self, module, a, delta):
+        return super().batch_l2(self._AsLinear(module), a, delta)
+
+    def sum_grad_squared(self, module, a, delta):
+        if delta.dim() != 2:
+            return Kernel.sum_grad_squared(self, module, a, delta)
+        out = {"weight": a.square().t() @ delta.square(), "bias": delta.square().sum(0)}
+        return {n: out[n] for n in self.params(module)}
+
+    def grad_sum(self, module, a, delta):
+        x = a.reshape(-1, a.shape[-1])
+        d = delta.reshape(-1, delta.shape[-1])
+        out = {"weight": x.t() @ d, "bias": d.sum(0)}
+        return {n: out[n] for n in self.params(module)}
+
+
+class OpLinear:
+    """A functional ``F.linear(x, weight, bias)`` call seen during a tracked forward, presented
+    to :class:`LinearKernel` as if it were an ``nn.Linear`` (only the tracked parameters count).
+    Also the union of several calls of the same weight, their positions concatenated."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, tracked: tuple[str, ...]):
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+        self._tracked = tracked
+
+    def named_parameters(self, recurse: bool = False):
+        return [(n, getattr(self, n)) for n in self._tracked]
+
+    def parameters(self, recurse: bool = False):
+        return [p for _, p in self.named_parameters()]
+
+
+class Materialised:
+    """A parameter whose per-sample gradients were formed explicitly (shared parameters summed
+    over their uses, or the exact per-operation fallback): ``per_sample`` of
+    :class:`MaterialisedKernel` reads slices of the stored ``[B, *param]`` tensor (passed as
+    the kernel's ``a``)."""
+
+    def __init__(self, attr: str, param: Tensor):
+        setattr(self, attr, param)
+        self._attr = attr
+
+    def named_parameters(self, recurse: bool = False):
+        return [(self._attr, getattr(self, self._attr))]
+
+    def parameters(self, recurse: bool = False):
+        return [getattr(self, self._attr)]
+
+
+class MaterialisedKernel(Kernel):
+    """Kernel of a :class:`Materialised` parameter: ``a`` is ``[B, *param]``, ``delta`` unused."""
+
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
+        return {module._attr: a[start:stop]}
 
 
 SUPPORTED_MODULES: tuple[type, ...] = (

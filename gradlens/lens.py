@@ -17,16 +17,18 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
+from gradlens import ops
 from gradlens.capture import (
+    OpUse,
+    Site,
     Tap,
-    WatchedModule,
     is_extended,
     last_loss_call,
     model_exclusions,
-    watched_modules,
+    tracked_parameters,
 )
 from gradlens.instruments.base import Accumulators, Instrument, WindowStats
-from gradlens.kernels import add_into
+from gradlens.kernels import Materialised, MaterialisedKernel, OpLinear, add_into
 from gradlens.records import Record
 
 __all__ = ["Lens"]
@@ -41,8 +43,11 @@ class _MicroStep:
     states: dict[int, Any]
     seen: set[str] = field(default_factory=set)
     batch_l2: Tensor | None = None
-    tainted_by: str | None = None
     losses: Tensor | None = None
+    #: shared parameters: qualified name -> [B, *param] per-sample gradients summed over uses
+    shared: dict[str, Tensor] = field(default_factory=dict)
+    #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
+    linear_uses: list = field(default_factory=list)
     loss_call: Any = None  # the LossCall of this micro-step (its multiplier), if any
     _scale: Any = None
 
@@ -86,9 +91,15 @@ class Lens:
         keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
             gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer.
+        undefined: what to do with parameters whose per-sample gradients are undefined because
+            their output reaches a layer that mixes samples (a BatchNorm in training mode):
+            ``"error"`` (default) names them all in one error at the first tracked micro-step;
+            ``"exclude"`` leaves them out (see :attr:`tracked`, :attr:`coverage`).
 
     Attributes:
         records: the records so far (if ``keep_records``).
+        tracked: names of the tracked parameters; ``coverage``: their fraction of the model's
+            trainable elements (also in ``record.meta["coverage"]``).
         step: index of the current window (number of windows closed so far).
         skipped_windows: windows a :class:`~gradlens.GradientAccumulateOptimizer` ended without
             an update (their statistics are dropped; no record).
@@ -106,6 +117,7 @@ class Lens:
         tensorboard: Any = None,
         keep_records: bool = True,
         chunk_elements: int = 1 << 20,
+        undefined: str = "error",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -144,29 +156,25 @@ class Lens:
         self.step = 0
         self.skipped_windows = 0
 
-        exclude = model_exclusions(model) + tuple(exclude)
-        self.watched: list[WatchedModule] = watched_modules(model, exclude)
-        if not self.watched:
+        if undefined not in ("error", "exclude"):
+            raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
+        self.undefined = undefined
+        self._exclude = model_exclusions(model) + tuple(exclude)
+        self._undefined_params: dict[str, str] = {}  # left out: name -> the mixing layer
+        params = tracked_parameters(model, self._exclude)
+        if not params:
             raise ValueError("the model has no trainable parameters left to track after exclusions")
-        self._param_of = {
-            q: getattr(w.module, attr) for w in self.watched for attr, q in w.params.items()
-        }
         self._needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
         self._per_sample_insts = [i for i in instruments if "per_sample" in i.needs]
         self._layer_insts = [i for i in instruments if "layer" in i.needs]
         self._micro_insts = self._per_sample_insts + [
             i for i in self._layer_insts if i not in self._per_sample_insts
         ]
-        sentinels = [
-            (n, m)
-            for n, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        ]
         self._tap = Tap(
-            self.watched,
-            self._on_grad,
-            sentinels,
-            self._on_sentinel,
+            model,
+            params,
+            self._on_use,
+            self._on_op_use,
             on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
         )
 
@@ -202,6 +210,7 @@ class Lens:
 
     def _open_window(self) -> None:
         if self.is_tracked():
+            self._refresh_params()
             self._window = WindowStats(
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
@@ -212,6 +221,59 @@ class Lens:
             self._window = None
             self._states = {}
             self._tap.remove()
+
+    # ------------------------------------------------------------------ coverage
+    @property
+    def tracked(self) -> list[str]:
+        """Qualified names of the tracked parameters (as in ``model.named_parameters()``)."""
+        return list(self._tap.params)
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of the model's trainable elements whose per-sample gradients are tracked."""
+        total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
+
+    def _refresh_params(self) -> None:
+        """Follow parameters frozen, unfrozen or added since the last tracked window."""
+        params = tracked_parameters(self.model, self._exclude)
+        for q in self._undefined_params:
+            params.pop(q, None)
+        if params.keys() != self._tap.params.keys() or any(
+            p is not self._tap.params[q] for q, p in params.items()
+        ):
+            if not params:
+                raise ValueError("the model has no trainable parameters left to track")
+            self._tap.set_params(params)
+
+    def _check_undefined(self) -> None:
+        """Parameters whose output reached a layer that mixes samples (found in the forward)."""
+        bad = {q: why for q, why in self._tap.tainted.items() if q in self._tap.params}
+        if not bad:
+            return
+        params = self._tap.params
+        total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        lost = sum(params[q].numel() for q in bad)
+        keep = sum(p.numel() for p in params.values()) - lost
+        if self.undefined == "exclude":
+            self._undefined_params.update(bad)
+            rest = {q: p for q, p in params.items() if q not in bad}
+            if not rest:
+                raise RuntimeError(
+                    f"every tracked parameter reaches a layer that mixes samples ({sorted(set(bad.values()))}); "
+                    "nothing is left to track: put those layers in eval mode"
+                )
+            self._tap.set_params(rest)
+            return
+        layers = sorted(set(bad.values()))
+        raise RuntimeError(
+            f"per-sample gradients of {len(bad)} parameters ({100 * lost / max(total, 1):.2f}% of the "
+            f"trainable elements) are undefined: their output reaches {', '.join(layers)}, which "
+            f"mixes the samples of a micro-batch: {sorted(bad)}. Put those layers in eval mode, or "
+            f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
+            f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
+            "after it stay exact)"
+        )
 
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
@@ -241,6 +303,7 @@ class Lens:
             values = {i.key: i.finalize(window, self._states[id(i)]) for i in self.instruments}
             values["loss"] = window.window_loss()
             record = Record(self.step, window.num_samples, window.micro_steps, values)
+            record.meta["coverage"] = self.coverage
             for i in self.instruments:
                 record.meta.update(i.meta(self._states[id(i)]))
             deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
@@ -330,9 +393,13 @@ class Lens:
         if batch is not None:
             micro.loss_call = call
             call.watch_multiplier()
+        if self._tap.tainted:
+            self._check_undefined()
         self._micro = micro
         try:
             yield
+            if micro.seen:
+                self._finish_micro(micro)
         except BaseException:
             # Sums of this window are accumulated in place: a micro-step that failed half way
             # invalidates the whole window. Drop it (no record) and let the error through.
@@ -347,6 +414,7 @@ class Lens:
             raise
         finally:
             self._micro = None
+            self._tap.reset_micro()
         if not micro.seen:
             raise RuntimeError(
                 "lens.capture() exited without a backward pass through the watched model; "
@@ -373,20 +441,18 @@ class Lens:
             inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
             self._states[key] = inst.merge(self._states[key], micro.states[key])
 
-    def _on_sentinel(self, name: str, module: nn.Module) -> None:
-        micro = self._micro
-        if micro is not None and module.training and micro.tainted_by is None:
-            micro.tainted_by = name
-
-    def _on_weight_grad(self, w: WatchedModule, grad: Tensor | None) -> None:
+    def _on_weight_grad(self, w: Site, grad: Tensor | None) -> None:
         """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
         sum_n g_n of the weight is that times the per-sample scale; no extra matmul."""
         micro = self._micro
         if micro is None or grad is None or self._window is None:
             return
+        key = w.params.get("weight")
+        if key is None or key not in self._tap.params or self._tap.uses[key] > 1:
+            return
         with torch.no_grad():
             scale = micro.scale()
-            acc, key = self._window.grad_sum, w.params["weight"]
+            acc = self._window.grad_sum
             if key in acc:
                 if isinstance(scale, Tensor):
                     acc[key].addcmul_(grad, scale)
@@ -397,49 +463,136 @@ class Lens:
             out = acc.buffer(key, tuple(grad.shape), grad.to(dtype) if dtype != grad.dtype else grad)
             acc[key] = torch.mul(grad, scale, out=out)
 
-    def _on_grad(self, w: WatchedModule, a: Tensor, g: Tensor, weight_via_node: bool = False) -> None:
+    def _begin_use(self, what: str, batch: int) -> _MicroStep:
         micro = self._micro
         if micro is None:
             raise RuntimeError(
-                f"backward reached {w.name or 'the model'!r} outside lens.capture() during a "
-                "tracked window; wrap the backward: with lens.capture(): loss.backward()"
+                f"backward reached {what!r} outside lens.capture() during a tracked window; wrap "
+                "the backward: with lens.capture(): loss.backward()"
             )
-        if w.is_batchnorm and w.module.training:
-            raise RuntimeError(
-                f"BatchNorm {w.name!r} is in training mode: it mixes the samples of a batch, so "
-                "per-sample gradients are undefined; call .eval() on it, or exclude it and every "
-                f"layer before it (Lens(..., exclude=[{w.name!r}, ...]))"
-            )
-        if micro.tainted_by is not None:
-            raise RuntimeError(
-                f"per-sample gradients of {w.name!r} are undefined: it comes before BatchNorm "
-                f"{micro.tainted_by!r}, which is in training mode and mixes samples; exclude "
-                f"{w.name!r} (Lens(..., exclude=[...])) or put the BatchNorm in eval mode"
-            )
-        if w.name in micro.seen:
-            raise RuntimeError(
-                f"module {w.name!r} was used more than once in one forward pass; gradlens cannot "
-                "split its gradient per use: use a separate module per call or exclude it"
-            )
-        micro.seen.add(w.name)
-        batch = g.shape[0]
+        if self._tap.tainted:
+            self._check_undefined()
         if micro.batch_size is None:
             micro.batch_size = batch
         elif batch != micro.batch_size:
             raise RuntimeError(
-                f"the loss saw a batch of {micro.batch_size} but {w.name!r} saw {batch}; gradlens "
-                "needs the first dimension of the loss input to be the sample dimension"
+                f"the loss saw a batch of {micro.batch_size} but the model's input had {batch} "
+                f"samples (at {what!r}); gradlens needs the first dimension of the loss input and "
+                "of the model's first input to be the sample dimension"
             )
+        return micro
+
+    @staticmethod
+    def _dtype(g: Tensor) -> torch.dtype:
+        return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
+
+    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int) -> None:
+        """Backward reached a closed-form use: measure it, or keep it if its parameters are
+        shared (their g_n is the sum over uses, measured when the micro-step ends)."""
+        micro = self._begin_use(site.name, batch)
+        tap = self._tap
+        names = {attr: q for attr, q in site.params.items() if q in tap.params}
+        if not names:
+            return
         with torch.no_grad():
-            self._measure(w, a.detach(), g.detach(), micro, weight_via_node)
+            dtype = self._dtype(g)
+            delta = g.detach().to(dtype) * micro.scale()
+            a = a.detach()
+            if a.is_floating_point():
+                a = a.to(dtype)
+            micro.seen.update(names.values())
+            single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
+            shared = set(names) - single
+            if single:
+                self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single)
+            if shared:
+                part = site.only(shared)
+                if part.kernel.kind == "linear":
+                    micro.linear_uses.append((part, a, delta))
+                else:
+                    self._add_shared(micro, part, a, delta)
+
+    def _add_shared(self, micro: _MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
+        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=list(site.params))
+        for attr, q in site.params.items():
+            add_into(micro.shared, q, got[attr])
+
+    def _on_op_use(self, use: OpUse, g: Tensor) -> None:
+        """Backward reached an operation where parameters meet the batch: per-sample gradients
+        of each parameter through the exact per-operation rule (see :mod:`gradlens.ops`)."""
+        micro = self._begin_use(use.name, use.batch)
+        tap = self._tap
+        dtype = self._dtype(g)
+        delta = (g.detach().to(dtype) * micro.scale())
+        per_q: dict[str, Tensor] = {}
+        for pos, t, names in use.inputs:
+            names = [q for q in names if q in tap.params]
+            if not names:
+                continue
+            gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
+            if len(names) == 1 and t is tap.params[names[0]]:
+                got = [gt]
+            else:
+                got = ops.chain_to_params(t, [tap.params[q] for q in names], gt.to(t.dtype))
+            for q, gq in zip(names, got):
+                if gq is not None:
+                    add_into(per_q, q, gq.detach().to(dtype))
+        with torch.no_grad():
+            for q, gq in per_q.items():
+                micro.seen.add(q)
+                if tap.uses[q] <= 1:
+                    self._measure_materialised(f"{use.name}:{q}", q, gq, micro)
+                else:
+                    add_into(micro.shared, q, gq)
+
+    def _measure_materialised(self, name: str, q: str, g: Tensor, micro: _MicroStep) -> None:
+        site = Site(name, Materialised("p", self._tap.params[q]), MaterialisedKernel(), {"p": q})
+        self._measure(site, g, g.new_zeros(g.shape[0]), micro)
+
+    def _finish_micro(self, micro: _MicroStep) -> None:
+        """After backward: measure the shared parameters (sum over their uses) and check that
+        every tracked parameter that received a gradient was measured."""
+        with torch.no_grad():
+            groups: dict[tuple, list] = {}
+            for site, a, delta in micro.linear_uses:
+                groups.setdefault(tuple(sorted(site.params.items())), []).append((site, a, delta))
+            owners: dict[str, int] = {}
+            for key in groups:
+                for _, q in key:
+                    owners[q] = owners.get(q, 0) + 1
+            for key, uses in groups.items():
+                mixed = any(owners[q] > 1 or q in micro.shared for _, q in key)
+                if mixed:
+                    for site, a, delta in uses:
+                        self._add_shared(micro, site, a, delta)
+                    continue
+                site0 = uses[0][0]
+                b = uses[0][2].shape[0]
+                a = torch.cat([u[1].reshape(b, -1, u[1].shape[-1]) for u in uses], dim=1)
+                d = torch.cat([u[2].reshape(b, -1, u[2].shape[-1]) for u in uses], dim=1)
+                m = site0.module
+                attrs = tuple(attr for attr, _ in key)
+                stand_in = OpLinear(m.weight, getattr(m, "bias", None), attrs)
+                name = "+".join(q for _, q in key) + "#uses"
+                self._measure(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
+            for q, g in micro.shared.items():
+                self._measure_materialised(f"{q}#uses", q, g, micro)
+        micro.linear_uses, micro.shared = [], {}
+        tap = self._tap
+        missing = sorted(q for q in tap.received if q in tap.params and q not in micro.seen)
+        if missing:
+            raise RuntimeError(
+                f"the tracked parameters {missing} received a gradient in this backward, but "
+                "no use of them inside the model's forward was measured (a parameter used only "
+                "outside model(...), e.g. in a loss term, has no per-sample gradient); exclude "
+                f"them: Lens(..., exclude={missing!r})"
+            )
 
     def _measure(
-        self, w: WatchedModule, a: Tensor, g: Tensor, micro: _MicroStep, weight_via_node: bool = False
+        self, w: Site, a: Tensor, delta: Tensor, micro: _MicroStep, weight_via_node: bool = False
     ) -> None:
-        dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
-        delta = g.to(dtype) * micro.scale()
-        if a.is_floating_point():
-            a = a.to(dtype)
+        """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
+        units (both batch-first)."""
         kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
         per_sample = bool(self._per_sample_insts)
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
@@ -465,7 +618,7 @@ class Lens:
             if attr in w.params:
                 qname = w.params[attr]
                 for inst in self._per_sample_insts:
-                    if inst.update_outer(micro.states[id(inst)], qname, self._param_of[qname], d2, a2):
+                    if inst.update_outer(micro.states[id(inst)], qname, self._tap.params[qname], d2, a2):
                         done.add((id(inst), attr))
         attrs = [
             attr
@@ -484,7 +637,7 @@ class Lens:
             for attr in attrs:
                 gb = chunk[attr]
                 qname = w.params[attr]
-                param = self._param_of[qname]
+                param = self._tap.params[qname]
                 for inst in self._per_sample_insts:
                     if (id(inst), attr) not in done:
                         inst.update(micro.states[id(inst)], qname, param, gb)
@@ -531,6 +684,6 @@ class Lens:
     def __repr__(self) -> str:
         return (
             f"Lens({type(self.model).__name__}, {self.instruments!r}, step={self.step}, "
-            f"tracked_params={len(self._param_of)})"
+            f"tracked={len(self._tap.params)} parameters, coverage={100 * self.coverage:.1f}%)"
         )
 

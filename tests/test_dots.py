@@ -462,8 +462,9 @@ def test_wide_mlp_gram_route_matches_oracle():
 
 def test_sketch_routes_agree():
     """The factor route and the materialising route compute the same sketch."""
-    from gradlens.capture import watched_modules
+    from gradlens.capture import Site
     from gradlens.instruments.dots import _Sketcher
+    from gradlens.registry import kernel_for
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 5, 3, padding=1).double()
@@ -472,7 +473,7 @@ def test_sketch_routes_agree():
         (conv, torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, 5, 6, 6, dtype=torch.float64)),
         (lin, torch.randn(4, 2, 6, dtype=torch.float64), torch.randn(4, 2, 4, dtype=torch.float64)),
     ]:
-        (w,) = watched_modules(mod)
+        w = Site("layer", mod, kernel_for(mod), {"weight": "weight", "bias": "bias"})
         sk = _Sketcher(k=2, seed=1)  # small k: sketch() takes the factor route
         factor = sk.sketch(w, a, delta)
         dims = (mod.weight.shape[0], mod.weight[0].numel())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -43,27 +45,37 @@ pytestmark = pytest.mark.filterwarnings("ignore:an exception inside lens.capture
     ],
     ids=["LayerNorm", "GroupNorm", "custom"],
 )
-def test_unsupported_module_needs_exclusion(layer):
-    model = nn.Sequential(nn.Linear(4, 4), layer, nn.Linear(4, 4))
-    with pytest.raises(TypeError, match=r"module '1' .*not available.*exclude=\['1'\]"):
-        gradlens.extend(model)
-    model = gradlens.extend(model, exclude=["1"])
-    rec = _run(model, Lens(model, [BatchL2()]), X, Y)
-    assert rec["batch_l2"].shape == (6,)
+def test_layers_without_a_module_kernel_are_tracked_in_full(layer):
+    """Norms and custom modules that use their own parameters: every parameter tracked."""
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 4), layer, nn.Linear(4, 4)))
+    lens = Lens(model, [BatchL2(), gradlens.instruments.SumGradSquared()])
+    assert lens.coverage == 1.0
+    assert sorted(lens.tracked) == sorted(n for n, _ in model.named_parameters())
+    rec = _run(model, lens, X, Y)
+    assert sorted(rec["sum_grad_squared"]) == sorted(lens.tracked)
+    assert "coverage=100.0%" in repr(lens) and rec.meta["coverage"] == 1.0
 
 
-def test_attention_and_gru_refused():
+def test_attention_configuration_without_tracked_forward_refused():
     class Seq(nn.Module):
         def __init__(self):
             super().__init__()
-            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
-            self.gru = nn.GRU(4, 4, batch_first=True)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True)
+            self.out = nn.Linear(4, 4)
 
-    with pytest.raises(TypeError, match="MultiheadAttention"):
-        gradlens.extend(Seq())
-    with pytest.raises(TypeError, match="GRU"):
-        gradlens.extend(Seq(), exclude=["attn"])
-    gradlens.extend(Seq(), exclude=["attn", "gru"])  # fine once both are excluded
+        def forward(self, x):
+            return self.out(self.attn(x, x, x)[0].mean(1))
+
+    model = gradlens.extend(Seq())
+    lens = Lens(model, [BatchL2()])
+    x = torch.randn(6, 3, 4)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    with pytest.raises(NotImplementedError, match=r"'attn' with add_bias_kv.*exclude=\['attn'\]"):
+        loss_fn(model(x), Y)
+    lens.close()
+    lens = Lens(model, [BatchL2()], exclude=["attn"])  # the suggested fix, as written
+    assert _run(model, lens, x, Y)["batch_l2"].shape == (6,)
+    assert lens.tracked == ["out.weight", "out.bias"]
 
 
 def test_lens_level_exclusion_by_parameter_name():
@@ -74,37 +86,54 @@ def test_lens_level_exclusion_by_parameter_name():
     assert sorted(rec["sum_grad_squared"]) == ["0.bias", "0.weight", "2.weight"]
 
 
-def test_batchnorm_training_mode_refused():
-    model = gradlens.extend(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)))
+def test_training_batchnorm_names_every_undefined_parameter_at_once():
+    model = gradlens.extend(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    )
     lens = Lens(model, [BatchL2()])
-    with pytest.raises(RuntimeError, match=r"BatchNorm '1' is in training mode.*\.eval\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"of 4 parameters \(58\.82% of the trainable elements\) are undefined: their output "
+        r"reaches '3' \(BatchNorm1d with batch statistics\).*undefined='exclude'.*other 41\.18%",
+    ) as err:
         _run(model, lens, X, Y)
-
-
-def test_layers_before_training_batchnorm_refused():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
-    model = gradlens.extend(model, exclude=["1"])
-    lens = Lens(model, [BatchL2()])
-    with pytest.raises(RuntimeError, match=r"'0' are undefined: it comes before BatchNorm '1'"):
-        _run(model, lens, X, Y)
-    # only the layers after it: fine
+    for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert repr(name) in str(err.value)
+    assert "'3.weight'" not in str(err.value)  # its own parameters stay exact
     lens.close()
-    lens = Lens(model, [BatchL2()], exclude=["0"])
+    lens = Lens(model, [BatchL2()], undefined="exclude")  # the suggested fix, as written
     assert _run(model, lens, X, Y)["batch_l2"].shape == (6,)
-    # eval mode: fine everywhere
-    lens.close()
-    model[1].eval()
-    lens = Lens(model, [BatchL2()])
-    assert _run(model, lens, X, Y)["batch_l2"].shape == (6,)
+    assert lens.tracked == ["3.weight", "3.bias", "4.weight", "4.bias"]
+    assert 0 < lens.coverage < 1
 
 
-def test_conv_padding_mode_refused():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"))
-    with pytest.raises(ValueError, match=r"padding_mode='reflect'.*padding_mode='zeros'"):
-        gradlens.extend(model)
+def test_undefined_option_checked():
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="undefined must be 'error' or 'exclude'"):
+        Lens(model, [BatchL2()], undefined="skip")
 
 
-def test_module_used_twice_refused():
+def _per_sample_l2(model, x, y):
+    out = []
+    for i in range(len(x)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        out.append(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    model.zero_grad()
+    return torch.stack(out)
+
+
+def test_conv_padding_mode_reflect_is_exact_per_operation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), nn.Flatten(), nn.Linear(32, 4)).double()
+    x = torch.randn(6, 1, 4, 4, dtype=torch.float64)
+    want = _per_sample_l2(copy.deepcopy(model), x, Y)
+    model = gradlens.extend(model)
+    rec = _run(model, Lens(model, [BatchL2()]), x, Y)
+    torch.testing.assert_close(rec["batch_l2"], want, rtol=1e-10, atol=1e-12)
+
+
+def test_module_used_twice_sums_its_uses():
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
@@ -113,10 +142,39 @@ def test_module_used_twice_refused():
         def forward(self, x):
             return self.lin(torch.relu(self.lin(x)))
 
-    model = gradlens.extend(Twice())
+    torch.manual_seed(0)
+    model = Twice().double()
+    x = X.double()
+    want = _per_sample_l2(copy.deepcopy(model), x, Y)
+    model = gradlens.extend(model)
+    rec = _run(model, Lens(model, [BatchL2()]), x, Y)
+    torch.testing.assert_close(rec["batch_l2"], want, rtol=1e-10, atol=1e-12)
+
+
+def test_parameter_used_outside_the_forward_is_an_error():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.extra = nn.Linear(4, 4)  # its forward never uses this layer
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = gradlens.extend(Net())
+    extra = model.extra
     lens = Lens(model, [BatchL2()])
-    with pytest.raises(RuntimeError, match="'lin' was used more than once"):
-        _run(model, lens, X, Y)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    loss = loss_fn(model(X), Y) + extra.weight.square().sum()
+    with pytest.raises(RuntimeError, match=r"\['extra.weight'\] received a gradient.*exclude=\['extra.weight'\]"):
+        with lens.capture():
+            loss.backward()
+    lens.close()
+    lens = Lens(model, [BatchL2()], exclude=["extra.weight"])
+    loss = loss_fn(model(X), Y) + extra.weight.square().sum()
+    with lens.capture():
+        loss.backward()
+    assert lens.flush()["batch_l2"].shape == (6,)
 
 
 def test_model_not_extended():
@@ -257,21 +315,45 @@ def test_skipped_window_is_dropped_not_merged():
     assert [r.step for r in lens.records] == [0, 1]
 
 
+class _FailInBackward(torch.autograd.Function):
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailInBackward.fail:
+            raise RuntimeError("boom in backward")
+        return g
+
+
 def test_error_during_backward_drops_the_window_with_a_warning():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
-    model = gradlens.extend(model, exclude=["1"])
-    model[1].eval()
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(_FailInBackward.apply(self.a(x)))
+
+    model = gradlens.extend(Net())
     lens = Lens(model, [BatchL2()])
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    _FailInBackward.fail = False
     loss = loss_fn(model(X), Y)
     with lens.capture():
         loss.backward()  # a good micro-step ...
-    model[1].train()  # ... then the BatchNorm mixes samples again
+    _FailInBackward.fail = True  # ... then one whose backward fails after 'b' was measured
     loss = loss_fn(model(X), Y)
-    with pytest.warns(RuntimeWarning, match="statistics are dropped"):
-        with pytest.raises(RuntimeError, match="comes before BatchNorm '1'"):
-            with lens.capture():
-                loss.backward()
+    try:
+        with pytest.warns(RuntimeWarning, match="statistics are dropped"):
+            with pytest.raises(RuntimeError, match="boom in backward"):
+                with lens.capture():
+                    loss.backward()
+    finally:
+        _FailInBackward.fail = False
     assert lens.flush() is None  # nothing is left of the interrupted window
 
 

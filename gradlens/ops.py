@@ -1,0 +1,166 @@
+"""Per-operation rules: the exact per-sample gradient of a parameter (or of a tensor computed from
+parameters only) that an operation combines with the batch.
+
+An operation ``out = f(..., t, ..., x, ...)`` with ``t`` a tracked parameter or a tensor derived
+from parameters only, and ``x`` carrying the samples, receives ``delta = dL/d out`` (rescaled to
+per-sample units, sample axis ``b``). Sample n's gradient with respect to ``t`` is the
+vector-Jacobian product of ``f`` with ``delta`` restricted to sample n. Rules:
+
+- ``add``/``sub`` (and their in-place and operator forms): ``delta_n`` summed over the axes along
+  which ``t`` was broadcast;
+- ``mul``: ``delta_n * other_n`` summed likewise;
+- ``F.linear`` with a derived weight: ``sum_t delta_nt a_nt^T`` (bias: ``sum_t delta_nt``);
+- anything else: ``torch.func.vjp`` of that one operation, vmapped over the one-sample
+  restrictions of ``delta`` (exact for any differentiable operation; costs B backward passes of
+  that operation, in chunks).
+
+A derived ``t`` is then taken back to its parameters with a batched VJP through the
+parameters-only graph that produced it (``torch.autograd.grad(..., is_grads_batched=True)``), so
+e.g. a position embedding looked up with ids of shape ``[1, T]`` and added to ``[B, T, d]`` token
+embeddings gets exact per-sample gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["per_sample_wrt", "chain_to_params", "CHUNK_ELEMENTS"]
+
+#: elements of one transient block of the generic rule (chunks of samples x output)
+CHUNK_ELEMENTS = 1 << 22
+
+_ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
+_SUB = {"sub", "__sub__", "__isub__", "sub_", "subtract"}
+_RSUB = {"__rsub__", "rsub"}
+_MUL = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply"}
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", "")
+
+
+def _out_of_place(func: Callable) -> Callable:
+    """The out-of-place form of an in-place operation (``add_`` -> ``torch.add``)."""
+    name = _name(func)
+    if name.startswith("__i") and name.endswith("__"):
+        base = name[3:-2]
+        return getattr(torch.Tensor, f"__{base}__")
+    if name.endswith("_") and not name.endswith("__"):
+        alt = getattr(torch, name[:-1], None) or getattr(torch.Tensor, name[:-1], None)
+        if alt is not None:
+            return alt
+    return func
+
+
+def is_inplace(func: Callable) -> bool:
+    name = _name(func)
+    return (name.startswith("__i") and name.endswith("__")) or (name.endswith("_") and not name.endswith("__"))
+
+
+def _sum_to(g: Tensor, shape: torch.Size, b: int) -> Tensor | None:
+    """``[B, *shape]``: per-sample ``g`` (sample axis ``b``) summed over the axes along which a
+    tensor of ``shape`` was broadcast; None if that tensor itself spans the sample axis."""
+    nd = g.dim()
+    lead = nd - len(shape)
+    if lead < 0:
+        return None
+    pos_b = b - lead  # the sample axis within ``shape`` (negative: not there)
+    if pos_b >= 0 and shape[pos_b] != 1:
+        return None
+    gm = g.movedim(b, 0)
+    # axes of gm (after the sample axis) and their sizes in ``shape``
+    dims = []
+    rest = [d for d in range(nd) if d != b]
+    for i, d in enumerate(rest, start=1):
+        k = d - lead
+        if k < 0 or shape[k] == 1:
+            dims.append(i)
+    out = gm.sum(dims, keepdim=True) if dims else gm
+    # drop the leading broadcast axes, put back the size-1 sample axis if ``shape`` has one
+    out = out.reshape(out.shape[0], *[s for i, s in enumerate(out.shape[1:]) if rest[i] - lead >= 0])
+    return out.reshape(out.shape[0], *shape)
+
+
+def _generic(func, args, kwargs, pos, t: Tensor, delta: Tensor, b: int) -> Tensor:
+    """``[B, *t.shape]``: vjp of this one operation with each one-sample restriction of delta."""
+    f = _out_of_place(func)
+
+    def call(x):
+        a = list(args)
+        _put(a, pos, x)
+        return f(*a, **kwargs)
+
+    _, vjp_fn = torch.func.vjp(call, t.detach())
+    n = delta.shape[b]
+    step = max(1, CHUNK_ELEMENTS // max(delta.numel(), 1))
+    eye_shape = [1] * (delta.dim() + 1)
+    parts = []
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        idx = torch.arange(s, e, device=delta.device)
+        onehot = (idx[:, None] == torch.arange(n, device=delta.device)[None, :]).to(delta.dtype)
+        shape = list(eye_shape)
+        shape[0], shape[b + 1] = e - s, n
+        masked = delta.unsqueeze(0) * onehot.reshape(shape)
+        parts.append(torch.func.vmap(vjp_fn)(masked)[0])
+    return torch.cat(parts)
+
+
+def _put(a: list, pos, x) -> None:
+    if isinstance(pos, tuple):  # (index in args, index in a list argument)
+        lst = list(a[pos[0]])
+        lst[pos[1]] = x
+        a[pos[0]] = type(a[pos[0]])(lst) if isinstance(a[pos[0]], tuple) else lst
+    elif isinstance(pos, str):
+        raise AssertionError("keyword positions are substituted by the caller")
+    else:
+        a[pos] = x
+
+
+def per_sample_wrt(
+    func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tensor, delta: Tensor, b: int
+) -> Tensor:
+    """``[B, *t.shape]``: per-sample gradients with respect to the input ``t`` (at ``pos`` in
+    ``args``; ``(i, j)`` for element j of a list argument i) of ``out = func(*args, **kwargs)``
+    given ``delta = dL/d out`` (per-sample units, sample axis ``b``)."""
+    name = _name(func)
+    binary = isinstance(pos, int) and pos in (0, 1) and len(args) >= 2
+    other = args[1 - pos] if binary else None
+    if binary and not isinstance(other, Tensor):
+        other = torch.as_tensor(other, dtype=delta.dtype, device=delta.device)
+    if binary and name in _ADD | _SUB | _RSUB:
+        alpha = float(kwargs.get("alpha", 1.0))
+        if name in _RSUB:  # other - self
+            sign = -1.0 if pos == 0 else 1.0
+        else:
+            sign = 1.0 if pos == 0 else (alpha if name in _ADD else -alpha)
+        got = _sum_to(delta, t.shape, b)
+        if got is not None:
+            return got if sign == 1.0 else got * sign
+    if binary and name in _MUL:
+        got = _sum_to(delta * other.to(delta.dtype), t.shape, b)
+        if got is not None:
+            return got
+    if func is F.linear and pos in (1, 2):
+        d = delta.movedim(b, 0)
+        bsz = d.shape[0]
+        d = d.reshape(bsz, -1, d.shape[-1])
+        if pos == 2:
+            return d.sum(1)
+        x = args[0].movedim(b, 0).reshape(bsz, -1, args[0].shape[-1]).to(delta.dtype)
+        return torch.bmm(d.transpose(1, 2), x)
+    return _generic(func, args, kwargs, pos, t, delta, b)
+
+
+def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor | None]:
+    """Per-sample gradients of the parameters that ``t`` was computed from (parameters only):
+    ``g`` ``[B, *t.shape]`` taken back through that graph with one batched VJP."""
+    return list(
+        torch.autograd.grad(
+            t, params, grad_outputs=g, is_grads_batched=True, retain_graph=True, allow_unused=True
+        )
+    )

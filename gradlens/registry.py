@@ -1,0 +1,147 @@
+"""The per-layer registry: which kernel computes the per-sample gradients of a module's own
+parameters, and which modules get a tracked-window forward that exposes their inner operations.
+
+Every trainable parameter is tracked, whatever module or function uses it (see
+:mod:`gradlens.capture`). This registry only decides *how*:
+
+- **closed form** (:func:`register_kernel`): a :class:`~gradlens.kernels.Kernel` computes the
+  layer's per-sample quantities from its input and output gradient (Linear, Conv, Embedding,
+  the norms, transformers' ``Conv1D``);
+- **tracked forward** (:func:`register_forward`): modules whose inner layout hides the sample
+  axis (``nn.MultiheadAttention`` merges batch and heads, RNNs loop over time) run an
+  equivalent batch-first forward during tracked windows, so that their parameters are used
+  through ``F.linear`` calls on ``[B, T, d]`` inputs (closed form again);
+- **per operation** (everything else): the capture follows each parameter to the operations
+  that consume it and applies the exact per-operation rule (see :mod:`gradlens.ops`).
+
+Users register kernels for their own layers::
+
+    class MyKernel(gradlens.kernels.Kernel):
+        def per_sample(self, module, a, delta, start, stop, attrs=None): ...
+    gradlens.register_kernel(MyLayer, MyKernel())
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from gradlens import kernels as K
+
+__all__ = ["register_kernel", "register_forward", "kernel_for", "forward_for", "supported_layers"]
+
+KernelFactory = Callable[[nn.Module], "K.Kernel | None"]
+
+#: (module class or "module.QualName", factory, description of the kernel)
+_KERNELS: list[tuple[type | str, KernelFactory, str]] = []
+_FORWARDS: dict[type, tuple[Callable, str]] = {}
+
+
+def register_kernel(module_type: type | str, kernel: "K.Kernel | KernelFactory", description: str = "") -> None:
+    """Use ``kernel`` for the parameters of modules of ``module_type`` (and of subclasses that
+    keep its ``forward``).
+
+    Args:
+        module_type: a module class, or its dotted name (``"transformers.pytorch_utils.Conv1D"``)
+            so that the library defining it need not be imported.
+        kernel: a :class:`~gradlens.kernels.Kernel` instance, or a callable ``module -> Kernel |
+            None`` (None: this configuration has no closed form; the module's parameters are then
+            captured per operation, exactly, at the cost of materialising them).
+        description: one line for the supported-layer table.
+    """
+    if not (isinstance(module_type, (type, str))):
+        raise TypeError(f"register_kernel(module_type=...) takes a class or a dotted name, got {module_type!r}")
+    factory = kernel if callable(kernel) and not isinstance(kernel, K.Kernel) else (lambda m, k=kernel: k)
+    _KERNELS.insert(0, (module_type, factory, description or type(kernel).__name__))
+
+
+def register_forward(module_type: type, forward: Callable, description: str = "") -> None:
+    """During tracked windows, run ``forward(module, tap, *args, **kwargs)`` instead of
+    ``module.forward``: an equivalent computation whose parameter uses the capture can follow
+    (batch-first ``F.linear`` calls; ``tap.mark_data(t)`` declares a tensor made inside, such
+    as a zero initial state, part of the batch). Untracked windows keep the module's own
+    forward."""
+    _FORWARDS[module_type] = (forward, description)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def kernel_for(module: nn.Module) -> "K.Kernel | None":
+    """The closed-form kernel of ``module``'s own parameters, or None (captured per operation).
+
+    A subclass is matched by its nearest registered base class, unless it overrides that base's
+    ``forward`` (then its operations are followed instead)."""
+    for cls in type(module).__mro__:
+        for key, factory, _ in _KERNELS:
+            if key is cls or (isinstance(key, str) and key == _qualname(cls)):
+                if type(module).forward is not cls.forward:
+                    return None
+                return factory(module)
+    return None
+
+
+def forward_for(module: nn.Module) -> Callable | None:
+    """The tracked-window forward registered for ``type(module)`` (exact class), or None."""
+    got = _FORWARDS.get(type(module))
+    return got[0] if got else None
+
+
+def supported_layers() -> list[tuple[str, str]]:
+    """``(layer, how)`` rows: the README's supported-layer table, generated from the registry."""
+    rows = [(k if isinstance(k, str) else _qualname(k).replace("torch.nn.modules.", "nn."), d) for k, _, d in reversed(_KERNELS)]
+    rows += [(_qualname(t).replace("torch.nn.modules.", "nn."), d) for t, (_, d) in _FORWARDS.items()]
+    return rows
+
+
+# ----------------------------------------------------------------------------- built-ins
+def _string_padding(m) -> bool:
+    return isinstance(getattr(m, "padding", 0), str)
+
+
+def _conv(m: nn.Module) -> "K.Kernel | None":
+    if m.padding_mode != "zeros" or _string_padding(m):
+        return None
+    if type(m) is nn.Conv2d or (isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d)):
+        if m.groups == 1:
+            return K.Conv2dKernel()
+    base = next(c for c in type(m).__mro__ if c in K._backpack_kernels())
+    kernel = K._backpack_kernels()[base]()
+    kernel.kind = "conv" if base in (nn.Conv1d, nn.Conv2d, nn.Conv3d) else "other"
+    return kernel
+
+
+def _batchnorm(m: nn.Module) -> "K.Kernel":
+    if not m.training and m.track_running_stats and m.running_mean is not None:
+        return K.BatchNormEvalKernel()
+    return K.BatchNormBatchStatsKernel()
+
+
+for _t in (nn.ConvTranspose3d, nn.ConvTranspose2d, nn.ConvTranspose1d, nn.Conv3d, nn.Conv2d, nn.Conv1d):
+    register_kernel(_t, _conv, "closed form (unfold + bmm for Conv2d, BackPACK's derivatives otherwise)")
+register_kernel(
+    nn.Embedding,
+    lambda m: None if m.scale_grad_by_freq else K.EmbeddingKernel(),
+    "closed form (scatter of the output gradients)",
+)
+register_kernel(nn.modules.batchnorm._BatchNorm, _batchnorm, "closed form (running or batch statistics)")
+register_kernel(nn.modules.instancenorm._InstanceNorm, lambda m: K.InstanceNormKernel() if m.affine else None, "closed form")
+register_kernel(nn.GroupNorm, lambda m: K.GroupNormKernel() if m.affine else None, "closed form")
+if hasattr(nn, "RMSNorm"):
+    register_kernel(nn.RMSNorm, lambda m: K.RMSNormKernel() if m.elementwise_affine else None, "closed form")
+register_kernel(nn.LayerNorm, lambda m: K.LayerNormKernel() if m.elementwise_affine else None, "closed form")
+register_kernel("transformers.pytorch_utils.Conv1D", K.TransposedLinearKernel(), "closed form (Linear factors, transposed)")
+register_kernel(nn.Linear, K.LinearKernel(), "closed form (factors: no [B, *param] tensor)")
+
+
+def _register_forwards() -> None:
+    from gradlens.forwards import mha_forward, rnn_forward
+
+    register_forward(nn.MultiheadAttention, mha_forward, "tracked-window forward: batch-first F.linear projections (closed form)")
+    for t in (nn.LSTM, nn.GRU, nn.RNN):
+        register_forward(t, rnn_forward, "tracked-window forward: a loop over time; input weights one use, recurrent weights one use per step (closed form)")
+
+
+_register_forwards()
