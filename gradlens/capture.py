@@ -355,6 +355,8 @@ class _UseMode(TorchFunctionMode):
             if is_data:
                 for o in _outputs(out):
                     data[o] = True
+                if func in _LOSS_FUNCTIONS:
+                    _note_functional_loss(func, kwargs, out, tap._batch)
             return out
         if not is_data:
             out = func(*args, **kwargs)
@@ -682,6 +684,35 @@ class Tap:
     @property
     def batch(self) -> int | None:
         return self._batch
+
+
+_LOSS_FUNCTIONS = frozenset(
+    {
+        F.cross_entropy,
+        F.nll_loss,
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.soft_margin_loss,
+    }
+)
+
+
+def _note_functional_loss(func, kwargs, out, batch) -> None:
+    """A loss function called inside the model's forward (e.g. ``model(x, labels=y).loss`` of
+    transformers): reported like an extended loss module, so ``lens.capture()`` knows its
+    reduction and divides out what multiplied it in backward (1/K, a GradScaler scale)."""
+    reduction = kwargs.get("reduction", "mean")
+    if reduction not in ("mean", "sum") or not isinstance(out, Tensor) or out.dim() != 0:
+        return
+    if reduction == "mean" and kwargs.get("weight") is not None:
+        return  # divides by the sum of class weights: no per-sample split
+    _loss_calls.last = LossCall(
+        reduction=reduction, batch_size=batch, output=out, module_name=f"F.{func.__name__}"
+    )
 
 
 def _in_functorch() -> bool:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from gradlens import ops
 from gradlens.capture import (
+    LossCall,
     OpUse,
     Site,
     Tap,
@@ -304,6 +305,11 @@ class Lens:
             values["loss"] = window.window_loss()
             record = Record(self.step, window.num_samples, window.micro_steps, values)
             record.meta["coverage"] = self.coverage
+            record.meta["units"] = (
+                "g_n = B_k * d(micro-step objective)_n (mean objective)"
+                if window.reduction == "mean"
+                else "g_n = d(micro-step objective)_n (sum objective)"
+            )
             for i in self.instruments:
                 record.meta.update(i.meta(self._states[id(i)]))
             deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
@@ -343,16 +349,29 @@ class Lens:
 
     # ------------------------------------------------------------------ capture
     @contextmanager
-    def capture(self, reduction: str | None = None, losses: Tensor | None = None) -> Iterator[None]:
+    def capture(
+        self, reduction: str | None = None, losses: Tensor | None = None, loss: Tensor | None = None
+    ) -> Iterator[None]:
         """Context manager around one micro-step's ``loss.backward()``.
 
         The loss reduction and batch size come from the last forward pass of a loss module
-        passed through :func:`gradlens.extend`; pass ``reduction="mean"|"sum"`` to use a
-        functional loss instead (the batch size is then read from the model's layers).
+        passed through :func:`gradlens.extend`, or of a loss function (``F.cross_entropy``, ...)
+        called inside the model's forward (``model(x, labels=y).loss``). For a functional loss
+        computed outside the model pass ``reduction="mean"|"sum"`` (the batch size is read
+        from the model's input), and ``loss=`` the loss tensor if what you backpropagate is a
+        multiple of it (``(loss / K).backward()``): the multiplier is then divided out.
+
+        Units (DESIGN): with ``L`` the micro-step's objective split by sample, g_n = B * dL_n
+        for a mean objective (a token-mean language-model loss, ignored targets included) and
+        dL_n for a sum; ``record.meta["units"]`` says which.
         ``losses``: optional per-sample losses ``[B]`` of this micro-step.
         """
         self._check_open()
+        if loss is not None and reduction is None:
+            raise ValueError("lens.capture(loss=...) needs the loss's reduction: capture(reduction='mean', loss=loss)")
         call = last_loss_call()
+        if reduction is not None:
+            call = None
         if self._window is None:  # untracked window: nothing to do, nothing to pay
             yield
             return
@@ -365,18 +384,16 @@ class Lens:
                     "wrap the loss module (loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())) "
                     "or state the reduction: lens.capture(reduction='mean')"
                 )
-            ignored = call.ignored()
-            if ignored:
-                raise ValueError(
-                    f"{call.module_name}(reduction='mean') saw {ignored} targets equal to "
-                    "ignore_index, so it divides by fewer than the batch size and per-sample "
-                    "gradients cannot be recovered; use reduction='sum'"
-                )
             reduction, batch, value = call.reduction, call.batch_size, call.value
         else:
             if reduction not in ("mean", "sum"):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-            batch, value = None, None
+            batch, value = None, (loss.detach() if isinstance(loss, Tensor) else None)
+            if loss is not None:  # the user names the loss: what multiplies it is divided out
+                if not (isinstance(loss, Tensor) and loss.dim() == 0):
+                    raise TypeError(f"loss must be the 0-d loss tensor, got {type(loss).__name__}")
+                call = LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")
+
         if self._window.micro_steps and self._window.reduction != reduction:
             raise ValueError(
                 f"this micro-step's loss uses reduction={reduction!r} but the window's earlier "
@@ -390,7 +407,7 @@ class Lens:
             states={id(i): i.start_window() for i in self._micro_insts},
             losses=losses,
         )
-        if batch is not None:
+        if call is not None and (batch is not None or loss is not None):
             micro.loss_call = call
             call.watch_multiplier()
         if self._tap.tainted:
