@@ -28,7 +28,7 @@ from gradlens.capture import (
     model_exclusions,
     tracked_parameters,
 )
-from gradlens.instruments.base import Accumulators, Instrument, WindowStats
+from gradlens.instruments.base import QUANTITIES, Accumulators, Instrument, WindowStats
 from gradlens.kernels import Materialised, MaterialisedKernel, OpLinear, add_into
 from gradlens.records import Record
 
@@ -133,6 +133,13 @@ class Lens:
                 raise TypeError(
                     f"instruments must be gradlens.instruments objects, got {inst!r}; "
                     "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
+                )
+        for inst in instruments:
+            unknown = set(inst.needs) - QUANTITIES
+            if unknown:
+                raise ValueError(
+                    f"{type(inst).__name__}.needs names {sorted(unknown)}, which no capture provides; "
+                    f"the quantities are {sorted(QUANTITIES)}"
                 )
         keys = [i.key for i in instruments]
         dupes = sorted({k for k in keys if keys.count(k) > 1})
@@ -404,7 +411,7 @@ class Lens:
             batch_size=batch,
             loss_value=value,
             stats=WindowStats(reduction=reduction),
-            states={id(i): i.start_window() for i in self._micro_insts},
+            states={id(i): i.start_micro(self._states[id(i)]) for i in self._micro_insts},
             losses=losses,
         )
         if call is not None and (batch is not None or loss is not None):

@@ -367,3 +367,16 @@ def test_mixed_reductions_in_one_window_refused_before_backward():
         with lens.capture():
             loss.backward()
     assert lens.flush().num_samples == 6  # the first micro-step is intact
+
+
+def test_instrument_needs_checked_when_the_lens_is_built():
+    class Typo(gradlens.instruments.base.Instrument):
+        key = "typo"
+        needs = frozenset({"batch_l2", "per_sampel"})
+
+        def finalize(self, stats, state):
+            return None
+
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"Typo.needs names \['per_sampel'\].*quantities are"):
+        Lens(model, [Typo()])

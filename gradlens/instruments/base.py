@@ -174,6 +174,12 @@ class Instrument:
     def start_window(self) -> Any:
         return None
 
+    def start_micro(self, window_state: Any) -> Any:
+        """State of one micro-step of the window whose state is ``window_state`` (merged into it
+        when the micro-step ends); per-window caches shared by micro-steps live in the window
+        state, never on the instrument. Default: a fresh :meth:`start_window`."""
+        return self.start_window()
+
     def update(self, state: Any, name: str, param: Tensor, grad_batch: Tensor) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not take per-sample gradients")
 

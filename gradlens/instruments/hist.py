@@ -187,6 +187,9 @@ class _Hist2dState:
     clamped_grad: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     gmn: Tensor | None = None
     gmx: Tensor | None = None
+    #: per window (shared by its micro-steps): parameter name -> (theta bin offsets, #theta out
+    #: of range, min, max); name + "#rows" -> [O, P] parameter-bin counts per row
+    cache: dict = field(default_factory=dict)
 
     def to(self, device) -> None:
         if self.counts.device != device:
@@ -222,8 +225,6 @@ class GradHist2d(Instrument):
         self.param_range = _check_range(pr, "range[0] (parameter range)")
         self.grad_range = _check_range(gr, "range[1] (gradient range)")
         self.adapt = _check_adapt(adapt)
-        self._window_cache: dict[str, tuple[Tensor, int, float, float]] = {}
-        self._row_cache: dict[str, Tensor] = {}
 
     def __repr__(self) -> str:
         return (
@@ -235,16 +236,20 @@ class GradHist2d(Instrument):
         p, g = self.bins
         return _Hist2dState(self.param_range, self.grad_range, torch.zeros(p * g, dtype=torch.int64))
 
+    def start_micro(self, window_state: _Hist2dState) -> _Hist2dState:
+        state = self.start_window()
+        state.cache = window_state.cache  # theta is fixed within a window: bin it once
+        return state
+
     def _offsets(self, state: _Hist2dState, name: str, param: Tensor) -> Tensor:
-        # theta is fixed within a window: bin it once per window (shared by its micro-steps)
-        cached = self._window_cache.get(name)
+        cached = state.cache.get(name)
         if cached is None:
             theta = param.detach()
             lo, hi = state.prange
             off = _bin_index(theta, lo, hi, self.bins[0]).mul_(self.bins[1])
             n_out = int(((theta < lo) | (theta > hi) | theta.isnan()).sum())
             mn, mx = (float(v) for v in torch.aminmax(theta)) if self.adapt else (math.inf, -math.inf)
-            cached = self._window_cache[name] = (off, n_out, mn, mx)
+            cached = state.cache[name] = (off, n_out, mn, mx)
         return cached[0]
 
     def update(self, state: _Hist2dState, name, param, grad_batch):
@@ -268,7 +273,7 @@ class GradHist2d(Instrument):
         o, width = param.shape
         state.to(delta.device)
         off = self._offsets(state, name, param)  # [O, I] p_bin * G
-        row_counts = self._row_counts(name, off)  # [O, P]
+        row_counts = self._row_counts(state, name, off)  # [O, P]
         vmin, vmax = row_extremes(delta, a)
         first, last = bin_of(vmin, lo, hi, gbins), bin_of(vmax, lo, hi, gbins)
         single = (first == last) & (vmin >= lo) & (vmax <= hi)
@@ -294,16 +299,16 @@ class GradHist2d(Instrument):
         state.gmn = mn if state.gmn is None else torch.minimum(state.gmn, mn)
         state.gmx = mx if state.gmx is None else torch.maximum(state.gmx, mx)
 
-    def _row_counts(self, name: str, off: Tensor) -> Tensor:
+    def _row_counts(self, state: _Hist2dState, name: str, off: Tensor) -> Tensor:
         """``[O, P]`` parameter-bin counts of each row of a 2-D parameter (cached per window)."""
         key = name + "#rows"
-        cached = self._row_cache.get(key)
+        cached = state.cache.get(key)
         if cached is None:
             o = off.shape[0]
             pbins, gbins = self.bins
             pb = off // gbins
             ids = torch.arange(o, device=off.device)[:, None] * pbins + pb
-            cached = self._row_cache[key] = torch.bincount(ids.view(-1), minlength=o * pbins).view(o, pbins)
+            cached = state.cache[key] = torch.bincount(ids.view(-1), minlength=o * pbins).view(o, pbins)
         return cached
 
     def merge(self, a: _Hist2dState, b: _Hist2dState) -> _Hist2dState:
@@ -311,6 +316,7 @@ class GradHist2d(Instrument):
             a.prange, a.grange, a.counts + b.counts.to(a.counts.device),
             a.clamped_grad + b.clamped_grad.to(a.clamped_grad.device),
             _pick(torch.minimum, a.gmn, b.gmn), _pick(torch.maximum, a.gmx, b.gmx),
+            cache=a.cache,
         )
 
     def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
@@ -319,15 +325,14 @@ class GradHist2d(Instrument):
             counts=state.counts.view(pb, gb).cpu().clone(),
             param_edges=_edges(*state.prange, pb),
             grad_edges=_edges(*state.grange, gb),
-            clamped_param=sum(c[1] for c in self._window_cache.values()) * stats.num_samples,
+            clamped_param=sum(c[1] for k, c in state.cache.items() if not k.endswith("#rows")) * stats.num_samples,
             clamped_grad=int(state.clamped_grad),
         )
 
     def end_window(self, state: _Hist2dState) -> None:
-        pmn = min((c[2] for c in self._window_cache.values()), default=math.inf)
-        pmx = max((c[3] for c in self._window_cache.values()), default=-math.inf)
-        self._window_cache = {}
-        self._row_cache = {}
+        thetas = [c for k, c in state.cache.items() if not k.endswith("#rows")]
+        pmn = min((c[2] for c in thetas), default=math.inf)
+        pmx = max((c[3] for c in thetas), default=-math.inf)
         self.param_range = _adapted(self.param_range, pmn, pmx, self.adapt)
         self.grad_range = _adapted(
             self.grad_range, _num(state.gmn, math.inf), _num(state.gmx, -math.inf), self.adapt
