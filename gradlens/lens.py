@@ -25,6 +25,7 @@ from gradlens.capture import (
     model_exclusions,
     watched_modules,
 )
+from gradlens.distributed import MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
 from gradlens.instruments.base import Accumulators, Instrument, WindowStats
 from gradlens.kernels import add_into
 from gradlens.records import Record
@@ -44,6 +45,7 @@ class _MicroStep:
     tainted_by: str | None = None
     losses: Tensor | None = None
     loss_call: Any = None  # the LossCall of this micro-step (its multiplier), if any
+    grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
     _scale: Any = None
 
     def scale(self) -> float | Tensor:
@@ -86,6 +88,12 @@ class Lens:
         keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
             gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer.
+        process_group: under ``torch.distributed`` (e.g. DDP), the ranks whose samples form the
+            window: ``None`` (default) merges over the default group when torch.distributed is
+            initialised, a ``ProcessGroup`` over that group, ``False`` keeps this rank's own
+            records. Merged records describe the global batch of all ranks (samples rank-major),
+            are kept on every rank, and are written to the sinks (``log``, ``tensorboard``) by
+            rank 0 of the group only. See docs/distributed.md.
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -106,6 +114,7 @@ class Lens:
         tensorboard: Any = None,
         keep_records: bool = True,
         chunk_elements: int = 1 << 20,
+        process_group: Any = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -114,6 +123,7 @@ class Lens:
                 f"the model ({type(model).__name__}) was not extended; call "
                 "model = gradlens.extend(model) before creating the Lens"
             )
+        check_not_sharded(model)
         instruments = list(instruments)
         for inst in instruments:
             if not isinstance(inst, Instrument):
@@ -170,12 +180,21 @@ class Lens:
             on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
         )
 
+        self._group = resolve_group(process_group)
+        self._merged = False
+        self._grad_sq_hooks = None
+        if "micro_grad_sq" in self._needs:
+            from gradlens.instruments.noise import ParamGradSquares
+
+            self._grad_sq_hooks = ParamGradSquares(list(self._param_of.values()), self._on_grad_sq)
+
         self._sinks: list[Any] = []
-        if log is not None:
+        writer = is_writer(self._group)  # under torch.distributed: rank 0 writes
+        if log is not None and writer:
             from gradlens.sinks import JsonlSink
 
             self._sinks.append(JsonlSink(log))
-        if tensorboard is not None:
+        if tensorboard is not None and writer:
             from gradlens.sinks import TensorBoardSink
 
             self._sinks.append(TensorBoardSink(tensorboard))
@@ -208,13 +227,36 @@ class Lens:
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._tap.install()
+            if self._grad_sq_hooks is not None:
+                self._grad_sq_hooks.install()
         else:
             self._window = None
             self._states = {}
             self._tap.remove()
+            if self._grad_sq_hooks is not None:
+                self._grad_sq_hooks.remove()
+        self._merged = False
+
+    def _merge_ranks(self) -> None:
+        """Under torch.distributed: replace this rank's window statistics and instrument states
+        by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
+        kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
+        if self._group is None or self._window is None or self._merged:
+            return
+        ctx = MergeContext(dict(self._param_of), self.watched, self._needs)
+        self._window, self._states = merge_window(
+            self._window, self.instruments, self._states, self._group, ctx
+        )
+        self._merged = True
+
+    def _on_grad_sq(self, sq: Tensor) -> None:
+        micro = self._micro
+        if micro is not None:
+            micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
 
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
+            self._merge_ranks()
             for i in self.instruments:
                 i.before_update(self._states[id(i)])
 
@@ -232,6 +274,7 @@ class Lens:
 
     def _close_window(self) -> Record | None:
         record = None
+        self._merge_ranks()
         window = self._window
         captured = window is not None and bool(window.micro_steps)
         self._settle_pending(
@@ -367,6 +410,10 @@ class Lens:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
+        if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
+            scale = micro.scale()
+            s.micro_grad_sq = micro.grad_sq * (scale * scale)
+            s.micro_size_sq = float(b) ** 2
         self._window = self._window.merge(s)
         for inst in self._micro_insts:
             key = id(inst)
@@ -516,6 +563,8 @@ class Lens:
         self._settle_pending("the Lens was closed before the next window closed")
         self._closed = True
         self._tap.remove()
+        if self._grad_sq_hooks is not None:
+            self._grad_sq_hooks.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []
