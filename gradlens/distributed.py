@@ -8,7 +8,8 @@ one process would give on that concatenated batch.
 
 What travels (one window, R ranks):
 
-1. **One ``all_reduce`` (SUM)** of a single flat float64 buffer holding every sum and count:
+1. **One ``all_reduce`` (SUM)** of a single flat buffer holding every sum and count (float32
+   for a float32 model, counts as exact 16-bit limbs; float64 otherwise):
    N, K, the loss sum, ``sum_grad_squared`` and ``grad_sum`` of every tracked parameter (fixed
    layout, zeros where a rank saw nothing), the micro-step norms of the two-batch noise scale,
    histogram counts, and a small ``[R, M]`` block in which rank r writes only row r: its
@@ -158,14 +159,20 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
             device = torch.device("cuda", torch.cuda.current_device())
     f64 = torch.float64
 
-    sum_len = sum(t.numel() for p in parts for t in p.sums)
+    # The wire dtype: float32 when every floating sum of a real size is float32 or narrower
+    # (a float32 model: halves the bytes), else float64. In a float32 buffer, integer counts
+    # travel as 16-bit limbs (exact while R < 256) and float64 scalars as a (hi, lo) pair.
+    big = [t for p in parts for t in p.sums if t.is_floating_point() and t.numel() > 64]
+    wire = torch.float32 if big and all(t.element_size() <= 4 for t in big) else f64
+    sum_len = sum(_slots(t, wire) for p in parts for t in p.sums)
     meta_len = _meta_len(parts)
-    buf = torch.zeros(sum_len + world * meta_len, dtype=f64, device=device)
+    buf = torch.zeros(sum_len + world * meta_len, dtype=wire, device=device)
     off = 0
     for p in parts:
         for t in p.sums:
-            buf[off : off + t.numel()] = t.detach().reshape(-1).to(device=device, dtype=f64)
-            off += t.numel()
+            k = _slots(t, wire)
+            buf[off : off + k] = _encode(t.detach().reshape(-1).to(device), wire)
+            off += k
     row = buf[sum_len + rank * meta_len : sum_len + (rank + 1) * meta_len]
     moff = 0
     for p in parts:
@@ -183,7 +190,7 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
             moff += 1 + _MAX_DIMS
     dist.all_reduce(buf, group=group)
 
-    meta = buf[sum_len:].view(world, meta_len).cpu() if meta_len else torch.zeros(world, 0, dtype=f64)
+    meta = buf[sum_len:].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
     # shapes of every rank's pieces, and the flat gather layout
     shapes: list[list[list[tuple[int, ...]]]] = []  # participant -> piece -> rank -> shape
     moff = 0
@@ -234,8 +241,9 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
     for p, pshapes, fl in zip(parts, shapes, unique):
         sums = []
         for t in p.sums:
-            sums.append(buf[off : off + t.numel()].view(t.shape).to(dtype=t.dtype, device=t.device))
-            off += t.numel()
+            k = _slots(t, wire)
+            sums.append(_decode(buf[off : off + k], t, wire))
+            off += k
         per_rank = []
         for t in p.per_rank:
             per_rank.append(meta[:, moff : moff + t.numel()].reshape(world, *t.shape).clone())
@@ -254,6 +262,38 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
             pieces.append(got)
         out.append((sums, per_rank, pieces))
     return out
+
+
+_LIMBS = 4  # 16-bit limbs of an int64 count in a float32 buffer
+
+
+def _slots(t: Tensor, wire: torch.dtype) -> int:
+    if wire == torch.float64 or (t.is_floating_point() and t.element_size() <= 4):
+        return t.numel()
+    return t.numel() * (_LIMBS if not t.is_floating_point() else 2)
+
+
+def _encode(flat: Tensor, wire: torch.dtype) -> Tensor:
+    if wire == torch.float64 or (flat.is_floating_point() and flat.element_size() <= 4):
+        return flat.to(wire)
+    if flat.is_floating_point():  # float64 -> (hi, lo) float32
+        hi = flat.to(torch.float32)
+        lo = (flat - hi.to(flat.dtype)).to(torch.float32)
+        return torch.cat([hi, lo])
+    x = flat.to(torch.int64)  # counts >= 0
+    return torch.cat([((x >> (16 * i)) & 0xFFFF).to(torch.float32) for i in range(_LIMBS)])
+
+
+def _decode(chunk: Tensor, like: Tensor, wire: torch.dtype) -> Tensor:
+    n = like.numel()
+    if wire == torch.float64 or (like.is_floating_point() and like.element_size() <= 4):
+        out = chunk
+    elif like.is_floating_point():
+        out = chunk[:n].to(like.dtype) + chunk[n:].to(like.dtype)
+    else:
+        limbs = chunk.to(torch.int64).view(_LIMBS, n)
+        out = sum(limbs[i] << (16 * i) for i in range(_LIMBS))
+    return out.view(like.shape).to(dtype=like.dtype, device=like.device)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

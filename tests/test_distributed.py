@@ -352,6 +352,13 @@ def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             loss.backward()
         rec = local.flush()
         out["local"] = ({k: calls[k] - before[k] for k in calls}, rec.num_samples)
+        # a float32 model: sums travel in a float32 buffer, counts as exact limbs
+        m32 = gradlens.extend(copy.deepcopy(model0).float())
+        lens = Lens(m32, [GradHist1d(bins=7, range=(-grad_r, grad_r)), SumGradSquared(), GradNorm()])
+        loss = loss_fn(m32(x.float()), y)
+        with lens.capture():
+            loss.backward()
+        out["f32"] = dict(lens.flush().values)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -369,6 +376,20 @@ def test_one_collective_per_tracked_window_and_none_untracked():
     assert out["per_sample"] == [two, none, two, none]
     calls, n = out["local"]
     assert calls == none and n == 12  # process_group=False: this rank's samples only
+    # float32 wire: both ranks used the same 12 samples, so the global batch is them twice
+    model0, windows, grad_r, _ = _problem("mlp")
+    x, y = windows[0]
+    G = flat(per_sample_grads(model0, x, y))
+    G2 = torch.cat([G, G])
+    from test_instruments import hist_oracle
+
+    counts, _, _ = hist_oracle(G2.float().double(), -grad_r, grad_r, 7)
+    h = out["f32"]["grad_hist_1d"]
+    assert h.total == G2.numel() and (h.counts - counts).abs().sum() <= 4  # float32 rounding at edges
+    _close(out["f32"]["grad_norm"], G.mean(0).norm(), rtol=1e-5)
+    names = [nm for nm, _ in model0.named_parameters()]
+    for nm, g in zip(names, G2.split([p.numel() for p in model0.parameters()], dim=1)):
+        _close(out["f32"]["sum_grad_squared"][nm].flatten(), g.square().sum(0), rtol=1e-4)
 
 
 # ------------------------------------------------------------------- FSDP2

@@ -169,7 +169,7 @@ class WindowStats:
 
         f64 = torch.float64
         sums = [
-            torch.tensor([self.num_samples, self.micro_steps, self.micro_size_sq], dtype=f64),
+            torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq)], dtype=torch.int64),
             self.loss_sum.double().reshape(()),
             self.micro_grad_sq.double().reshape(()),
         ]

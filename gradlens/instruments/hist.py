@@ -182,13 +182,13 @@ class GradHist1d(Instrument):
     def to_buffers(self, state: _Hist1dState, ctx):
         from gradlens.distributed import DistParts
 
-        sums = [state.counts, state.low, torch.tensor(state.total, dtype=torch.float64)]
+        sums = [state.counts, state.low, torch.tensor(state.total, dtype=torch.int64)]
         per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist1dState, ctx, sums, per_rank, pieces) -> _Hist1dState:
         mn, mx = _merged_extremes(per_rank)
-        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], int(round(float(sums[2]))), mn, mx)
+        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], int(sums[2]), mn, mx)
 
 
 @dataclass
