@@ -11,7 +11,9 @@ reports), as ratios to the plain DDP step:
       ranks (one all_reduce of the sums, one all_gather of batch_l2 per step);
   two-batch noise scale: NoiseScaleTwoBatch (rank-local vs global gradients: the sums it needs
       are merged by one all_reduce);
-  untracked window (a Lens whose schedule skips the step).
+  untracked window (a Lens whose schedule skips the step);
+and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
+all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
 """
 
 from __future__ import annotations
@@ -83,6 +85,28 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
             return step
 
+        def build_accum(monitor: bool):
+            """DDP + GradientAccumulateOptimizer, 2 micro-batches of batch/2 per rank (each
+            micro-step all-reduces, as DDP does without no_sync), optionally NoiseScaleMonitor."""
+            from gradlens import GradientAccumulateOptimizer
+            from gradlens.instruments import NoiseScaleMonitor
+
+            torch.manual_seed(0)
+            ddp = nn.parallel.DistributedDataParallel(mlp())
+            loss_fn = nn.CrossEntropyLoss()
+            opt = GradientAccumulateOptimizer(torch.optim.SGD(ddp.parameters(), lr=1e-3), accum_steps=2)
+            if monitor:
+                NoiseScaleMonitor(opt, ranks=world)
+            parts = list(zip(x.chunk(2), y.chunk(2)))
+
+            def step():
+                for xb, yb in parts:
+                    loss_fn(ddp(xb), yb).backward()
+                    opt.step(num_samples=len(xb))
+                    opt.zero_grad()
+
+            return step
+
         norm_set = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
         steps = {
             "plain": build(),
@@ -90,6 +114,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             "two_batch": build(lambda: [NoiseScaleTwoBatch()]),
             "untracked": build(norm_set, every=lambda s: False),
             "plain_again": build(),
+            "accum": build_accum(False),
+            "accum_monitor": build_accum(True),
+            "accum_again": build_accum(False),
         }
         ms = interleaved_ms(steps, args.steps, warmup=3)
         if rank == 0:
@@ -105,6 +132,10 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 ("untracked", "untracked window"),
             ):
                 print(f"| {label} | {ms[key]:.2f} | {ms[key] / base:.2f}x |")
+            acc = 0.5 * (ms["accum"] + ms["accum_again"])
+            print(f"| DDP + GradientAccumulateOptimizer (2 x {args.batch // 2}) plain | {acc:.2f} | 1.00x |")
+            print(f"| same + NoiseScaleMonitor (micro-batch of all ranks vs window) | "
+                  f"{ms['accum_monitor']:.2f} | {ms['accum_monitor'] / acc:.2f}x |")
     finally:
         dist.destroy_process_group()
 

@@ -34,6 +34,7 @@ from gradlens.instruments import (
     InnerTest,
     MeanGSNR,
     NoiseScale,
+    NoiseScaleMonitor,
     NoiseScaleTwoBatch,
     NormTest,
     OrthoTest,
@@ -359,6 +360,17 @@ def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with lens.capture():
             loss.backward()
         out["f32"] = dict(lens.flush().values)
+        # the optimizer route under DDP: each micro-step's p.grad is averaged over the ranks
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0))
+        gao = GradientAccumulateOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.0), accum_steps=3)
+        monitor = NoiseScaleMonitor(gao, ranks=world)
+        xr, yr = windows[rank]
+        before = dict(calls)
+        for xb, yb in zip(xr.split(4), yr.split(4)):
+            F.cross_entropy(ddp(xb), yb).backward()
+            gao.step(num_samples=len(xb))
+            gao.zero_grad()
+        out["monitor"] = (monitor.values, {k: calls[k] - before[k] for k in calls})
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -376,6 +388,21 @@ def test_one_collective_per_tracked_window_and_none_untracked():
     assert out["per_sample"] == [two, none, two, none]
     calls, n = out["local"]
     assert calls == none and n == 12  # process_group=False: this rank's samples only
+    # NoiseScaleMonitor(ranks=2) on DDP: small batch k = micro-batch k of both ranks
+    values, calls = out["monitor"]
+    assert calls == none  # nothing beyond DDP's own all-reduce
+    (x0, y0), (x1, y1) = _problem("mlp")[1]
+    model0 = _problem("mlp")[0]
+    blocks = []
+    for k in range(3):
+        sl = slice(4 * k, 4 * k + 4)
+        blocks.append(torch.cat([x0[sl], x1[sl]]))
+    xs = torch.cat(blocks)
+    ys = torch.cat([torch.cat([y0[4 * k : 4 * k + 4], y1[4 * k : 4 * k + 4]]) for k in range(3)])
+    g2, tr = _oracle_two_batch(flat(per_sample_grads(model0, xs, ys)), [8, 8, 8])
+    _close(values[0]["grad_sq"], g2)
+    _close(values[0]["trace_sigma"], tr)
+    assert values[0]["batch_big"] == 24 and values[0]["small_batches"] == 3
     # float32 wire: both ranks used the same 12 samples, so the global batch is them twice
     model0, windows, grad_r, _ = _problem("mlp")
     x, y = windows[0]
