@@ -41,6 +41,7 @@ ClipFn = Callable[[list[Tensor]], Any]
 unscaled window gradient; it modifies those ``.grad`` in place (its return value is ignored)."""
 
 WindowEndHook = Callable[["GradientAccumulateOptimizer", bool], None]
+MicroStepHook = Callable[["GradientAccumulateOptimizer", "float | None"], None]
 
 
 def check_accum_steps(
@@ -393,6 +394,8 @@ class GradientAccumulateOptimizer(Optimizer):
         self._weighted = weighted
         self._via_scaler = via_scaler
         w = weight if weighted else 1.0
+        for hook in list(getattr(self, "_micro_step_hooks", {}).values()):
+            hook(self, num_samples)  # p.grad: this micro-step's gradient, not yet folded
         self._fold(w, grad_scale)
         self._weight += w
         self.micro_step += 1
@@ -428,6 +431,24 @@ class GradientAccumulateOptimizer(Optimizer):
         handle = RemovableHandle(self._window_end_hooks)
         self._window_end_hooks[handle.id] = hook
         return handle
+
+    def register_micro_step_hook(self, hook: MicroStepHook) -> RemovableHandle:
+        """Register ``hook(optimizer, num_samples)``, called by every :meth:`step` right before
+        the micro-step's ``p.grad`` is folded into the window (``p.grad`` is that micro-step's
+        gradient, still scaled by a GradScaler's ``optimizer.grad_scale`` if one is used;
+        :meth:`window_sum` is the window before it). Used by
+        :class:`gradlens.instruments.noise.NoiseScaleMonitor`."""
+        if not hasattr(self, "_micro_step_hooks"):
+            self._micro_step_hooks: OrderedDict[int, MicroStepHook] = OrderedDict()
+        handle = RemovableHandle(self._micro_step_hooks)
+        self._micro_step_hooks[handle.id] = hook
+        return handle
+
+    def window_sum(self, p: Tensor) -> Tensor | None:
+        """The window's running, unnormalised sum for parameter ``p`` (``sum_k w_k grad_k /
+        scale_k``, w_k = num_samples under "mean", 1 under "sum"; the accumulator itself, not a
+        copy: read it, do not modify it), or None before ``p`` received a gradient."""
+        return self._accumulators.get(p)
 
     # ---------------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -28,6 +28,7 @@ from gradlens.capture import (
     model_exclusions,
     tracked_parameters,
 )
+from gradlens.distributed import MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
 from gradlens.instruments.base import QUANTITIES, Accumulators, Instrument, WindowStats
 from gradlens.kernels import Materialised, MaterialisedKernel, OpLinear, add_into
 from gradlens.records import Record
@@ -50,6 +51,7 @@ class _MicroStep:
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
     loss_call: Any = None  # the LossCall of this micro-step (its multiplier), if any
+    grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
     _scale: Any = None
 
     def scale(self) -> float | Tensor:
@@ -96,6 +98,12 @@ class Lens:
             their output reaches a layer that mixes samples (a BatchNorm in training mode):
             ``"error"`` (default) names them all in one error at the first tracked micro-step;
             ``"exclude"`` leaves them out (see :attr:`tracked`, :attr:`coverage`).
+        process_group: under ``torch.distributed`` (e.g. DDP), the ranks whose samples form the
+            window: ``None`` (default) merges over the default group when torch.distributed is
+            initialised, a ``ProcessGroup`` over that group, ``False`` keeps this rank's own
+            records. Merged records describe the global batch of all ranks (samples rank-major),
+            are kept on every rank, and are written to the sinks (``log``, ``tensorboard``) by
+            rank 0 of the group only. See docs/distributed.md.
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -119,6 +127,7 @@ class Lens:
         keep_records: bool = True,
         chunk_elements: int = 1 << 20,
         undefined: str = "error",
+        process_group: Any = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -127,6 +136,7 @@ class Lens:
                 f"the model ({type(model).__name__}) was not extended; call "
                 "model = gradlens.extend(model) before creating the Lens"
             )
+        check_not_sharded(model)
         instruments = list(instruments)
         for inst in instruments:
             if not isinstance(inst, Instrument):
@@ -186,12 +196,21 @@ class Lens:
             on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
         )
 
+        self._group = resolve_group(process_group)
+        self._merged = False
+        self._grad_sq_hooks = None
+        if "micro_grad_sq" in self._needs:
+            from gradlens.instruments.noise import ParamGradSquares
+
+            self._grad_sq_hooks = ParamGradSquares(list(self._tap.params.values()), self._on_grad_sq)
+
         self._sinks: list[Any] = []
-        if log is not None:
+        writer = is_writer(self._group)  # under torch.distributed: rank 0 writes
+        if log is not None and writer:
             from gradlens.sinks import JsonlSink
 
             self._sinks.append(JsonlSink(log))
-        if tensorboard is not None:
+        if tensorboard is not None and writer:
             from gradlens.sinks import TensorBoardSink
 
             self._sinks.append(TensorBoardSink(tensorboard))
@@ -224,11 +243,35 @@ class Lens:
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
+            self._window_sites: dict[str, Site] = {}  # every use measured in this window
             self._tap.install()
+            if self._grad_sq_hooks is not None:
+                self._grad_sq_hooks.install()
         else:
             self._window = None
             self._states = {}
             self._tap.remove()
+            if self._grad_sq_hooks is not None:
+                self._grad_sq_hooks.remove()
+        self._merged = False
+
+    def _merge_ranks(self) -> None:
+        """Under torch.distributed: replace this rank's window statistics and instrument states
+        by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
+        kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
+        if self._group is None or self._window is None or self._merged:
+            return
+        sites = [self._window_sites[n] for n in sorted(self._window_sites)]
+        ctx = MergeContext(dict(self._tap.params), sites, self._needs)
+        self._window, self._states = merge_window(
+            self._window, self.instruments, self._states, self._group, ctx
+        )
+        self._merged = True
+
+    def _on_grad_sq(self, sq: Tensor) -> None:
+        micro = self._micro
+        if micro is not None:
+            micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
 
     # ------------------------------------------------------------------ coverage
     @property
@@ -253,6 +296,9 @@ class Lens:
             if not params:
                 raise ValueError("the model has no trainable parameters left to track")
             self._tap.set_params(params)
+            if getattr(self, "_grad_sq_hooks", None) is not None:
+                self._grad_sq_hooks.remove()
+                self._grad_sq_hooks.params = list(params.values())
 
     def _check_undefined(self) -> None:
         """Parameters whose output reached a layer that mixes samples (found in the forward)."""
@@ -285,6 +331,7 @@ class Lens:
 
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
+            self._merge_ranks()
             for i in self.instruments:
                 i.before_update(self._states[id(i)])
 
@@ -302,6 +349,7 @@ class Lens:
 
     def _close_window(self) -> Record | None:
         record = None
+        self._merge_ranks()
         window = self._window
         captured = window is not None and bool(window.micro_steps)
         self._settle_pending(
@@ -459,6 +507,10 @@ class Lens:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
+        if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
+            scale = micro.scale()
+            s.micro_grad_sq = micro.grad_sq * (scale * scale)
+            s.micro_size_sq = float(b) ** 2
         self._window = self._window.merge(s)
         for inst in self._micro_insts:
             key = id(inst)
@@ -617,6 +669,7 @@ class Lens:
     ) -> None:
         """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
         units (both batch-first)."""
+        self._window_sites[w.name] = w
         kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
         per_sample = bool(self._per_sample_insts)
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
@@ -693,6 +746,8 @@ class Lens:
         self._settle_pending("the Lens was closed before the next window closed")
         self._closed = True
         self._tap.remove()
+        if self._grad_sq_hooks is not None:
+            self._grad_sq_hooks.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []

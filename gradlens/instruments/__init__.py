@@ -3,6 +3,7 @@
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.dots import Alpha, BatchDot, InnerTest, OrthoTest
 from gradlens.instruments.hist import GradHist1d, GradHist2d
+from gradlens.instruments.noise import NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared
 from gradlens.instruments.tests import MeanGSNR, NoiseScale, NormTest
 
@@ -17,6 +18,8 @@ __all__ = [
     "NormTest",
     "MeanGSNR",
     "NoiseScale",
+    "NoiseScaleTwoBatch",
+    "NoiseScaleMonitor",
     "BatchDot",
     "Alpha",
     "InnerTest",

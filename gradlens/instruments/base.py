@@ -14,6 +14,9 @@ Quantities a capture can provide (all in per-sample units g_n, see DESIGN.md):
   :meth:`Instrument.update`.
 - ``"layer"``: the layer's input and per-sample-scaled output gradient, passed to
   :meth:`Instrument.update_layer` (for factor-based cross-micro-step quantities).
+- ``"micro_grad_sq"``: ||s_k||^2 of each micro-step's gradient sum s_k = sum_{n in k} g_n, from
+  hooks on the tracked parameters (no per-sample kernel), summed into
+  :attr:`WindowStats.micro_grad_sq` with sum_k B_k^2 in :attr:`WindowStats.micro_size_sq`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from torch import Tensor
 
 __all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES"]
 
-QUANTITIES = frozenset({"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer"})
+QUANTITIES = frozenset(
+    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq"}
+)
 
 
 def _storage_users(t: Tensor) -> int | None:
@@ -100,6 +105,11 @@ class WindowStats:
     batch_l2: list[Tensor] = field(default_factory=list)
     sum_grad_squared: dict[str, Tensor] = field(default_factory=Accumulators)
     grad_sum: dict[str, Tensor] = field(default_factory=Accumulators)
+    #: sum over micro-steps (and ranks) of ||s_k||^2, s_k = sum_{n in k} g_n (0-d float64; only
+    #: filled when an instrument needs "micro_grad_sq", e.g. NoiseScaleTwoBatch)
+    micro_grad_sq: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    #: sum over the micro-steps whose ||s_k||^2 is in ``micro_grad_sq`` of B_k^2
+    micro_size_sq: float = 0.0
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
@@ -116,6 +126,8 @@ class WindowStats:
             batch_l2=self.batch_l2 + other.batch_l2,
             sum_grad_squared=_add_dicts(self.sum_grad_squared, other.sum_grad_squared),
             grad_sum=_add_dicts(self.grad_sum, other.grad_sum),
+            micro_grad_sq=self.micro_grad_sq + other.micro_grad_sq,  # 0-d: no device sync
+            micro_size_sq=self.micro_size_sq + other.micro_size_sq,
         )
 
     # ---- derived views, in per-sample units --------------------------------------------
@@ -148,6 +160,56 @@ class WindowStats:
         """The window's loss: mean over N samples ("mean") or sum ("sum")."""
         total = float(self.loss_sum)
         return total / max(self.num_samples, 1) if self.reduction == "mean" else total
+
+    # ---- across ranks (gradlens.distributed) ---------------------------------------------
+    def to_buffers(self, ctx):
+        """This rank's sums in a layout fixed by ``ctx`` (every tracked parameter, zeros where
+        this rank has no entry, and a presence count), and ``batch_l2`` ``[N_r]`` to gather."""
+        from gradlens.distributed import DistParts
+
+        f64 = torch.float64
+        sums = [
+            torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq)], dtype=torch.int64),
+            self.loss_sum.double().reshape(()),
+            self.micro_grad_sq.double().reshape(()),
+        ]
+        for quantity, acc in (("sum_grad_squared", self.sum_grad_squared), ("grad_sum", self.grad_sum)):
+            if quantity not in ctx.needs:
+                continue
+            present = []
+            for q, p in ctx.params.items():
+                present.append(1.0 if q in acc else 0.0)
+                sums.append(acc[q] if q in acc else p.new_zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32)))
+            sums.append(torch.tensor(present, dtype=f64))
+        pieces = [self.batch_l2_all().double()] if "batch_l2" in ctx.needs else []
+        return DistParts(sums=sums, pieces=pieces)
+
+    def from_buffers(self, ctx, sums, per_rank, pieces) -> "WindowStats":
+        """The window of all ranks from :meth:`to_buffers`' merged buffers (rank-major)."""
+        counts, loss_sum, micro_sq = sums[0], sums[1], sums[2]
+        out = WindowStats(
+            reduction=self.reduction,
+            num_samples=int(round(float(counts[0]))),
+            micro_steps=int(round(float(counts[1]))),
+            loss_sum=loss_sum,
+            micro_grad_sq=micro_sq,
+            micro_size_sq=float(counts[2]),
+            sum_grad_squared=Accumulators(getattr(self.sum_grad_squared, "pool", None)),
+            grad_sum=Accumulators(getattr(self.grad_sum, "pool", None)),
+        )
+        i = 3
+        for quantity, acc in (("sum_grad_squared", out.sum_grad_squared), ("grad_sum", out.grad_sum)):
+            if quantity not in ctx.needs:
+                continue
+            values = sums[i : i + len(ctx.params)]
+            present = sums[i + len(ctx.params)]
+            i += len(ctx.params) + 1
+            for (q, _), v, seen in zip(ctx.params.items(), values, present.tolist()):
+                if seen > 0:
+                    acc[q] = v
+        if pieces:
+            out.batch_l2 = [t for t in pieces[0] if t.numel()]
+        return out
 
 
 def _add_dicts(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -235,3 +297,23 @@ class Instrument:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    # ---- across ranks (gradlens.distributed) -------------------------------------------
+    def to_buffers(self, state: Any, ctx: Any) -> Any:
+        """What this window ``state`` sends when ranks merge (a
+        :class:`gradlens.distributed.DistParts`: sums, per-rank values, pieces to gather).
+        Stateless instruments send nothing; an instrument with a state must override this."""
+        from gradlens.distributed import DistParts
+
+        if state is None:
+            return DistParts()
+        raise NotImplementedError(
+            f"{type(self).__name__} keeps a window state but does not say how to merge it across "
+            "ranks (to_buffers/from_buffers); use it without torch.distributed or with "
+            "Lens(..., process_group=False)"
+        )
+
+    def from_buffers(self, state: Any, ctx: Any, sums, per_rank, pieces) -> Any:
+        """The state of all ranks from the merged buffers of :meth:`to_buffers`: ``sums``
+        (added), ``per_rank`` (``[R, ...]``), ``pieces`` (per piece, one tensor per rank)."""
+        return state

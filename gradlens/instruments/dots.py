@@ -357,6 +357,21 @@ class _DotState:
         return self.parts[-1]
 
 
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+
+
+def _cat_cached(ctx, tensors: list[Tensor]) -> Tensor:
+    """``torch.cat(tensors)``, the same object for the same inputs within one merge (so that the
+    factors BatchDot / InnerTest / OrthoTest / Alpha share are gathered once)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    cache = ctx.cache
+    key = ("cat",) + tuple(id(t) for t in tensors)
+    if key not in cache:
+        cache[key] = (torch.cat(tensors), tensors)  # keep the inputs alive with the key
+    return cache[key][0]
+
+
 def _nbytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -545,6 +560,92 @@ class _CrossSample(Instrument):
 
     def meta(self, state: _DotState) -> dict[str, Any]:
         return {self.key: self.mode_name}
+
+    # ---- across ranks (gradlens.distributed) ------------------------------------------------
+    def to_buffers(self, state: _DotState, ctx):
+        """Per rank: its sample count and flags (per-rank row); pieces to gather: the sketches
+        ``[N_r, k]`` (sketch mode) or, per watched layer, ``a`` and ``delta`` of all its
+        micro-steps concatenated (exact mode), and Alpha's per-sample losses / end projections.
+        Factors shared by several instruments are sent once (``ctx.cache``)."""
+        from gradlens.distributed import DistParts
+
+        parts = state.parts
+        n = sum(p.batch for p in parts)
+        has_losses = bool(parts) and all(p.losses is not None for p in parts)
+        has_end = bool(parts) and all(p.end_proj is not None for p in parts)
+        token = parts[0].end_token if parts and parts[0].end_token is not None else -1
+        if any(p.end_token != parts[0].end_token for p in parts):
+            token = -2  # micro-steps projected on different updates: never settles
+        dense = max((p.dense_per_sample for p in parts), default=0)
+        row = [float(n), float(has_losses), float(has_end), float(token), float(dense)]
+        pieces: list[Tensor] = []
+        if self.mode == "sketch":
+            k = self.k
+            pieces.append(
+                torch.cat([p.sketch for p in parts]) if n else torch.zeros(0, k, dtype=torch.float64)
+            )
+        else:
+            self._check_versions(state)
+            for w in ctx.watched:
+                have = [p.layers[w.name] for p in parts if w.name in p.layers]
+                if not have:
+                    row += [-1.0, -1.0]
+                    pieces += [torch.zeros(0, dtype=torch.float64)] * 2
+                    continue
+                if len(have) != len(parts) or any(
+                    h.a.shape[1:] != have[0].a.shape[1:] or h.delta.shape[1:] != have[0].delta.shape[1:]
+                    for h in have
+                ):
+                    raise RuntimeError(
+                        f"{type(self).__name__}(mode='exact') across ranks needs every micro-step "
+                        f"of a rank to reach layer {w.name!r} with the same per-sample shapes; "
+                        f"use mode='sketch' (or Lens(..., process_group=False))"
+                    )
+                a, d = (_cat_cached(ctx, [getattr(h, f) for h in have]) for f in ("a", "delta"))
+                row += [float(_DTYPES.index(a.dtype)), float(_DTYPES.index(d.dtype))]
+                pieces += [a, d]
+        losses = torch.cat([p.losses for p in parts]) if has_losses else torch.zeros(0, dtype=torch.float64)
+        ends = torch.cat([p.end_proj for p in parts]) if has_end else torch.zeros(0, dtype=torch.float64)
+        pieces += [losses, ends]
+        return DistParts(per_rank=[torch.tensor(row, dtype=torch.float64)], pieces=pieces)
+
+    def from_buffers(self, state: _DotState, ctx, sums, per_rank, pieces) -> _DotState:
+        rows = per_rank[0]  # [R, 5 (+ 2 per watched layer in exact mode)]
+        world = rows.shape[0]
+        out = _DotState(
+            reduction=state.reduction,
+            params=dict(state.params),
+            modules=dict(state.modules),
+            theta0=state.theta0,
+            start=state.start,
+        )
+        by_name = {w.name: w for w in ctx.watched}
+        for r in range(world):
+            n, has_losses, has_end, token, dense = (float(v) for v in rows[r, :5])
+            if n <= 0:
+                continue
+            part = _Part(batch=int(round(n)), dense_per_sample=int(round(dense)))
+            part.end_token = None if token == -1 else int(token)
+            if has_losses:
+                part.losses = pieces[-2][r]
+            if has_end:
+                part.end_proj = pieces[-1][r]
+            if self.mode == "sketch":
+                part.sketch = pieces[0][r]
+            else:
+                for i, w in enumerate(ctx.watched):
+                    codes = rows[r, 5 + 2 * i : 7 + 2 * i]
+                    if float(codes[0]) < 0:
+                        continue
+                    a = pieces[2 * i][r].to(_DTYPES[int(codes[0])])
+                    d = pieces[2 * i + 1][r].to(_DTYPES[int(codes[1])])
+                    part.layers[w.name] = _Layer(w, a, d, (a._version, d._version))
+                    out.modules[w.name] = by_name[w.name]
+                    for attr, q in w.params.items():
+                        out.params.setdefault(q, getattr(w.module, attr))
+            out.parts.append(part)
+        self._check_budget(out)
+        return out
 
 
 # =============================================================================== instruments

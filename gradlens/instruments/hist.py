@@ -178,6 +178,18 @@ class GradHist1d(Instrument):
     def end_window(self, state: _Hist1dState) -> None:
         self.range = _adapted(self.range, _num(state.mn, math.inf), _num(state.mx, -math.inf), self.adapt)
 
+    # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
+    def to_buffers(self, state: _Hist1dState, ctx):
+        from gradlens.distributed import DistParts
+
+        sums = [state.counts, state.low, torch.tensor(state.total, dtype=torch.int64)]
+        per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
+        return DistParts(sums=sums, per_rank=per_rank)
+
+    def from_buffers(self, state: _Hist1dState, ctx, sums, per_rank, pieces) -> _Hist1dState:
+        mn, mx = _merged_extremes(per_rank)
+        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], int(sums[2]), mn, mx)
+
 
 @dataclass
 class _Hist2dState:
@@ -337,3 +349,29 @@ class GradHist2d(Instrument):
         self.grad_range = _adapted(
             self.grad_range, _num(state.gmn, math.inf), _num(state.gmx, -math.inf), self.adapt
         )
+
+    # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
+    # (theta is the same on every rank under data parallelism: the parameter side needs nothing)
+    def to_buffers(self, state: _Hist2dState, ctx):
+        from gradlens.distributed import DistParts
+
+        per_rank = [_extremes_row(state.gmn, state.gmx)] if self.adapt is not None else []
+        return DistParts(sums=[state.counts, state.clamped_grad], per_rank=per_rank)
+
+    def from_buffers(self, state: _Hist2dState, ctx, sums, per_rank, pieces) -> _Hist2dState:
+        mn, mx = _merged_extremes(per_rank)
+        return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx)
+
+
+def _extremes_row(mn: Tensor | None, mx: Tensor | None) -> Tensor:
+    """``[2]`` float64 (min, max) of this rank's window (+inf, -inf when it saw nothing)."""
+    lo = torch.tensor(math.inf, dtype=torch.float64) if mn is None else mn.detach().double().cpu()
+    hi = torch.tensor(-math.inf, dtype=torch.float64) if mx is None else mx.detach().double().cpu()
+    return torch.stack([lo.reshape(()), hi.reshape(())])
+
+
+def _merged_extremes(per_rank) -> tuple[Tensor | None, Tensor | None]:
+    if not per_rank:
+        return None, None
+    rows = per_rank[0]  # [R, 2]
+    return rows[:, 0].min(), rows[:, 1].max()

@@ -1,0 +1,154 @@
+"""Step-time ratios of gradlens under DistributedDataParallel (gloo, CPU processes).
+
+Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1]
+
+Every rank trains the 784-512-512-10 MLP of bench_instruments.py on its own batch (``--batch``
+samples per rank); one step is forward, backward (DDP all-reduces the gradient), SGD update,
+zero_grad. Rows, timed in interleaved rounds (median; both ranks run the same sequence, rank 0
+reports), as ratios to the plain DDP step:
+
+  (a) the norm set BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale, merged across
+      ranks (one all_reduce of the sums, one all_gather of batch_l2 per step);
+  two-batch noise scale: NoiseScaleTwoBatch (rank-local vs global gradients: the sums it needs
+      are merged by one all_reduce);
+  untracked window (a Lens whose schedule skips the step);
+and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
+all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+warnings.filterwarnings("ignore")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args) -> None:
+    import gradlens
+    from gradlens import Lens
+    from gradlens.instruments import BatchL2, GradNorm, NoiseScale, NoiseScaleTwoBatch, NormTest, SumGradSquared
+
+    from _common import interleaved_ms, mlp
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        torch.manual_seed(rank)
+        x = torch.randn(args.batch, 1, 28, 28)
+        y = torch.randint(0, 10, (args.batch,))
+
+        def build(instruments=None, every=1):
+            torch.manual_seed(0)
+            model = mlp()
+            if instruments is not None:
+                model = gradlens.extend(model)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            loss_fn = nn.CrossEntropyLoss()
+            if instruments is not None:
+                loss_fn = gradlens.extend(loss_fn)
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            lens = None
+            if instruments is not None:
+                lens = Lens(model, instruments(), optimizer=opt, every=every, keep_records=False)
+
+            def step():
+                loss = loss_fn(ddp(x), y)
+                if lens is None:
+                    loss.backward()
+                else:
+                    with lens.capture():
+                        loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+            return step
+
+        def build_accum(monitor: bool):
+            """DDP + GradientAccumulateOptimizer, 2 micro-batches of batch/2 per rank (each
+            micro-step all-reduces, as DDP does without no_sync), optionally NoiseScaleMonitor."""
+            from gradlens import GradientAccumulateOptimizer
+            from gradlens.instruments import NoiseScaleMonitor
+
+            torch.manual_seed(0)
+            ddp = nn.parallel.DistributedDataParallel(mlp())
+            loss_fn = nn.CrossEntropyLoss()
+            opt = GradientAccumulateOptimizer(torch.optim.SGD(ddp.parameters(), lr=1e-3), accum_steps=2)
+            if monitor:
+                NoiseScaleMonitor(opt, ranks=world)
+            parts = list(zip(x.chunk(2), y.chunk(2)))
+
+            def step():
+                for xb, yb in parts:
+                    loss_fn(ddp(xb), yb).backward()
+                    opt.step(num_samples=len(xb))
+                    opt.zero_grad()
+
+            return step
+
+        norm_set = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
+        steps = {
+            "plain": build(),
+            "norm_set": build(norm_set),
+            "two_batch": build(lambda: [NoiseScaleTwoBatch()]),
+            "untracked": build(norm_set, every=lambda s: False),
+            "plain_again": build(),
+            "accum": build_accum(False),
+            "accum_monitor": build_accum(True),
+            "accum_again": build_accum(False),
+        }
+        ms = interleaved_ms(steps, args.steps, warmup=3)
+        if rank == 0:
+            base = 0.5 * (ms["plain"] + ms["plain_again"])
+            print(f"DDP {world} gloo processes x {args.threads} thread(s), MLP 784-512-512-10, "
+                  f"batch {args.batch} per rank, torch {torch.__version__}; plain step {base:.2f} ms "
+                  f"(two plain timings: {ms['plain']:.2f}, {ms['plain_again']:.2f} ms)")
+            print("| configuration | ms | ratio to plain DDP step |")
+            print("|---|---|---|")
+            for key, label in (
+                ("norm_set", "(a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale"),
+                ("two_batch", "NoiseScaleTwoBatch (rank-local vs global)"),
+                ("untracked", "untracked window"),
+            ):
+                print(f"| {label} | {ms[key]:.2f} | {ms[key] / base:.2f}x |")
+            acc = 0.5 * (ms["accum"] + ms["accum_again"])
+            print(f"| DDP + GradientAccumulateOptimizer (2 x {args.batch // 2}) plain | {acc:.2f} | 1.00x |")
+            print(f"| same + NoiseScaleMonitor (micro-batch of all ranks vs window) | "
+                  f"{ms['accum_monitor']:.2f} | {ms['accum_monitor'] / acc:.2f}x |")
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    mp.start_processes(_worker, args=(args.world, _free_port(), args), nprocs=args.world, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Merging one window's statistics across data-parallel ranks (``torch.distributed``).
+
+Under DDP every rank captures its own micro-batches; when the window closes the Lens calls
+:func:`merge_window`, after which every rank holds the window statistics of the *global* batch
+(all N = sum_r N_r samples of all ranks, samples in rank-major order: rank 0's samples in the
+order its micro-steps saw them, then rank 1's, ...), and every instrument finalizes the record
+one process would give on that concatenated batch.
+
+What travels (one window, R ranks):
+
+1. **One ``all_reduce`` (SUM)** of a single flat buffer holding every sum and count (float32
+   for a float32 model, counts as exact 16-bit limbs; float64 otherwise):
+   N, K, the loss sum, ``sum_grad_squared`` and ``grad_sum`` of every tracked parameter (fixed
+   layout, zeros where a rank saw nothing), the micro-step norms of the two-batch noise scale,
+   histogram counts, and a small ``[R, M]`` block in which rank r writes only row r: its
+   per-rank values (sample counts, histogram extremes, the shapes of what it will gather, ...),
+   so after the sum every rank knows every rank's row.
+2. **One ``all_gather``** of one flat buffer per rank (padded to the longest), only when some
+   instrument keeps per-sample vectors: ``batch_l2`` ``[N_r]``, the exact-mode layer factors
+   ``a``/``delta`` of BatchDot / InnerTest / OrthoTest / Alpha, or their sketches ``[N_r, k]``,
+   Alpha's per-sample losses and end-point projections.
+
+Untracked windows call nothing. Without ``torch.distributed`` initialised (or with
+``Lens(process_group=False)``) nothing of this runs.
+
+Per-sample units. Each rank rescales its output gradients with its own micro-batch size (its
+loss is a mean over its own B_{r,k} samples), so every g_n is the gradient of sample n's own
+loss whatever the rank; sums then add, and the window gradient of a mean objective is
+G = (1/N) sum over all ranks' g_n. Note that DDP's own update averages the ranks' gradients with
+equal weights 1/R, which is the sample-weighted mean only when every rank has the same number
+of samples: the records describe the global batch of per-sample gradients, not DDP's update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["DistParts", "resolve_group", "check_not_sharded", "merge_window", "is_writer"]
+
+#: dimensions of a gathered piece described in the per-rank block (shapes with more dims refused)
+_MAX_DIMS = 6
+
+
+@dataclass
+class DistParts:
+    """What one participant (the window's shared sums, or one instrument state) sends.
+
+    Attributes:
+        sums: tensors added across ranks (same shapes on every rank).
+        per_rank: small tensors every rank sees from every rank (same shapes on every rank);
+            returned as ``[R, *shape]``.
+        pieces: tensors gathered from every rank (any shape, at most 6 dims; the same number of
+            pieces on every rank); returned as one list per piece of R tensors (rank order).
+    """
+
+    sums: list[Tensor] = field(default_factory=list)
+    per_rank: list[Tensor] = field(default_factory=list)
+    pieces: list[Tensor] = field(default_factory=list)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def resolve_group(process_group: Any) -> Any:
+    """The process group to merge over, or None for local (single-process) records.
+
+    ``None`` (the default): the default group when ``torch.distributed`` is available and
+    initialised with more than one process, else None. ``False``: None (records of this rank
+    only). A ``ProcessGroup``: that group (None if it has one member).
+    """
+    if process_group is False:
+        return None
+    try:
+        dist = _dist()
+        ready = dist.is_available() and dist.is_initialized()
+    except Exception:  # pragma: no cover - torch without distributed support
+        ready = False
+    if process_group is None:
+        if not ready:
+            return None
+        group = dist.group.WORLD
+    else:
+        if not ready:
+            raise RuntimeError(
+                f"Lens(process_group={process_group!r}) but torch.distributed is not initialised; "
+                "call torch.distributed.init_process_group(...) first, or drop process_group"
+            )
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "process_group must be a torch.distributed ProcessGroup, None (the default group "
+                f"when torch.distributed is initialised) or False (local records), got "
+                f"{type(process_group).__name__}"
+            )
+        group = process_group
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def is_writer(group: Any) -> bool:
+    """Whether this process writes records to the sinks: rank 0 of ``group`` (always without one)."""
+    return group is None or _dist().get_rank(group) == 0
+
+
+def check_not_sharded(model: torch.nn.Module, who: str = "Lens") -> None:
+    """Refuse models whose parameters are sharded ``DTensor``s (FSDP2 ``fully_shard``, tensor
+    parallelism): the per-sample capture and the parameter-shaped sums assume every rank holds
+    whole parameters."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - torch without DTensor
+        return
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        shown = ", ".join(sharded[:3]) + (", ..." if len(sharded) > 3 else "")
+        raise RuntimeError(
+            f"{who}: parameters {shown} are sharded DTensors (FSDP2 torch.distributed.fsdp."
+            "fully_shard or tensor parallelism); gradlens needs whole parameters on every rank: "
+            "wrap the model in DistributedDataParallel instead, or exclude the sharded modules "
+            "from the Lens"
+        )
+
+
+def _meta_len(parts: Sequence[DistParts]) -> int:
+    n = 0
+    for p in parts:
+        n += sum(t.numel() for t in p.per_rank)
+        n += len(p.pieces) * (1 + _MAX_DIMS)
+    return n
+
+
+def _device(parts: Sequence[DistParts], default: torch.device) -> torch.device:
+    for p in parts:
+        for t in (*p.sums, *p.per_rank, *p.pieces):
+            return t.device
+    return default
+
+
+def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None = None):
+    """All-reduce every ``sums``, share every ``per_rank``, gather every ``pieces``.
+
+    Returns one ``(sums, per_rank, pieces)`` triple per participant, in the same order: summed
+    tensors (original shapes and dtypes), ``[R, *shape]`` per-rank tensors (float64), and per
+    piece a list of R tensors (original dtype; rank order). At most two collectives: one
+    ``all_reduce`` always, one ``all_gather_into_tensor`` only if any piece exists.
+    """
+    dist = _dist()
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if device is None:
+        device = _device(parts, torch.device("cpu"))
+        backend = dist.get_backend(group)
+        if backend == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+    f64 = torch.float64
+
+    # The wire dtype: float32 when every floating sum of a real size is float32 or narrower
+    # (a float32 model: halves the bytes), else float64. In a float32 buffer, integer counts
+    # travel as 16-bit limbs (exact while R < 256) and float64 scalars as a (hi, lo) pair.
+    big = [t for p in parts for t in p.sums if t.is_floating_point() and t.numel() > 64]
+    wire = torch.float32 if big and all(t.element_size() <= 4 for t in big) else f64
+    sum_len = sum(_slots(t, wire) for p in parts for t in p.sums)
+    meta_len = _meta_len(parts)
+    buf = torch.zeros(sum_len + world * meta_len, dtype=wire, device=device)
+    off = 0
+    for p in parts:
+        for t in p.sums:
+            k = _slots(t, wire)
+            buf[off : off + k] = _encode(t.detach().reshape(-1).to(device), wire)
+            off += k
+    row = buf[sum_len + rank * meta_len : sum_len + (rank + 1) * meta_len]
+    moff = 0
+    for p in parts:
+        for t in p.per_rank:
+            row[moff : moff + t.numel()] = t.detach().reshape(-1).to(device=device, dtype=f64)
+            moff += t.numel()
+        for t in p.pieces:
+            if t.dim() > _MAX_DIMS:
+                raise RuntimeError(
+                    f"a per-sample tensor of shape {tuple(t.shape)} has more than {_MAX_DIMS} "
+                    "dimensions and cannot be gathered across ranks; use the sketch mode"
+                )
+            row[moff] = t.dim()
+            row[moff + 1 : moff + 1 + t.dim()] = torch.tensor(t.shape, dtype=f64)
+            moff += 1 + _MAX_DIMS
+    dist.all_reduce(buf, group=group)
+
+    meta = buf[sum_len:].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
+    # shapes of every rank's pieces, and the flat gather layout
+    shapes: list[list[list[tuple[int, ...]]]] = []  # participant -> piece -> rank -> shape
+    moff = 0
+    for p in parts:
+        moff += sum(t.numel() for t in p.per_rank)
+        mine = []
+        for _ in p.pieces:
+            per = []
+            for r in range(world):
+                nd = int(meta[r, moff])
+                per.append(tuple(int(v) for v in meta[r, moff + 1 : moff + 1 + nd]))
+            mine.append(per)
+            moff += 1 + _MAX_DIMS
+        shapes.append(mine)
+    # a tensor given by several participants (factors shared by instruments) travels once
+    seen: set[int] = set()
+    unique = []
+    for p, sp in zip(parts, shapes):
+        flags = []
+        for t, per in zip(p.pieces, sp):
+            flags.append(id(t) not in seen)
+            seen.add(id(t))
+        unique.append(flags)
+    lengths = [
+        sum(_numel(s[r]) for sp, fl in zip(shapes, unique) for s, u in zip(sp, fl) if u)
+        for r in range(world)
+    ]
+    gathered = None
+    if any(p.pieces for p in parts):
+        longest = max(lengths)
+        send = torch.zeros(longest, dtype=f64, device=device)
+        goff = 0
+        for p, fl in zip(parts, unique):
+            for t, u in zip(p.pieces, fl):
+                if u:
+                    send[goff : goff + t.numel()] = t.detach().reshape(-1).to(device=device, dtype=f64)
+                    goff += t.numel()
+        gathered = torch.empty(world * longest, dtype=f64, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, send, group=group)
+        gathered = gathered.view(world, longest)
+
+    out = []
+    off = 0
+    moff = 0
+    goffs = [0] * world
+    received: dict[int, list[Tensor]] = {}
+    for p, pshapes, fl in zip(parts, shapes, unique):
+        sums = []
+        for t in p.sums:
+            k = _slots(t, wire)
+            sums.append(_decode(buf[off : off + k], t, wire))
+            off += k
+        per_rank = []
+        for t in p.per_rank:
+            per_rank.append(meta[:, moff : moff + t.numel()].reshape(world, *t.shape).clone())
+            moff += t.numel()
+        moff += len(p.pieces) * (1 + _MAX_DIMS)
+        pieces = []
+        for t, per, u in zip(p.pieces, pshapes, fl):
+            if not u:
+                pieces.append(received[id(t)])
+                continue
+            got = received[id(t)] = []
+            for r in range(world):
+                k = _numel(per[r])
+                got.append(gathered[r, goffs[r] : goffs[r] + k].view(per[r]).to(dtype=t.dtype, device=t.device))
+                goffs[r] += k
+            pieces.append(got)
+        out.append((sums, per_rank, pieces))
+    return out
+
+
+_LIMBS = 4  # 16-bit limbs of an int64 count in a float32 buffer
+
+
+def _slots(t: Tensor, wire: torch.dtype) -> int:
+    if wire == torch.float64 or (t.is_floating_point() and t.element_size() <= 4):
+        return t.numel()
+    return t.numel() * (_LIMBS if not t.is_floating_point() else 2)
+
+
+def _encode(flat: Tensor, wire: torch.dtype) -> Tensor:
+    if wire == torch.float64 or (flat.is_floating_point() and flat.element_size() <= 4):
+        return flat.to(wire)
+    if flat.is_floating_point():  # float64 -> (hi, lo) float32
+        hi = flat.to(torch.float32)
+        lo = (flat - hi.to(flat.dtype)).to(torch.float32)
+        return torch.cat([hi, lo])
+    x = flat.to(torch.int64)  # counts >= 0
+    return torch.cat([((x >> (16 * i)) & 0xFFFF).to(torch.float32) for i in range(_LIMBS)])
+
+
+def _decode(chunk: Tensor, like: Tensor, wire: torch.dtype) -> Tensor:
+    n = like.numel()
+    if wire == torch.float64 or (like.is_floating_point() and like.element_size() <= 4):
+        out = chunk
+    elif like.is_floating_point():
+        out = chunk[:n].to(like.dtype) + chunk[n:].to(like.dtype)
+    else:
+        limbs = chunk.to(torch.int64).view(_LIMBS, n)
+        out = sum(limbs[i] << (16 * i) for i in range(_LIMBS))
+    return out.view(like.shape).to(dtype=like.dtype, device=like.device)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass
+class MergeContext:
+    """What the Lens knows that shapes the fixed layout: the tracked parameters (qualified name
+    -> parameter, in a fixed order), the watched modules, the quantities the instruments need."""
+
+    params: dict[str, Tensor]
+    watched: list[Any]
+    needs: frozenset[str]
+    world: int = 1
+    rank: int = 0
+    cache: dict = field(default_factory=dict)  # per merge: shared concatenations
+
+
+def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
+    """The window statistics and instrument states of the global batch of all ranks.
+
+    ``window`` is this rank's :class:`~gradlens.instruments.base.WindowStats`; ``states`` maps
+    ``id(instrument)`` to its window state. Every rank must call this for the same windows with
+    the same instruments. Returns ``(window, states)`` merged (new objects; rank-major order).
+    """
+    dist = _dist()
+    ctx.world = dist.get_world_size(group)
+    ctx.rank = dist.get_rank(group)
+    parts = [window.to_buffers(ctx)]
+    for inst in instruments:
+        parts.append(inst.to_buffers(states[id(inst)], ctx))
+    got = exchange(parts, group)
+    merged = window.from_buffers(ctx, *got[0])
+    new_states = dict(states)
+    for inst, g in zip(instruments, got[1:]):
+        new_states[id(inst)] = inst.from_buffers(states[id(inst)], ctx, *g)
+    return merged, new_states

@@ -1,0 +1,456 @@
+"""torch.distributed (gloo, CPU): R ranks x K micro-steps give the record of one batch of all N
+samples (float64 torch.func oracle on the rank-major concatenated batch), for every instrument;
+rank 0 writes the log once; one all_reduce per tracked window (plus one all_gather when
+per-sample vectors are kept), nothing on untracked windows; FSDP2 models are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import GradientAccumulateOptimizer, Lens, load_log
+from gradlens.instruments import (
+    Alpha,
+    BatchDot,
+    BatchL2,
+    GradHist1d,
+    GradHist2d,
+    GradNorm,
+    InnerTest,
+    MeanGSNR,
+    NoiseScale,
+    NoiseScaleMonitor,
+    NoiseScaleTwoBatch,
+    NormTest,
+    OrthoTest,
+    SumGradSquared,
+)
+from oracle import MODELS, flat, make_problem, per_sample_grads
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+DEADLINE_S = 90.0
+RANK_SIZES = {2: [5, 7], 3: [3, 5, 4]}  # unequal per-rank batches, N = 12 (the oracle's)
+LR = 0.3
+RTOL = 1e-9
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, *args) -> None:
+    context = mp.start_processes(
+        fn, args=(world, _free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"distributed workers did not finish within {DEADLINE_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=30),
+    )
+
+
+def _problem(name: str):
+    model, x0, y0 = make_problem(MODELS[name], seed=0)
+    _, x1, y1 = make_problem(MODELS[name], seed=1)
+    G = flat(per_sample_grads(model, x0, y0))
+    grad_r = 0.5 * float(G.abs().max())
+    param_r = 0.5 * max(float(p.detach().abs().max()) for p in model.parameters())
+    return model, [(x0, y0), (x1, y1)], grad_r, param_r
+
+
+def _instruments(grad_r: float, param_r: float, mode: str):
+    kw = {"mode": mode, "k": 64} if mode == "sketch" else {}
+    return [
+        BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
+        NoiseScaleTwoBatch(),
+        GradHist1d(bins=10, range=(-grad_r, grad_r)),
+        GradHist2d(bins=(6, 8), range=((-param_r, param_r), (-grad_r, grad_r))),
+        BatchDot(**kw), InnerTest(**kw), OrthoTest(**kw), Alpha(**kw),
+    ]
+
+
+def _run_rank(rank, world, name, K, mode, log):
+    """Two windows on a DDP model: this rank's slice of each window's batch, K micro-steps."""
+    model0, windows, grad_r, param_r = _problem(name)
+    sizes = RANK_SIZES[world]
+    lo = sum(sizes[:rank])
+    mine = slice(lo, lo + sizes[rank])
+    model = gradlens.extend(copy.deepcopy(model0))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    # the usual DDP accumulation loop: no_sync() on all but the last micro-step, so that the
+    # accumulated p.grad is all-reduced once and every rank makes the same update
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    lens = Lens(model, _instruments(grad_r, param_r, mode), optimizer=opt, log=log)
+    thetas = [copy.deepcopy(model0).state_dict()]
+    for x, y in windows:
+        micro = list(zip(torch.tensor_split(x[mine], K), torch.tensor_split(y[mine], K)))
+        for k, (xb, yb) in enumerate(micro):
+            with ddp.no_sync() if k < K - 1 else contextlib.nullcontext():
+                out = ddp(xb)
+                loss = loss_fn(out, yb)
+                with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
+                    loss.backward()
+        opt.step()
+        opt.zero_grad()
+        thetas.append(copy.deepcopy(model.state_dict()))
+    lens.close()
+    return [(r.step, r.num_samples, r.micro_steps, dict(r.values), dict(r.meta)) for r in lens.records], thetas
+
+
+def _merge_worker(rank: int, world: int, port: int, out_dir: str, name: str, mode: str) -> None:
+    _init(rank, world, port)
+    try:
+        result = {}
+        for K in (1, 3):
+            log = os.path.join(out_dir, f"log_K{K}.jsonl")
+            result[K] = _run_rank(rank, world, name, K, mode, log)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _close(a, b, rtol=RTOL):
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+        rtol=rtol, atol=1e-12,
+    )
+
+
+def _oracle_two_batch(G: torch.Tensor, sizes: list[int]):
+    """|G|^2 and tr(Sigma) two-batch estimates from the oracle's per-sample gradients."""
+    s = [blk.sum(0) for blk in G.split(sizes)]
+    S = sum(float(v.dot(v)) for v in s)
+    Q = float(sum(b * b for b in sizes))
+    tot = G.sum(0)
+    T = float(tot.dot(tot))
+    N = float(G.shape[0])
+    return (T - S) / (N * N - Q), (N * N * S - Q * T) / (N * (N * N - Q))
+
+
+def _check_window(vals, num_samples, G, theta_t, theta_next, window, next_window, micro_sizes,
+                  grad_r, param_r, mode):
+    from test_dots import oracle_window
+    from test_instruments import HIST2D_BINS, hist_oracle
+
+    n = G.shape[0]
+    assert num_samples == n
+    _close(vals["batch_l2"], G.square().sum(1))  # rank-major sample order
+    names = list(per_sample_grads_names(theta_t))
+    gs = dict(zip(names, G.split([p.numel() for p in theta_t.parameters()], dim=1)))
+    for nm, g in gs.items():
+        _close(vals["sum_grad_squared"][nm].flatten(), g.square().sum(0))
+    mean = G.mean(0)
+    _close(vals["grad_norm"], mean.norm())
+    var = G.var(0)
+    _close(vals["noise_scale"], var.sum() / mean.square().sum())
+    _close(vals["norm_test"], (var.sum() / n).sqrt() / mean.norm())
+    ok = var > 0
+    _close(vals["mean_gsnr"], (mean[ok].square() / var[ok]).mean())
+    counts, low, high = hist_oracle(G, -grad_r, grad_r, 10)
+    assert torch.equal(vals["grad_hist_1d"].counts, counts)
+    assert (vals["grad_hist_1d"].clamped_low, vals["grad_hist_1d"].clamped_high) == (low, high)
+    theta = torch.cat([p.detach().flatten() for p in theta_t.parameters()])
+    pb, gb = 6, 8
+    pidx = torch.floor((theta + param_r) * pb / (2 * param_r)).clamp(0, pb - 1).long()
+    gidx = torch.floor((G + grad_r) * gb / (2 * grad_r)).clamp(0, gb - 1).long()
+    joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
+    assert torch.equal(vals["grad_hist_2d"].counts, joint)
+    assert vals["grad_hist_2d"].clamped_param == n * int(((theta < -param_r) | (theta > param_r)).sum())
+    g2, tr = _oracle_two_batch(G, micro_sizes)
+    ns = vals["noise_scale_two_batch"]
+    _close(ns["grad_sq"], g2)
+    _close(ns["trace_sigma"], tr)
+    if g2 > 0:
+        _close(ns["b_simple"], tr / g2)
+    else:  # a negative |G|^2 estimate (small N) has no meaningful ratio
+        assert math.isnan(ns["b_simple"])
+    assert ns["batch_big"] == n and ns["small_batches"] == len(micro_sizes)
+    if mode == "exact" and next_window is not None:
+        o = oracle_window([theta_t, theta_next], [window, next_window], 0)
+        for key in ("batch_dot", "inner_test", "ortho_test"):
+            _close(vals[key], o[key])
+        sp = vals["search_dir_projections"]
+        for key in ("start", "end", "update_sq_norm"):
+            _close(sp[key], o[key])
+        _close(vals["alpha"], o["alpha"], rtol=1e-7)
+
+
+def per_sample_grads_names(model):
+    return [n for n, _ in model.named_parameters()]
+
+
+def _micro_sizes(world: int, K: int) -> list[int]:
+    out = []
+    for b in RANK_SIZES[world]:
+        out += [len(t) for t in torch.tensor_split(torch.arange(b), K) if len(t)]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_times_micro_steps_equal_one_batch_oracle(world):
+    name = "mlp"
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_merge_worker, world, out_dir, name, "exact")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        logs = {K: load_log(os.path.join(out_dir, f"log_K{K}.jsonl")) for K in (1, 3)}
+        raw_lines = {K: open(os.path.join(out_dir, f"log_K{K}.jsonl")).read().splitlines() for K in (1, 3)}
+        assert sorted(os.listdir(out_dir)) == sorted(
+            [f"rank{r}.pt" for r in range(world)] + ["log_K1.jsonl", "log_K3.jsonl"]
+        )
+    model0, windows, grad_r, param_r = _problem(name)
+    for K in (1, 3):
+        records, thetas = results[0][K]
+        models = []
+        for sd in thetas:
+            m = copy.deepcopy(model0)
+            m.load_state_dict(sd)
+            models.append(m)
+        assert len(records) == 2
+        for t, (step, n, micro, vals, meta) in enumerate(records):
+            assert step == t and micro == len(_micro_sizes(world, K))
+            G = flat(per_sample_grads(models[t], *windows[t]))
+            nxt = windows[t + 1] if t + 1 < len(windows) else None
+            _check_window(vals, n, G, models[t], models[t + 1], windows[t], nxt,
+                          _micro_sizes(world, K), grad_r, param_r, "exact")
+            assert meta["batch_dot"] == "exact"
+        # every rank holds the same merged records
+        for other in results[1:]:
+            for (s0, n0, m0, v0, _), (s1, n1, m1, v1, _) in zip(records, other[K][0]):
+                assert (s0, n0, m0) == (s1, n1, m1)
+                _close(v0["batch_dot"], v1["batch_dot"], rtol=0)
+                assert v0["grad_norm"] == v1["grad_norm"]
+        # rank 0 wrote the log, once: one line per window, equal to the records
+        assert len(raw_lines[K]) == 2
+        for rec, (step, n, _, vals, _) in zip(logs[K], records):
+            assert rec.step == step and rec.num_samples == n
+            _close(rec["grad_norm"], vals["grad_norm"], rtol=0)
+            assert (rec["alpha"] is None) == (vals["alpha"] is None)
+            if vals["alpha"] is not None:
+                _close(rec["alpha"], vals["alpha"], rtol=0)
+    # the update DDP made: the average of the rank means (not sample-weighted for unequal sizes)
+    sizes = RANK_SIZES[world]
+    x, y = windows[0]
+    ref = copy.deepcopy(model0)
+    grads = []
+    for xr, yr in zip(x.split(sizes), y.split(sizes)):
+        ref.zero_grad()
+        F.cross_entropy(ref(xr), yr).backward()
+        grads.append([p.grad.clone() for p in ref.parameters()])
+    m1 = copy.deepcopy(model0)
+    m1.load_state_dict(results[0][1][1][1])
+    for i, (p0, p1) in enumerate(zip(model0.parameters(), m1.parameters())):
+        _close(p1, p0 - LR * sum(g[i] for g in grads) / world)
+
+
+def test_sketch_mode_merges_across_ranks():
+    """Sketch mode: the sketches of all ranks are gathered (the sketch is a fixed linear map, the
+    same on every rank), so the merged record equals one process on the concatenated batch."""
+    world, name = 2, "cnn"
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_merge_worker, world, out_dir, name, "sketch")
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    model0, windows, grad_r, param_r = _problem(name)
+    # single process, one batch of N, same sketch seed: the reference for the sketched values
+    for K in (1, 3):
+        records, thetas = results[0][K]
+        m = gradlens.extend(copy.deepcopy(model0))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        lens = Lens(m, [BatchDot(mode="sketch", k=64), InnerTest(mode="sketch", k=64)], process_group=False)
+        x, y = windows[0]
+        loss = loss_fn(m(x), y)
+        with lens.capture():
+            loss.backward()
+        ref = lens.flush()
+        vals = records[0][3]
+        _close(vals["batch_dot"], ref["batch_dot"])
+        _close(vals["inner_test"], ref["inner_test"])
+        G = flat(per_sample_grads(model0, *windows[0]))
+        _check_window(vals, records[0][1], G, model0, None, windows[0], None,
+                      _micro_sizes(world, K), grad_r, param_r, "sketch")
+
+
+# ------------------------------------------------------------------- collectives per window
+def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    try:
+        calls = {"all_reduce": 0, "all_gather": 0, "other": 0}
+        originals = {}
+        for fn in ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather",
+                   "broadcast", "all_gather_object", "reduce_scatter_tensor", "all_to_all_single"):
+            if not hasattr(dist, fn):
+                continue
+            originals[fn] = getattr(dist, fn)
+
+            def wrapped(*a, _fn=fn, **k):
+                key = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                       "all_gather_single": "all_gather"}.get(_fn, "other")
+                calls[key] += 1
+                return originals[_fn](*a, **k)
+
+            setattr(dist, fn, wrapped)
+        model0, windows, grad_r, param_r = _problem("mlp")
+        model = gradlens.extend(copy.deepcopy(model0))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        out = {}
+        configs = {
+            "norms": [SumGradSquared(), GradNorm(), MeanGSNR()],
+            "two_batch": [NoiseScaleTwoBatch()],
+            "hist_adapt": [GradHist1d(adapt="abs_max"), GradHist2d(adapt="min_max")],
+            "per_sample": [BatchL2(), NormTest(), BatchDot(), InnerTest(), OrthoTest()],
+        }
+        x, y = windows[0]
+        for key, insts in configs.items():
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            lens = Lens(model, insts, optimizer=opt, every=2)
+            per_window = []
+            for w in range(4):
+                before = dict(calls)
+                for xb, yb in zip(x.split(3), y.split(3)):
+                    loss = loss_fn(model(xb), yb)
+                    with lens.capture():
+                        loss.backward()
+                opt.step()
+                opt.zero_grad()
+                per_window.append({k: calls[k] - before[k] for k in calls})
+            lens.close()
+            out[key] = per_window
+        local = Lens(model, [BatchL2(), GradNorm()], process_group=False)
+        before = dict(calls)
+        loss = loss_fn(model(x), y)
+        with local.capture():
+            loss.backward()
+        rec = local.flush()
+        out["local"] = ({k: calls[k] - before[k] for k in calls}, rec.num_samples)
+        # a float32 model: sums travel in a float32 buffer, counts as exact limbs
+        m32 = gradlens.extend(copy.deepcopy(model0).float())
+        lens = Lens(m32, [GradHist1d(bins=7, range=(-grad_r, grad_r)), SumGradSquared(), GradNorm()])
+        loss = loss_fn(m32(x.float()), y)
+        with lens.capture():
+            loss.backward()
+        out["f32"] = dict(lens.flush().values)
+        # the optimizer route under DDP: each micro-step's p.grad is averaged over the ranks
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0))
+        gao = GradientAccumulateOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.0), accum_steps=3)
+        monitor = NoiseScaleMonitor(gao, ranks=world)
+        xr, yr = windows[rank]
+        before = dict(calls)
+        for xb, yb in zip(xr.split(4), yr.split(4)):
+            F.cross_entropy(ddp(xb), yb).backward()
+            gao.step(num_samples=len(xb))
+            gao.zero_grad()
+        out["monitor"] = (monitor.values, {k: calls[k] - before[k] for k in calls})
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_collective_per_tracked_window_and_none_untracked():
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_count_worker, 2, out_dir)
+        out = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    none = {"all_reduce": 0, "all_gather": 0, "other": 0}
+    one = {"all_reduce": 1, "all_gather": 0, "other": 0}
+    two = {"all_reduce": 1, "all_gather": 1, "other": 0}
+    for key in ("norms", "two_batch", "hist_adapt"):
+        assert out[key] == [one, none, one, none], (key, out[key])
+    assert out["per_sample"] == [two, none, two, none]
+    calls, n = out["local"]
+    assert calls == none and n == 12  # process_group=False: this rank's samples only
+    # NoiseScaleMonitor(ranks=2) on DDP: small batch k = micro-batch k of both ranks
+    values, calls = out["monitor"]
+    assert calls == none  # nothing beyond DDP's own all-reduce
+    (x0, y0), (x1, y1) = _problem("mlp")[1]
+    model0 = _problem("mlp")[0]
+    blocks = []
+    for k in range(3):
+        sl = slice(4 * k, 4 * k + 4)
+        blocks.append(torch.cat([x0[sl], x1[sl]]))
+    xs = torch.cat(blocks)
+    ys = torch.cat([torch.cat([y0[4 * k : 4 * k + 4], y1[4 * k : 4 * k + 4]]) for k in range(3)])
+    g2, tr = _oracle_two_batch(flat(per_sample_grads(model0, xs, ys)), [8, 8, 8])
+    _close(values[0]["grad_sq"], g2)
+    _close(values[0]["trace_sigma"], tr)
+    assert values[0]["batch_big"] == 24 and values[0]["small_batches"] == 3
+    # float32 wire: both ranks used the same 12 samples, so the global batch is them twice
+    model0, windows, grad_r, _ = _problem("mlp")
+    x, y = windows[0]
+    G = flat(per_sample_grads(model0, x, y))
+    G2 = torch.cat([G, G])
+    from test_instruments import hist_oracle
+
+    counts, _, _ = hist_oracle(G2.float().double(), -grad_r, grad_r, 7)
+    h = out["f32"]["grad_hist_1d"]
+    assert h.total == G2.numel() and (h.counts - counts).abs().sum() <= 4  # float32 rounding at edges
+    _close(out["f32"]["grad_norm"], G.mean(0).norm(), rtol=1e-5)
+    names = [nm for nm, _ in model0.named_parameters()]
+    for nm, g in zip(names, G2.split([p.numel() for p in model0.parameters()], dim=1)):
+        _close(out["f32"]["sum_grad_squared"][nm].flatten(), g.square().sum(0), rtol=1e-4)
+
+
+# ------------------------------------------------------------------- FSDP2
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        fully_shard(model)
+        model = gradlens.extend(model)
+        try:
+            Lens(model, [GradNorm()])
+            msg = "no error"
+        except RuntimeError as err:
+            msg = str(err)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(msg)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_model_is_refused():
+    pytest.importorskip("torch.distributed.fsdp")
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_fsdp_worker, 2, out_dir)
+        msgs = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
+    for msg in msgs:
+        assert "FSDP2" in msg and "DistributedDataParallel" in msg, msg
+
+
+def test_process_group_argument_checked():
+    model = gradlens.extend(nn.Linear(3, 2))
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        Lens(model, [GradNorm()], process_group=object())
+    lens = Lens(model, [GradNorm()], process_group=False)  # explicit local: fine
+    lens.close()
