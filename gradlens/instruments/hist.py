@@ -360,7 +360,7 @@ class GradHist2d(Instrument):
 
     def from_buffers(self, state: _Hist2dState, ctx, sums, per_rank, pieces) -> _Hist2dState:
         mn, mx = _merged_extremes(per_rank)
-        return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx)
+        return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache)
 
 
 def _extremes_row(mn: Tensor | None, mx: Tensor | None) -> Tensor:
