@@ -586,7 +586,7 @@ class Tap:
                 self.uses[q] += 1
             a_b = a.movedim(ax, 0) if ax else a
             node = None
-            if linear and self.on_weight_grad is not None and ax == 0:
+            if linear and self.on_weight_grad is not None:
                 node = _weight_grad_node(output, module.weight)
                 if node is not None:
                     on_wg = self.on_weight_grad
@@ -748,10 +748,13 @@ class _TrackedForward:
 
 def _weight_grad_node(output: Tensor, weight: Tensor):
     """The autograd node through which this call's dL/dW reaches ``weight`` (a leaf), for
-    ``F.linear`` on a 2-D input (``addmm``/``mm`` of ``input`` and ``weight.t()``), else None.
+    ``F.linear`` (``addmm``/``mm`` of ``input`` and ``weight.t()``, under a view for inputs
+    ``[B, T, d]``), else None.
     A hook on it sees exactly the weight gradient of this call, before other uses of the
     parameter (regularisers, reuse) are added to ``weight.grad``."""
     fn = output.grad_fn
+    if fn is not None and type(fn).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):
+        fn = fn.next_functions[0][0]  # a [B, T, d] input: the 2-D product under a view
     if fn is None or type(fn).__name__ not in ("AddmmBackward0", "MmBackward0"):
         return None
     for node, _ in fn.next_functions:

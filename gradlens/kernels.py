@@ -153,7 +153,7 @@ class LinearKernel(Kernel):
 
     def reduce(self, module, a, delta, want, names, acc, skip=()):
         if delta.dim() != 2:
-            return super().reduce(module, a, delta, want, names, acc, skip)
+            return self._reduce_seq(module, a, delta, want, names, acc, skip)
         # one pass over the factors; the two weight sums are addmm's into the accumulators
         d2 = a2 = None
         if "sum_grad_squared" in want or "batch_l2" in want:
@@ -180,6 +180,42 @@ class LinearKernel(Kernel):
         if b:
             out.append(d2n)
         return out
+
+    def _reduce_seq(self, module, a, delta, want, names, acc, skip):
+        """Inputs with a sequence axis ``[B, T, d]``. The sum of squares needs g_n itself: one
+        materialising pass (sample chunks) then gives the norms and the weight sum too. Without
+        it, norms come from T x T Gram products and the sum from one matmul."""
+        w, b = names.get("weight"), names.get("bias")
+        x, d = self._flat(module, a, delta)
+        out = []
+        if "sum_grad_squared" in want and w:
+            numel = module.in_features * module.out_features
+            step = max(1, self.max_chunk_elements // max(numel, 1))
+            l2w = []
+            for s in range(0, d.shape[0], step):
+                g = torch.bmm(d[s : s + step].transpose(1, 2), x[s : s + step])  # [b, O, I]
+                sq = g.square()
+                add_into(acc["sum_grad_squared"], w, sq.sum(0))
+                if "batch_l2" in want:
+                    l2w.append(sq.sum((1, 2)))
+                if "grad_sum" in want and ("grad_sum", "weight") not in skip:
+                    add_into(acc["grad_sum"], w, g.sum(0))
+            if l2w:
+                out.append(torch.cat(l2w))
+        else:
+            if "grad_sum" in want and w and ("grad_sum", "weight") not in skip:
+                _addmm_into(acc["grad_sum"], w, d.reshape(-1, d.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            if "batch_l2" in want and w:
+                out.append(self.batch_l2(module, a, delta)["weight"])
+        if b:
+            db = d.sum(1)  # [B, O]: the bias gradient of each sample
+            if "sum_grad_squared" in want:
+                add_into(acc["sum_grad_squared"], b, db.square().sum(0))
+            if "grad_sum" in want:
+                add_into(acc["grad_sum"], b, db.sum(0))
+            if "batch_l2" in want:
+                out.append(db.square().sum(1))
+        return out if "batch_l2" in want else []
 
     def _use_gram(self, module, t: int) -> bool:
         return 2 * t * t <= module.in_features * module.out_features
