@@ -23,6 +23,9 @@ _LAZY = {
     "Hist1d": "gradlens.records",
     "Hist2d": "gradlens.records",
     "load_log": "gradlens.sinks",
+    "register_kernel": "gradlens.registry",
+    "register_forward": "gradlens.registry",
+    "supported_layers": "gradlens.registry",
     # training side
     "GradientAccumulateOptimizer": "gradlens.accumulate",
     "GradientAccumulateModel": "gradlens.accumulate",
@@ -35,7 +38,7 @@ _LAZY = {
     "AccumBatchNorm3d": "gradlens.batchnorm",
     "convert_accum_batchnorm": "gradlens.batchnorm",
 }
-_SUBMODULES = {"instruments", "plot", "cli", "records", "sinks", "capture", "lens"}
+_SUBMODULES = {"instruments", "plot", "cli", "records", "sinks", "capture", "lens", "registry", "kernels", "ops"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
 

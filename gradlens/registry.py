@@ -89,10 +89,17 @@ def forward_for(module: nn.Module) -> Callable | None:
     return got[0] if got else None
 
 
+def _display(key: type | str) -> str:
+    if isinstance(key, str):
+        return key
+    return f"nn.{key.__name__}" if key.__module__.startswith("torch.nn") else _qualname(key)
+
+
 def supported_layers() -> list[tuple[str, str]]:
-    """``(layer, how)`` rows: the README's supported-layer table, generated from the registry."""
-    rows = [(k if isinstance(k, str) else _qualname(k).replace("torch.nn.modules.", "nn."), d) for k, _, d in reversed(_KERNELS)]
-    rows += [(_qualname(t).replace("torch.nn.modules.", "nn."), d) for t, (_, d) in _FORWARDS.items()]
+    """``(layer, how)`` rows, most recently registered first: the README's supported-layer
+    table, generated from the registry. Everything else is captured per operation."""
+    rows = [(_display(k), d) for k, _, d in _KERNELS]
+    rows += [(_display(t), d) for t, (_, d) in _FORWARDS.items()]
     return rows
 
 
