@@ -3,7 +3,7 @@
 Every kernel has the same signature. It receives the module, its input ``a`` (as seen in the
 forward pass, ``[B, ...]``) and ``delta``, the gradient of the *per-sample* losses with respect
 to the module output (``[B, ...]``, already rescaled so that row n belongs to g_n, see
-DESIGN.md), and returns a dict parameter attribute name (``"weight"``, ``"bias"``) -> value.
+docs/design.md), and returns a dict parameter attribute name (``"weight"``, ``"bias"``) -> value.
 
 - ``per_sample(module, a, delta, start, stop)``: ``[stop - start, *param]``, g_n for a slice of
   samples (materialised; callers keep slices small).
@@ -16,7 +16,7 @@ DESIGN.md), and returns a dict parameter attribute name (``"weight"``, ``"bias"`
 - ``outer_factors(module, a, delta)``: ``(delta [B, O], a [B, I])`` for weights whose g_n is a
   rank-one outer product (histograms use it to skip materialisation).
 
-Linear layers use the factor identities of DESIGN.md (no ``[B, *param]`` tensor). Conv2d uses
+Linear layers use the factor identities of docs/design.md (no ``[B, *param]`` tensor). Conv2d uses
 unfold + bmm, Embedding a scatter of the output gradients; layers without a gradlens kernel
 (Conv1d/3d, transposed and grouped convolutions) use BackPACK's derivatives (``param_mjp`` with
 ``sum_batch=False``).

@@ -1,7 +1,7 @@
 """The Lens: watches a model (and optionally its optimizer), opens and closes windows, runs the
 instruments on every captured micro-step, and keeps and streams one record per tracked window.
 
-A window is one real optimizer update (DESIGN.md). With an ``optimizer``, the window closes in
+A window is one real optimizer update (docs/design.md). With an ``optimizer``, the window closes in
 the optimizer's step post-hook (with :class:`~gradlens.GradientAccumulateOptimizer` that hook
 fires on real updates only); without one, call :meth:`Lens.flush` at the end of each window.
 """
@@ -416,7 +416,7 @@ class Lens:
         from the model's input), and ``loss=`` the loss tensor if what you backpropagate is a
         multiple of it (``(loss / K).backward()``): the multiplier is then divided out.
 
-        Units (DESIGN): with ``L`` the micro-step's objective split by sample, g_n = B * dL_n
+        Units (docs/design.md): with ``L`` the micro-step's objective split by sample, g_n = B * dL_n
         for a mean objective (a token-mean language-model loss, ignored targets included) and
         dL_n for a sum; ``record.meta["units"]`` says which.
         ``losses``: optional per-sample losses ``[B]`` of this micro-step.

@@ -5,7 +5,7 @@ private window state (histogram counts, ...), and turns the merged window statis
 record value in ``finalize``. Instruments never talk to each other: derived statistics (norm
 test, GSNR, noise scale) read the shared :class:`WindowStats`.
 
-Quantities a capture can provide (all in per-sample units g_n, see DESIGN.md):
+Quantities a capture can provide (all in per-sample units g_n, see docs/design.md):
 
 - ``"batch_l2"``: ||g_n||^2 summed over tracked parameters, ``[B_k]`` per micro-step.
 - ``"sum_grad_squared"``: sum_n g_n * g_n per parameter, ``[*param]``.

@@ -16,7 +16,7 @@ instruments of one Lens share them). When the window-end vector is known it eval
   ``<D, g_n> = sum(delta_n * layer(a_n; params=D))`` — one forward pass with the parameters
   replaced by D (``F.linear``, ``conv``, the eval BatchNorm affine map); nothing of size
   ``[N, *param]`` is formed;
-* Gram blocks ``g_n . g_m`` from the factor identities of DESIGN.md: Linear (no sequence axis)
+* Gram blocks ``g_n . g_m`` from the factor identities of docs/design.md: Linear (no sequence axis)
   ``(A A^T + 1[bias]) * (Delta Delta^T)``; Linear with a sequence axis and Conv2d (unfold) with
   ``2 T^2 <= d_in d_out``: sums of ``T x T`` products; otherwise that layer's ``[N, *param]``
   per-sample gradients are materialised once at window end (one layer at a time) and reduced

@@ -4,7 +4,7 @@ No per-sample gradient is involved: only the squared norm of each *small* batch'
 and of the *big* batch's (the window's), which gradient accumulation (micro-batch vs window) and
 data parallelism (rank-local vs all-reduced) produce anyway.
 
-Notation (per-sample units, DESIGN.md): the window has small batches k = 1..M (the micro-steps of
+Notation (per-sample units, docs/design.md): the window has small batches k = 1..M (the micro-steps of
 every rank) of sizes B_k, N = sum_k B_k samples; s_k = sum_{n in k} g_n is small batch k's
 gradient sum (B_k times its mean gradient), s = sum_k s_k the window's. With g_n independent with
 mean G and covariance Sigma,
