@@ -28,8 +28,8 @@ light hooks for tracked windows only.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from collections import Counter
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -43,7 +43,7 @@ from gradlens import ops
 from gradlens.kernels import Kernel, LinearKernel, OpLinear
 from gradlens.registry import forward_for, kernel_for
 
-__all__ = ["extend", "LossCall", "last_loss_call", "Tap", "Site", "tracked_parameters"]
+__all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "Site", "tracked_parameters"]
 
 _EXTENDED = "_gradlens_extended"
 _EXCLUDE = "_gradlens_exclude"
@@ -52,46 +52,74 @@ _LOSS_HOOK = "_gradlens_loss_hook"
 _loss_calls = threading.local()
 
 
-@dataclass
+class _Multiplier:
+    """Receives d(backpropagated objective)/d(loss) from a hook on the loss output. It holds no
+    reference to the loss tensor, so the hook makes no reference cycle through the graph."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value: Tensor | None = None
+
+    def __call__(self, grad: Tensor) -> None:
+        self.value = grad.detach()
+
+
+@dataclass(eq=False)
 class LossCall:
-    """What an extended loss module saw in its last forward pass (in this thread)."""
+    """A loss computed with grad enabled: an extended loss module's forward, a loss function
+    inside the model's forward, or the ``loss=`` of ``lens.capture``."""
 
     reduction: str
-    batch_size: int
-    output: Tensor  # the loss (0-d), as the user will backpropagate it
+    batch_size: int | None
+    output: Tensor | None  # the loss (0-d) until a capture hooks it, then dropped
     target: tuple[Tensor, int] | None = None  # (class targets, ignore_index) of a mean CE/NLL
     module_name: str = ""
-    #: d(backpropagated objective)/d(loss), seen by a hook on the loss output during backward:
-    #: 1 for loss.backward(), S under GradScaler, 1/K for "divide the loss by K" recipes.
-    multiplier: Tensor | None = None
+    value: Tensor | None = None
+    seen: _Multiplier = field(default_factory=_Multiplier)
+
+    def __post_init__(self):
+        if self.value is None and self.output is not None:
+            self.value = self.output.detach()
 
     @property
-    def value(self) -> Tensor:
-        return self.output.detach()
+    def multiplier(self) -> Tensor | None:
+        """d(backpropagated objective)/d(loss), known once backward passed the loss: 1 for
+        loss.backward(), S under GradScaler, 1/K for "divide the loss by K" recipes; None if this
+        loss was not backpropagated."""
+        return self.seen.value
 
     def watch_multiplier(self) -> None:
-        """Hook the loss output so that backward reports what multiplied the loss (called by a
-        tracked capture only: untracked steps pay nothing)."""
-        if self.output.requires_grad:
-            self.output.register_hook(self._set_multiplier)
-
-    def _set_multiplier(self, grad: Tensor) -> None:
-        self.multiplier = grad.detach()
-
-    def ignored(self) -> int:
-        """How many targets equal ``ignore_index`` (0 unless a mean CE/NLL loss)."""
-        if self.target is None:
-            return 0
-        targets, index = self.target
-        return int((targets == index).sum())
+        """Hook the loss output (a tracked capture only: untracked steps pay nothing), then
+        forget it."""
+        if self.output is not None and self.output.requires_grad:
+            self.output.register_hook(self.seen)
+        self.output = None
+        self.target = None
 
 
-def last_loss_call(consume: bool = True) -> LossCall | None:
-    """The most recent forward of an extended loss in this thread, or None."""
-    call = getattr(_loss_calls, "last", None)
-    if consume:
-        _loss_calls.last = None
-    return call
+#: losses computed since the last capture, in this thread (a validation forward's too: only
+#: those that backward reaches count)
+_PENDING = 16
+
+
+def _pending() -> deque:
+    q = getattr(_loss_calls, "pending", None)
+    if q is None:
+        q = _loss_calls.pending = deque(maxlen=_PENDING)
+    return q
+
+
+def take_loss_calls() -> list[LossCall]:
+    """The losses computed since the last call (in this thread), oldest first."""
+    q = _pending()
+    out = list(q)
+    q.clear()
+    return out
+
+
+def _note_loss(call: LossCall) -> None:
+    _pending().append(call)
 
 
 def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
@@ -119,7 +147,7 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
         target=target,
         module_name=type(module).__name__,
     )
-    _loss_calls.last = call
+    _note_loss(call)
 
 
 def _is_loss(module: nn.Module) -> bool:
@@ -224,8 +252,8 @@ class Site:
 
 
 #: Called in backward: (site, input a [B, ...], output gradient [B, ...], weight grad comes via
-#: autograd's node, micro-batch size seen in forward)
-OnUse = Callable[[Site, Tensor, Tensor, bool, int], None]
+#: autograd's node, micro-batch size seen in forward, id of that forward pass)
+OnUse = Callable[[Site, Tensor, Tensor, bool, int, int], None]
 
 
 @dataclass(eq=False)
@@ -240,6 +268,7 @@ class OpUse:
     inputs: list  # (position, tensor, frozenset of qualified names)
     axis: int
     batch: int
+    forward: int = 0  # id of the forward pass
 
 
 def _tensors(args) -> Iterable[tuple[Any, Tensor]]:
@@ -411,6 +440,7 @@ class Tap:
         self._derived = WeakIdKeyDictionary()
         self._visited: set = set()
         self._ops = 0
+        self.forward_id = 0
         self.set_params(params)
         self.reset_micro()
 
@@ -504,6 +534,7 @@ class Tap:
                 for _, x in _tensors(tuple(args) + tuple(kwargs.values())):
                     if x.dim() > ax and x.shape[ax] == self._batch:
                         self._data[x] = True
+            self.forward_id += 1
             self._mode.__enter__()
         self._mode_depth += 1
         return None
@@ -591,8 +622,8 @@ class Tap:
                 if node is not None:
                     on_wg = self.on_weight_grad
                     node.register_hook(lambda grad_in, grad_out: on_wg(site, grad_in[0]))
-            on_use, via = self.on_use, node is not None
-            output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch))
+            on_use, via, fid = self.on_use, node is not None, self.forward_id
+            output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
             return None
 
         return post
@@ -639,15 +670,15 @@ class Tap:
                     self.uses[q] += 1
                 a = args[0]
                 a_b = a.movedim(ax, 0) if ax else a
-                on_use = self.on_use
-                out.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, False, batch))
+                on_use, fid = self.on_use, self.forward_id
+                out.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, False, batch, fid))
                 return
         detached = tuple(
             a.detach() if isinstance(a, Tensor) else
             (type(a)(x.detach() if isinstance(x, Tensor) else x for x in a) if isinstance(a, (list, tuple)) else a)
             for a in args
         )
-        use = OpUse(f"op{k}:{fname}", func, detached, kwargs, list(tracked), ax, batch)
+        use = OpUse(f"op{k}:{fname}", func, detached, kwargs, list(tracked), ax, batch, self.forward_id)
         for _, _, names in tracked:
             for q in names:
                 self.uses[q] += 1
@@ -710,9 +741,7 @@ def _note_functional_loss(func, kwargs, out, batch) -> None:
         return
     if reduction == "mean" and kwargs.get("weight") is not None:
         return  # divides by the sum of class weights: no per-sample split
-    _loss_calls.last = LossCall(
-        reduction=reduction, batch_size=batch, output=out, module_name=f"F.{func.__name__}"
-    )
+    _note_loss(LossCall(reduction=reduction, batch_size=batch, output=out, module_name=f"F.{func.__name__}"))
 
 
 def _in_functorch() -> bool:

@@ -8,7 +8,9 @@ fires on real updates only); without one, call :meth:`Lens.flush` at the end of 
 
 from __future__ import annotations
 
+import math
 import os
+import weakref
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from gradlens.capture import (
     Site,
     Tap,
     is_extended,
-    last_loss_call,
+    take_loss_calls,
     model_exclusions,
     tracked_parameters,
 )
@@ -38,11 +40,13 @@ __all__ = ["Lens"]
 
 @dataclass
 class _MicroStep:
-    reduction: str
+    reduction: str | None  # None until resolved from the losses that backward reached
     batch_size: int | None
-    loss_value: Tensor | None
     stats: WindowStats
     states: dict[int, Any]
+    loss_calls: list = field(default_factory=list)
+    explicit: bool = False  # capture(reduction=...) stated the reduction
+    loss_value: Tensor | None = None
     seen: set[str] = field(default_factory=set)
     batch_l2: Tensor | None = None
     losses: Tensor | None = None
@@ -50,16 +54,62 @@ class _MicroStep:
     shared: dict[str, Tensor] = field(default_factory=dict)
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
-    loss_call: Any = None  # the LossCall of this micro-step (its multiplier), if any
     grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
+    forwards: set[int] = field(default_factory=set)  # forward passes this backward reached
+    backward_done: bool = False
+    empty: bool = False
+    _multiplier: Any = None
+    _resolved: bool = False
     _scale: Any = None
+
+    def resolve(self) -> None:
+        """Once backward has passed the losses: which of the losses computed since the last
+        capture were backpropagated, their reduction, batch size and common multiplier.
+
+        Several loss terms (``ce + 0.01 * mse``): a mean objective if any term is a mean; the
+        largest multiplier among the terms is taken as the common one (1/K, a GradScaler scale)
+        and divided out, the terms' relative weights being part of the objective; the loss value
+        is the backpropagated objective over that multiplier. Order of the terms is irrelevant.
+        """
+        if self._resolved:
+            return
+        self._resolved = True
+        active = [c for c in self.loss_calls if c.multiplier is not None]
+        if self.explicit:
+            if active:
+                self._multiplier, self.loss_value = active[0].multiplier, active[0].value
+            return
+        if not active:
+            names = [c.module_name for c in self.loss_calls]
+            raise RuntimeError(
+                f"none of the losses computed since the last capture ({names}) was "
+                "backpropagated in this capture; compute the loss you backpropagate with an "
+                "extended loss module, or state its reduction: lens.capture(reduction='mean', loss=loss)"
+            )
+        self.reduction = "mean" if any(c.reduction == "mean" for c in active) else "sum"
+        sizes = {c.batch_size for c in active if c.batch_size is not None}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"the losses of this micro-step saw different batch sizes {sorted(sizes)}; "
+                "gradlens needs one sample dimension per micro-step"
+            )
+        if sizes and self.batch_size is None:
+            self.batch_size = sizes.pop()
+        if len(active) == 1:
+            self._multiplier, self.loss_value = active[0].multiplier, active[0].value
+            return
+        mults = [c.multiplier.reshape(()).double() for c in active]
+        common = torch.stack(mults).max()
+        total = sum(m * c.value.double() for m, c in zip(mults, active))
+        self._multiplier, self.loss_value = common, total / common
 
     def scale(self) -> float | Tensor:
         """Output gradients -> per-sample units: B / c under a mean loss, 1 / c under a sum,
         c being what multiplied the loss in backward (1, a GradScaler scale, 1/K, ...)."""
         if self._scale is None:
+            self.resolve()
             base = float(self.batch_size) if self.reduction == "mean" else 1.0
-            c = getattr(self.loss_call, "multiplier", None)
+            c = self._multiplier
             self._scale = base if c is None else base / c
         return self._scale
 
@@ -137,6 +187,14 @@ class Lens:
                 "model = gradlens.extend(model) before creating the Lens"
             )
         check_not_sharded(model)
+        other = getattr(model, "_gradlens_lens", None)
+        other = other() if other is not None else None
+        if other is not None and not other._closed:
+            raise RuntimeError(
+                f"{type(model).__name__} is already watched by an open Lens ({other!r}); close it "
+                "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
+                "instruments"
+            )
         instruments = list(instruments)
         for inst in instruments:
             if not isinstance(inst, Instrument):
@@ -222,11 +280,14 @@ class Lens:
             if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
                 self._hooks.append(optimizer.register_window_end_hook(self._on_window_end))
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
+        self._consumed: set[int] = set()  # forward passes measured by earlier captures
+        self._empty_micro_steps = 0
         self._micro: _MicroStep | None = None
         self._pending: tuple[Record, dict[int, Any]] | None = None
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
+        model.__dict__["_gradlens_lens"] = weakref.ref(self)  # plain attribute, not a submodule
         self._open_window()
 
     # ------------------------------------------------------------------ schedule and windows
@@ -357,9 +418,16 @@ class Lens:
         )
         if captured:
             values = {i.key: i.finalize(window, self._states[id(i)]) for i in self.instruments}
-            values["loss"] = window.window_loss()
+            loss_value = window.window_loss()
+            values["loss"] = None if math.isnan(loss_value) else loss_value
             record = Record(self.step, window.num_samples, window.micro_steps, values)
             record.meta["coverage"] = self.coverage
+            if values["loss"] is None:
+                record.meta["loss"] = (
+                    "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
+                )
+            if self._empty_micro_steps:
+                record.meta["empty_micro_steps"] = self._empty_micro_steps
             record.meta["units"] = (
                 "g_n = B_k * d(micro-step objective)_n (mean objective)"
                 if window.reduction == "mean"
@@ -378,6 +446,7 @@ class Lens:
                 for sink in self._sinks:
                     sink.write(record)
         self.step += 1
+        self._empty_micro_steps = 0
         self._open_window()
         return record
 
@@ -424,46 +493,41 @@ class Lens:
         self._check_open()
         if loss is not None and reduction is None:
             raise ValueError("lens.capture(loss=...) needs the loss's reduction: capture(reduction='mean', loss=loss)")
-        call = last_loss_call()
-        if reduction is not None:
-            call = None
+        calls = take_loss_calls()
         if self._window is None:  # untracked window: nothing to do, nothing to pay
             yield
             return
         if self._micro is not None:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
-        if reduction is None:
-            if call is None:
-                raise RuntimeError(
-                    "no loss passed through gradlens.extend() ran since the last capture; "
-                    "wrap the loss module (loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())) "
-                    "or state the reduction: lens.capture(reduction='mean')"
-                )
-            reduction, batch, value = call.reduction, call.batch_size, call.value
-        else:
+        if reduction is not None:
             if reduction not in ("mean", "sum"):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-            batch, value = None, (loss.detach() if isinstance(loss, Tensor) else None)
+            calls = []
             if loss is not None:  # the user names the loss: what multiplies it is divided out
                 if not (isinstance(loss, Tensor) and loss.dim() == 0):
                     raise TypeError(f"loss must be the 0-d loss tensor, got {type(loss).__name__}")
-                call = LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")
-
-        if self._window.micro_steps and self._window.reduction != reduction:
-            raise ValueError(
-                f"this micro-step's loss uses reduction={reduction!r} but the window's earlier "
-                f"micro-steps used {self._window.reduction!r}; use one reduction per window"
+                calls = [LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")]
+        elif not calls:
+            raise RuntimeError(
+                "no loss passed through gradlens.extend() ran since the last capture; "
+                "wrap the loss module (loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())) "
+                "or state the reduction: lens.capture(reduction='mean')"
             )
+        expected = reduction
+        if expected is None and len({c.reduction for c in calls}) == 1:
+            expected = calls[0].reduction  # known before backward in the usual one-loss case
+        if expected is not None:
+            self._check_reduction(expected)
         micro = _MicroStep(
             reduction=reduction,
-            batch_size=batch,
-            loss_value=value,
-            stats=WindowStats(reduction=reduction),
+            batch_size=calls[0].batch_size if len(calls) == 1 else None,
+            stats=WindowStats(reduction=expected or "mean"),
             states={id(i): i.start_micro(self._states[id(i)]) for i in self._micro_insts},
+            loss_calls=calls,
+            explicit=reduction is not None,
             losses=losses,
         )
-        if call is not None and (batch is not None or loss is not None):
-            micro.loss_call = call
+        for call in calls:
             call.watch_multiplier()
         if self._tap.tainted:
             self._check_undefined()
@@ -487,6 +551,13 @@ class Lens:
         finally:
             self._micro = None
             self._tap.reset_micro()
+            if micro.forwards:  # bounded: forward ids only grow
+                self._consumed.update(micro.forwards)
+                newest = max(self._consumed)
+                self._consumed = {f for f in self._consumed if f > newest - 64}
+        if micro.empty:
+            self._empty_micro_steps += 1
+            return
         if not micro.seen:
             raise RuntimeError(
                 "lens.capture() exited without a backward pass through the watched model; "
@@ -494,9 +565,18 @@ class Lens:
             )
         self._fold(micro)
 
+    def _check_reduction(self, reduction: str) -> None:
+        if self._window.micro_steps and self._window.reduction != reduction:
+            raise ValueError(
+                f"this micro-step's loss uses reduction={reduction!r} but the window's earlier "
+                f"micro-steps used {self._window.reduction!r}; use one reduction per window"
+            )
+
     def _fold(self, micro: _MicroStep) -> None:
+        micro.resolve()
         b = micro.batch_size
         s = micro.stats
+        s.reduction = micro.reduction
         s.num_samples, s.micro_steps = b, 1
         if micro.loss_value is not None:
             v = micro.loss_value.double()
@@ -539,15 +619,37 @@ class Lens:
             out = acc.buffer(key, tuple(grad.shape), grad.to(dtype) if dtype != grad.dtype else grad)
             acc[key] = torch.mul(grad, scale, out=out)
 
-    def _begin_use(self, what: str, batch: int) -> _MicroStep:
+    def _begin_use(self, what: str, batch: int, forward: int) -> _MicroStep | None:
+        """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
         micro = self._micro
         if micro is None:
             raise RuntimeError(
                 f"backward reached {what!r} outside lens.capture() during a tracked window; wrap "
                 "the backward: with lens.capture(): loss.backward()"
             )
+        if forward in self._consumed:
+            raise RuntimeError(
+                f"this backward reached {what!r} of a forward pass that an earlier lens.capture() "
+                "already measured (a graph backpropagated twice, retain_graph=True): its samples "
+                "would count twice; run a new forward pass for each captured micro-step"
+            )
+        if micro.backward_done:
+            raise RuntimeError(
+                "a second backward() inside one lens.capture(): each micro-step's backward needs "
+                "its own capture (with lens.capture(): loss.backward())"
+            )
+        if not micro.forwards:  # the first use of this backward: note when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(micro, "backward_done", True))
+        micro.forwards.add(forward)
+        if batch == 0:
+            micro.empty = True
+        if micro.empty:
+            return None
         if self._tap.tainted:
             self._check_undefined()
+        micro.resolve()
+        if micro.reduction is not None:
+            self._check_reduction(micro.reduction)
         if micro.batch_size is None:
             micro.batch_size = batch
         elif batch != micro.batch_size:
@@ -562,10 +664,12 @@ class Lens:
     def _dtype(g: Tensor) -> torch.dtype:
         return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
 
-    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int) -> None:
+    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int) -> None:
         """Backward reached a closed-form use: measure it, or keep it if its parameters are
         shared (their g_n is the sum over uses, measured when the micro-step ends)."""
-        micro = self._begin_use(site.name, batch)
+        micro = self._begin_use(site.name, batch, forward)
+        if micro is None:
+            return
         tap = self._tap
         names = {attr: q for attr, q in site.params.items() if q in tap.params}
         if not names:
@@ -596,7 +700,9 @@ class Lens:
     def _on_op_use(self, use: OpUse, g: Tensor) -> None:
         """Backward reached an operation where parameters meet the batch: per-sample gradients
         of each parameter through the exact per-operation rule (see :mod:`gradlens.ops`)."""
-        micro = self._begin_use(use.name, use.batch)
+        micro = self._begin_use(use.name, use.batch, use.forward)
+        if micro is None:
+            return
         tap = self._tap
         dtype = self._dtype(g)
         delta = (g.detach().to(dtype) * micro.scale())
@@ -745,6 +851,8 @@ class Lens:
             return
         self._settle_pending("the Lens was closed before the next window closed")
         self._closed = True
+        if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
+            del self.model.__dict__["_gradlens_lens"]
         self._tap.remove()
         if self._grad_sq_hooks is not None:
             self._grad_sq_hooks.remove()
