@@ -463,7 +463,7 @@ def test_wide_mlp_gram_route_matches_oracle():
 def test_sketch_routes_agree():
     """The factor route and the materialising route compute the same sketch."""
     from gradlens.capture import Site
-    from gradlens.instruments.dots import _Sketcher
+    from gradlens.instruments.crosssample import _Sketcher
     from gradlens.registry import kernel_for
 
     torch.manual_seed(0)
@@ -478,7 +478,7 @@ def test_sketch_routes_agree():
         factor = sk.sketch(w, a, delta)
         dims = (mod.weight.shape[0], mod.weight[0].numel())
         u, v = sk._pair(w, "wb", dims[0], dims[1] + 1, delta)
-        mat = sk._sketch_materialised(w, a, delta, u, v[:, :-1], v[:, -1], *dims)
+        mat = w.kernel.sketch_materialised(mod, a, delta, w.params, u, v[:, :-1], v[:, -1])
         _close(factor, mat)
 
 
