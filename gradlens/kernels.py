@@ -16,10 +16,40 @@ docs/design.md), and returns a dict parameter attribute name (``"weight"``, ``"b
 - ``outer_factors(module, a, delta)``: ``(delta [B, O], a [B, I])`` for weights whose g_n is a
   rank-one outer product (histograms use it to skip materialisation).
 
+Cross-micro-step maths (what BatchDot, InnerTest, OrthoTest and Alpha of
+:mod:`gradlens.instruments.crosssample` ask of a layer; ``attrs`` is the iterable of tracked
+parameter attributes, in order; ``D_l`` the number of their elements; the base class derives
+everything from materialised slices, chunked by :func:`sample_chunks`):
+
+- ``matrix_dims(module)``: ``(d_out, d_in)`` of the weight viewed as a matrix (Linear, ungrouped
+  Conv), or None for layers without a rank-one factor form.
+- ``positions(module, a, delta)``: T, the positions summed in g_n (sequence length, output
+  pixels); 1 for a plain Linear and for layers without a factor form.
+- ``seq_factors(module, a, delta, attrs)``: ``(X [B, T, d_in (+1)], Dl [B, T, d_out])`` with
+  g_n = sum_t Dl_nt X_nt^T (a column of ones for the bias), or None.
+- ``use_tgram(module, a, delta)``: whether the Gram is cheaper from ``T x T`` products of the
+  factors (``2 T^2 <= d_in d_out``) than from materialised gradients.
+- ``flat_per_sample(module, a, delta, start, stop, attrs)``: ``[stop - start, D_l]``.
+- ``directional(module, a, delta, direction, attrs)``: ``[B]``, ``<D, g_n>`` for ``direction``
+  attribute -> ``[*param]`` (Linear, Conv, eval BatchNorm: one forward of the layer along D).
+- ``gram(module, pieces, attrs)``: ``[n, n]`` g_n . g_m for ``pieces`` = list of ``(a, delta)``
+  (micro-steps, samples concatenated in order).
+- ``gram_materialises(module, a, delta)``: whether :meth:`Kernel.gram` forms ``[n, D_l]``.
+- ``mean_via_gram(module, a, delta, n)``: whether ``g_n . G`` (G the mean of n samples) is
+  cheaper as row sums of the Gram than through G.
+- ``sketch(module, a, delta, attrs, k, pair)``: ``[B, k]``, ``R g_n`` for the Rademacher
+  pairs ``pair(block, rows, cols) -> (u [k, rows] / sqrt(k), v [k, cols])`` (one block ``"wb"``
+  ``[d_out, d_in + 1]`` for matrix layers, one per attribute otherwise).
+- ``sketch_direction(module, direction, attrs, k, pair, like)``: ``[k]``, ``R D``.
+
 Linear layers use the factor identities of docs/design.md (no ``[B, *param]`` tensor). Conv2d uses
 unfold + bmm, Embedding a scatter of the output gradients; layers without a gradlens kernel
 (Conv1d/3d, transposed and grouped convolutions) use BackPACK's derivatives (``param_mjp`` with
 ``sum_batch=False``).
+
+One chunking rule: whatever materialises per-sample slices takes ``b`` samples at a time with
+``b * numel_per_sample <= budget`` (:func:`sample_chunks`, default budget
+:data:`CHUNK_ELEMENTS`).
 """
 
 from __future__ import annotations
@@ -30,7 +60,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Kernel", "kernel_for", "SUPPORTED_MODULES"]
+__all__ = ["Kernel", "CHUNK_ELEMENTS", "sample_chunks"]
+
+#: elements of one transient block: a materialised ``[b, *param]`` slice, a ``T x T`` Gram
+#: chunk, a chunk of the per-operation vjp (:mod:`gradlens.ops`), a histogram product block
+CHUNK_ELEMENTS = 1 << 22
+
+
+def sample_chunks(numel_per_sample: int, batch: int, budget: int = CHUNK_ELEMENTS):
+    """``(start, stop)`` slices of ``range(batch)`` with ``(stop - start) * numel_per_sample <=
+    budget`` (at least one sample per slice)."""
+    step = max(1, budget // max(numel_per_sample, 1))
+    for s in range(0, batch, step):
+        yield s, min(batch, s + step)
 
 
 class Kernel:
@@ -40,9 +82,6 @@ class Kernel:
     #: (``F.linear`` factors), ``"conv"`` (a ``_conv_forward`` along a direction), ``"bn"``
     #: (an affine map of fixed statistics), or ``"other"`` (materialise per-sample slices).
     kind = "other"
-
-    #: sample slice used when a reduction has to materialise; bounded by element count.
-    max_chunk_elements = 1 << 22
 
     def params(self, module: nn.Module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -57,10 +96,7 @@ class Kernel:
         return {}
 
     def _chunks(self, module, batch: int):
-        numel = sum(p.numel() for p in module.parameters(recurse=False))
-        step = max(1, self.max_chunk_elements // max(numel, 1))
-        for s in range(0, batch, step):
-            yield s, min(batch, s + step)
+        return sample_chunks(sum(p.numel() for p in module.parameters(recurse=False)), batch)
 
     def _reduce(self, module, a, delta, fn: Callable[[Tensor], Tensor], cat: bool) -> dict[str, Tensor]:
         parts: dict[str, list[Tensor]] = {}
@@ -94,6 +130,135 @@ class Kernel:
 
     def grad_sum(self, module, a, delta) -> dict[str, Tensor]:
         return self._reduce(module, a, delta, lambda g: g.sum(0), cat=False)
+
+    # ---- cross-micro-step maths (see the module docstring) --------------------------------
+    def matrix_dims(self, module) -> tuple[int, int] | None:
+        return None
+
+    def positions(self, module, a: Tensor, delta: Tensor) -> int:
+        return 1
+
+    def seq_factors(self, module, a: Tensor, delta: Tensor, attrs) -> tuple[Tensor, Tensor] | None:
+        return None
+
+    def use_tgram(self, module, a: Tensor, delta: Tensor) -> bool:
+        return False
+
+    @staticmethod
+    def numel(module, attrs) -> int:
+        """D_l: elements of the tracked parameters ``attrs`` of ``module``."""
+        return sum(getattr(module, attr).numel() for attr in attrs)
+
+    def flat_per_sample(self, module, a: Tensor, delta: Tensor, start: int, stop: int, attrs) -> Tensor:
+        """``[stop - start, D_l]``: per-sample gradients of ``attrs``, flattened in that order."""
+        got = self.per_sample(module, a, delta, start, stop)
+        return torch.cat([got[attr].flatten(1) for attr in attrs], dim=1)
+
+    def directional(self, module, a: Tensor, delta: Tensor, direction: dict[str, Tensor], attrs) -> Tensor:
+        """``[B]``: ``<D, g_n>``, ``D`` = ``direction`` (attribute -> ``[*param]``; untracked
+        parameters count as 0). Here: materialised ``[b, D_l]`` slices dotted with D."""
+        flat = torch.cat([direction[attr].to(delta.dtype).flatten() for attr in attrs])
+        chunks = sample_chunks(self.numel(module, attrs), delta.shape[0])
+        return torch.cat([self.flat_per_sample(module, a, delta, s, e, attrs) @ flat for s, e in chunks])
+
+    def gram(self, module, pieces: list[tuple[Tensor, Tensor]], attrs) -> Tensor:
+        """``[n, n]`` g_n . g_m over ``attrs`` for the samples of ``pieces`` (list of ``(a,
+        delta)`` per micro-step, concatenated in order): sums of ``T x T`` factor products where
+        :meth:`use_tgram`, else the materialised ``[n, D_l]`` times its transpose."""
+        a0, d0 = pieces[0]
+        if self.use_tgram(module, a0, d0):
+            facs = [self.seq_factors(module, a, d, attrs) for a, d in pieces]
+            X = torch.cat([f[0] for f in facs])
+            Dl = torch.cat([f[1] for f in facs])
+            n, t = X.shape[0], X.shape[1]
+            X2, D2 = X.reshape(n * t, -1), Dl.reshape(n * t, -1)
+            out = []
+            for s, e in sample_chunks(n * t * t, n):
+                blk = (X2[s * t : e * t] @ X2.T) * (D2[s * t : e * t] @ D2.T)
+                out.append(blk.view(e - s, t, n, t).sum((1, 3)))
+            return torch.cat(out)
+        numel = self.numel(module, attrs)
+        G = torch.cat(
+            [
+                self.flat_per_sample(module, a, d, s, e, attrs)
+                for a, d in pieces
+                for s, e in sample_chunks(numel, d.shape[0])
+            ]
+        )
+        return G @ G.T
+
+    def gram_materialises(self, module, a: Tensor, delta: Tensor) -> bool:
+        """Whether :meth:`gram` forms the ``[n, D_l]`` per-sample gradients (memory budget)."""
+        return not self.use_tgram(module, a, delta)
+
+    def mean_via_gram(self, module, a: Tensor, delta: Tensor, n: int) -> bool:
+        """Whether ``g_n . G`` for the mean G of n samples is cheaper as ``(1/n) sum_m K_nm``."""
+        return False
+
+    def sketch(self, module, a: Tensor, delta: Tensor, attrs, k: int, pair) -> Tensor:
+        """``[B, k]``: R g_n. Matrix layers: one ``[d_out, d_in + 1]`` block (bias column),
+        from the factors or from materialised slices, whichever is cheaper (same numbers);
+        others: one block per attribute ``[shape[0], -1]`` from materialised slices."""
+        dims = self.matrix_dims(module)
+        if dims is not None:
+            d_out, d_in = dims
+            u, v = pair("wb", d_out, d_in + 1)
+            vw, vb = v[:, :d_in], v[:, d_in]
+            t = self.positions(module, a, delta)
+            # per sample: factor route T k (d_in + d_out); materialising route (form g_n, then
+            # u^T G v) T d_in d_out + k d_in d_out.
+            if t * k * (d_in + d_out) > (t + k) * d_in * d_out:
+                return self.sketch_materialised(module, a, delta, attrs, u, vw, vb)
+            return self.sketch_factors(module, a, delta, attrs, u, vw, vb)
+        out = []
+        for s, e in sample_chunks(self.numel(module, attrs), delta.shape[0]):
+            got = self.per_sample(module, a, delta, s, e)
+            acc = delta.new_zeros(e - s, k)
+            for attr in attrs:
+                g = got[attr].reshape(e - s, got[attr].shape[1] if got[attr].dim() > 1 else 1, -1)
+                u, v = pair(attr, g.shape[1], g.shape[2])
+                acc = acc + ((g @ v.T) * u.T).sum(1)
+            out.append(acc)
+        return torch.cat(out)
+
+    def sketch_factors(self, module, a, delta, attrs, u: Tensor, vw: Tensor, vb: Tensor) -> Tensor:
+        """``[B, k]``: the sketch of a matrix layer from its factors (``u [k, d_out]``, ``vw [k,
+        d_in]``, ``vb [k]``), ``s_nj = sum_t (u_j . delta_nt)(vw_j . a_nt + vb_j)``."""
+        raise NotImplementedError
+
+    def sketch_materialised(self, module, a, delta, attrs, u: Tensor, vw: Tensor, vb: Tensor) -> Tensor:
+        """``[B, k]``: the same sketch as :meth:`sketch_factors`, from materialised slices."""
+        d_out, d_in = self.matrix_dims(module)
+        out = []
+        for s, e in sample_chunks(self.numel(module, attrs), delta.shape[0]):
+            got = self.per_sample(module, a, delta, s, e)
+            acc = delta.new_zeros(e - s, u.shape[0])
+            if "weight" in attrs:
+                acc = acc + ((u @ got["weight"].reshape(e - s, d_out, d_in)) * vw).sum(2)
+            if "bias" in attrs:
+                acc = acc + (got["bias"] @ u.T) * vb
+            out.append(acc)
+        return torch.cat(out)
+
+    def sketch_direction(self, module, direction: dict[str, Tensor], attrs, k: int, pair, like: Tensor) -> Tensor:
+        """``[k]``: R D for ``direction`` (attribute -> ``[*param]``), the blocks of :meth:`sketch`."""
+        D = {key: v.to(like.dtype) for key, v in direction.items()}
+        dims = self.matrix_dims(module)
+        out = like.new_zeros(k)
+        if dims is not None:
+            d_out, d_in = dims
+            u, v = pair("wb", d_out, d_in + 1)
+            if "weight" in D:
+                out = out + ((u @ D["weight"].reshape(d_out, d_in)) * v[:, :d_in]).sum(1)
+            if "bias" in D:
+                out = out + (u @ D["bias"]) * v[:, d_in]
+            return out
+        for attr in attrs:
+            p = D[attr]
+            mat = p.reshape(p.shape[0] if p.dim() > 0 else 1, -1)
+            u, v = pair(attr, mat.shape[0], mat.shape[1])
+            out = out + ((u @ mat) * v).sum(1)
+        return out
 
 
 def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
@@ -190,10 +355,9 @@ class LinearKernel(Kernel):
         out = []
         if "sum_grad_squared" in want and w:
             numel = module.in_features * module.out_features
-            step = max(1, self.max_chunk_elements // max(numel, 1))
             l2w = []
-            for s in range(0, d.shape[0], step):
-                g = torch.bmm(d[s : s + step].transpose(1, 2), x[s : s + step])  # [b, O, I]
+            for s, e in sample_chunks(numel, d.shape[0]):
+                g = torch.bmm(d[s:e].transpose(1, 2), x[s:e])  # [b, O, I]
                 sq = g.square()
                 add_into(acc["sum_grad_squared"], w, sq.sum(0))
                 if "batch_l2" in want:
@@ -245,8 +409,130 @@ class LinearKernel(Kernel):
         out = {"weight": d.t() @ x, "bias": d.sum(0)}
         return {n: out[n] for n in self.params(module)}
 
+    # ---- cross-micro-step maths: the factor forms (``kind == "linear"``; a subclass that sets
+    # another kind, such as transformers' Conv1D, keeps the materialising base versions)
+    def matrix_dims(self, module):
+        if self.kind != "linear":
+            return super().matrix_dims(module)
+        return module.out_features, module.in_features
 
-class Conv2dKernel(Kernel):
+    def positions(self, module, a, delta):
+        if self.kind != "linear":
+            return super().positions(module, a, delta)
+        return delta[0].numel() // delta.shape[-1]
+
+    def seq_factors(self, module, a, delta, attrs):
+        if self.kind != "linear":
+            return super().seq_factors(module, a, delta, attrs)
+        x, d = self._flat(module, a, delta)
+        return _with_bias_column(x, attrs), d
+
+    def use_tgram(self, module, a, delta):
+        if self.kind != "linear":
+            return super().use_tgram(module, a, delta)
+        d_out, d_in = self.matrix_dims(module)
+        t = self.positions(module, a, delta)
+        return 2 * t * t <= d_out * d_in
+
+    def directional(self, module, a, delta, direction, attrs):
+        if self.kind != "linear":
+            return super().directional(module, a, delta, direction, attrs)
+        b = delta.shape[0]
+        D = {key: v.to(delta.dtype) for key, v in direction.items()}
+        out = delta.new_zeros(b)
+        d = delta.reshape(b, -1, delta.shape[-1])
+        if "weight" in D:
+            x = a.reshape(b, -1, a.shape[-1])
+            out = out + (d * F.linear(x, D["weight"])).sum((1, 2))
+        if "bias" in D:
+            out = out + d.sum(1) @ D["bias"]
+        return out
+
+    def gram(self, module, pieces, attrs):
+        """Without a sequence axis: ``(A A^T + 1[bias]) * (Delta Delta^T)``."""
+        if self.kind != "linear" or pieces[0][1].dim() != 2:
+            return super().gram(module, pieces, attrs)
+        A = torch.cat([p[0] for p in pieces])
+        Dl = torch.cat([p[1] for p in pieces])
+        k = Dl @ Dl.T
+        if "weight" in attrs:
+            ka = A @ A.T
+            k = k * (ka + 1) if "bias" in attrs else k * ka
+        return k
+
+    def gram_materialises(self, module, a, delta):
+        if self.kind == "linear" and delta.dim() == 2:
+            return False
+        return super().gram_materialises(module, a, delta)
+
+    def mean_via_gram(self, module, a, delta, n):
+        if self.kind != "linear" or delta.dim() != 2:
+            return super().mean_via_gram(module, a, delta, n)
+        d_out, d_in = self.matrix_dims(module)
+        return n * (d_out + d_in) < d_out * d_in
+
+    def sketch_factors(self, module, a, delta, attrs, u, vw, vb):
+        if self.kind != "linear":
+            return super().sketch_factors(module, a, delta, attrs, u, vw, vb)
+        b = delta.shape[0]
+        ud = delta.reshape(b, -1, u.shape[1]) @ u.T  # [B, T, k]
+        va = 0
+        if "weight" in attrs:
+            va = a.reshape(b, -1, vw.shape[1]) @ vw.T
+        if "bias" in attrs:
+            va = va + vb
+        return (ud * va).sum(1)
+
+
+def _with_bias_column(x: Tensor, attrs) -> Tensor:
+    """``[B, T, d_in (+1)]``: the weight's input factor and, if the bias is tracked, a column of
+    ones (the bias as one more input)."""
+    cols = []
+    if "weight" in attrs:
+        cols.append(x)
+    if "bias" in attrs:
+        cols.append(x.new_ones(x.shape[0], x.shape[1], 1))
+    return torch.cat(cols, dim=2) if len(cols) > 1 else cols[0]
+
+
+class _ConvMaths:
+    """Cross-micro-step maths of convolutions (``kind == "conv"``: a ``_conv_forward`` along a
+    direction); kernels of other kinds (transposed convolutions) keep the base versions."""
+
+    def matrix_dims(self, module):
+        if self.kind != "conv" or module.groups != 1:
+            return super().matrix_dims(module)
+        return module.out_channels, module.weight[0].numel()
+
+    def positions(self, module, a, delta):
+        if self.kind != "conv":
+            return super().positions(module, a, delta)
+        return delta[0, 0].numel()
+
+    def directional(self, module, a, delta, direction, attrs):
+        if self.kind != "conv":
+            return super().directional(module, a, delta, direction, attrs)
+        D = {key: v.to(delta.dtype) for key, v in direction.items()}
+        out = delta.new_zeros(delta.shape[0])
+        if "weight" in D:
+            out = out + (delta * module._conv_forward(a, D["weight"], None)).flatten(1).sum(1)
+        if "bias" in D:
+            out = out + delta.flatten(2).sum(2) @ D["bias"]
+        return out
+
+    def sketch_factors(self, module, a, delta, attrs, u, vw, vb):
+        if self.kind != "conv":
+            return super().sketch_factors(module, a, delta, attrs, u, vw, vb)
+        ud = torch.einsum("kc,bct->bkt", u, delta.flatten(2))
+        va = 0
+        if "weight" in attrs:
+            va = module._conv_forward(a, vw.reshape(-1, *module.weight.shape[1:]), None).flatten(2)
+        if "bias" in attrs:
+            va = va + vb[None, :, None]
+        return (ud * va).sum(2)
+
+
+class Conv2dKernel(_ConvMaths, Kernel):
     """``nn.Conv2d`` (groups=1, zero padding): per-sample gradients via unfold + bmm."""
 
     kind = "conv"
@@ -260,6 +546,19 @@ class Conv2dKernel(Kernel):
         if module.bias is not None:
             out["bias"] = d.sum(2)
         return {n: out[n] for n in self.params(module)}
+
+    def seq_factors(self, module, a, delta, attrs):
+        if module.groups != 1:
+            return None
+        x = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
+        return _with_bias_column(x.transpose(1, 2), attrs), delta.flatten(2).transpose(1, 2)
+
+    def use_tgram(self, module, a, delta):
+        dims = self.matrix_dims(module)
+        if dims is None:
+            return False
+        t = self.positions(module, a, delta)
+        return 2 * t * t <= dims[0] * dims[1]
 
     def grad_sum(self, module, a, delta):
         d = delta
@@ -293,6 +592,24 @@ class BatchNormEvalKernel(Kernel):
         return {n: out[n] for n in self.params(module)}
 
 
+    def directional(self, module, a, delta, direction, attrs):
+        """The affine map of the running statistics along D."""
+        dt = delta.dtype
+        D = {key: v.to(dt) for key, v in direction.items()}
+        out = delta.new_zeros(delta.shape[0])
+        shape = [1, -1] + [1] * (a.dim() - 2)
+        dims = tuple(range(2, a.dim()))
+        if "weight" in D:
+            x_hat = (a - module.running_mean.view(shape).to(dt)) / torch.sqrt(
+                module.running_var.view(shape).to(dt) + module.eps
+            )
+            prod = delta * x_hat
+            out = out + (prod.sum(dims) if dims else prod) @ D["weight"]
+        if "bias" in D:
+            out = out + (delta.sum(dims) if dims else delta) @ D["bias"]
+        return out
+
+
 class EmbeddingKernel(Kernel):
     """``nn.Embedding``: g_n of the table is the sum of delta_nt over the positions t whose
     index is v, row v (the ``padding_idx`` row gets no gradient, as in autograd)."""
@@ -322,8 +639,10 @@ class EmbeddingKernel(Kernel):
         return {"weight": out.index_add_(0, idx.reshape(-1), d.reshape(-1, d.shape[-1]))}
 
 
-class BackpackKernel(Kernel):
-    """Any module with BackPACK derivatives: per-sample gradients through ``param_mjp``."""
+class BackpackKernel(_ConvMaths, Kernel):
+    """Any module with BackPACK derivatives: per-sample gradients through ``param_mjp``. The
+    registry sets ``kind = "conv"`` for Conv1d/2d/3d (the convolution forms of the
+    cross-micro-step maths apply) and ``"other"`` for the transposed ones."""
 
     def __init__(self, derivatives):
         self.derivatives = derivatives
@@ -549,36 +868,3 @@ class MaterialisedKernel(Kernel):
         return {module._attr: a[start:stop]}
 
 
-SUPPORTED_MODULES: tuple[type, ...] = (
-    nn.Linear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-    nn.Embedding,
-    nn.modules.batchnorm._BatchNorm,
-)
-
-
-def kernel_for(module: nn.Module) -> Kernel:
-    """The kernel for ``module``; raises ``TypeError`` for a module class without one.
-
-    Subclasses are matched by their nearest supported base class, except that a module
-    overriding ``forward`` of that base is refused (its per-sample gradients are unknown).
-    """
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return BatchNormEvalKernel()
-    base = next((c for c in type(module).__mro__ if c in SUPPORTED_MODULES), None)
-    if base is None or type(module).forward is not base.forward:
-        raise TypeError(f"no per-sample gradient kernel for {type(module).__name__}")
-    if base is nn.Linear:
-        return LinearKernel()
-    if base is nn.Embedding:
-        if module.scale_grad_by_freq:
-            raise TypeError("nn.Embedding(scale_grad_by_freq=True) rescales by batch counts")
-        return EmbeddingKernel()
-    if base is nn.Conv2d and module.groups == 1:
-        return Conv2dKernel()
-    return _backpack_kernels()[base]()

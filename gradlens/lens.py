@@ -32,7 +32,7 @@ from gradlens.capture import (
 )
 from gradlens.distributed import MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
 from gradlens.instruments.base import QUANTITIES, Accumulators, Instrument, WindowStats
-from gradlens.kernels import Materialised, MaterialisedKernel, OpLinear, add_into
+from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
 
 __all__ = ["Lens"]
@@ -143,7 +143,8 @@ class Lens:
         tensorboard: a ``SummaryWriter`` or a log directory for TensorBoard scalars/histograms.
         keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
-            gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer.
+            gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer
+            (default :data:`gradlens.kernels.CHUNK_ELEMENTS`, the one chunking rule of gradlens).
         undefined: what to do with parameters whose per-sample gradients are undefined because
             their output reaches a layer that mixes samples (a BatchNorm in training mode):
             ``"error"`` (default) names them all in one error at the first tracked micro-step;
@@ -175,7 +176,7 @@ class Lens:
         log: str | os.PathLike | None = None,
         tensorboard: Any = None,
         keep_records: bool = True,
-        chunk_elements: int = 1 << 20,
+        chunk_elements: int = CHUNK_ELEMENTS,
         undefined: str = "error",
         process_group: Any = None,
     ):
@@ -811,10 +812,8 @@ class Lens:
         if not attrs:
             return
         numel = sum(getattr(module, attr).numel() for attr in attrs)
-        step = max(1, self.chunk_elements // max(numel, 1))
         l2_parts = []
-        for s in range(0, delta.shape[0], step):
-            e = min(delta.shape[0], s + step)
+        for s, e in sample_chunks(numel, delta.shape[0], self.chunk_elements):
             chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
             l2 = 0
             for attr in attrs:

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gradlens.kernels import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
+
 __all__ = ["per_sample_wrt", "chain_to_params", "CHUNK_ELEMENTS"]
 
-#: elements of one transient block of the generic rule (chunks of samples x output)
-CHUNK_ELEMENTS = 1 << 22
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
 _SUB = {"sub", "__sub__", "__isub__", "sub_", "subtract"}
@@ -96,11 +96,9 @@ def _generic(func, args, kwargs, pos, t: Tensor, delta: Tensor, b: int) -> Tenso
 
     _, vjp_fn = torch.func.vjp(call, t.detach())
     n = delta.shape[b]
-    step = max(1, CHUNK_ELEMENTS // max(delta.numel(), 1))
     eye_shape = [1] * (delta.dim() + 1)
     parts = []
-    for s in range(0, n, step):
-        e = min(n, s + step)
+    for s, e in sample_chunks(delta.numel(), n):  # a chunk of samples x the whole output
         idx = torch.arange(s, e, device=delta.device)
         onehot = (idx[:, None] == torch.arange(n, device=delta.device)[None, :]).to(delta.dtype)
         shape = list(eye_shape)

@@ -463,7 +463,7 @@ def test_wide_mlp_gram_route_matches_oracle():
 def test_sketch_routes_agree():
     """The factor route and the materialising route compute the same sketch."""
     from gradlens.capture import Site
-    from gradlens.instruments.dots import _Sketcher
+    from gradlens.instruments.crosssample import _Sketcher
     from gradlens.registry import kernel_for
 
     torch.manual_seed(0)
@@ -478,7 +478,7 @@ def test_sketch_routes_agree():
         factor = sk.sketch(w, a, delta)
         dims = (mod.weight.shape[0], mod.weight[0].numel())
         u, v = sk._pair(w, "wb", dims[0], dims[1] + 1, delta)
-        mat = sk._sketch_materialised(w, a, delta, u, v[:, :-1], v[:, -1], *dims)
+        mat = w.kernel.sketch_materialised(mod, a, delta, w.params, u, v[:, :-1], v[:, -1])
         _close(factor, mat)
 
 
@@ -520,3 +520,38 @@ def test_window_skipped_by_accumulating_optimizer_keeps_alpha_pending():
     o = oracle_window(thetas, windows, 0)
     _close(lens.records[0]["alpha"], o["alpha"], rtol=1e-7)
     _close(lens.records[0]["search_dir_projections"]["end"], o["end"])
+
+
+def test_mean_tests_with_training_mode_batchnorm():
+    """InnerTest and OrthoTest project g_n on G with the layer's own kernel: a BatchNorm in
+    training mode normalises with the batch statistics (not the running ones), and its own
+    weight and bias and the layers after it are tracked. Oracle: the float64 Jacobian of the
+    per-sample losses of the batch forward."""
+    torch.manual_seed(0)
+    model0 = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).double()
+    model0.train()
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    ref = copy.deepcopy(model0)
+    names = ["1.weight", "1.bias", "3.weight", "3.bias"]
+    params = dict(ref.named_parameters())
+
+    def losses(*ps):
+        out = torch.func.functional_call(ref, {**params, **dict(zip(names, ps))}, (x,))
+        return F.cross_entropy(out, y, reduction="none")
+
+    jac = torch.autograd.functional.jacobian(losses, tuple(params[q].detach() for q in names))
+    g = torch.cat([j.reshape(12, -1) for j in jac], dim=1)  # [N, D] per-sample gradients
+    G = g.mean(0)
+    p, g2, n = g @ G, float(G @ G), 12
+    inner = math.sqrt(float(p.var()) / n) / g2
+    v = (float(g.square().sum()) - float(p.square().sum()) / g2) / (n - 1)
+    ortho = math.sqrt(max(v, 0.0) / (n * g2))
+
+    model = gradlens.extend(copy.deepcopy(model0))
+    lens = Lens(model, [InnerTest(), OrthoTest()], undefined="exclude")
+    with lens.capture(reduction="mean"):
+        F.cross_entropy(model(x), y).backward()
+    lens.flush()
+    assert sorted(lens.tracked) == sorted(names)
+    _close(lens.records[0]["inner_test"], inner)
+    _close(lens.records[0]["ortho_test"], ortho)

@@ -1,8 +1,10 @@
 """Instruments: what gradlens measures. Each sets a record key (``record[key]``)."""
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.instruments.dots import Alpha, BatchDot, InnerTest, OrthoTest
+from gradlens.instruments.alpha import Alpha
+from gradlens.instruments.batch_dot import BatchDot
 from gradlens.instruments.hist import GradHist1d, GradHist2d
+from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.noise import NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared
 from gradlens.instruments.tests import MeanGSNR, NoiseScale, NormTest

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.outer_hist import bin_of, outer_hist1d, row_extremes
+from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 
 __all__ = ["GradHist1d", "GradHist2d"]
@@ -125,7 +126,8 @@ class GradHist1d(Instrument):
         x = grad_batch.detach()
         state.to(x.device)
         lo, hi = state.lo, state.hi
-        # histc counts in the input dtype: keep each call below 2**24 elements (float32-exact)
+        # histc counts in the input dtype: keep each call below 2**24 elements (float32-exact;
+        # a precision bound, not a memory chunk)
         for part in x.reshape(-1).split(1 << 24):
             inside = torch.histc(part, self.bins, lo, hi)  # [lo, hi], hi in the last bin
             state.counts += inside.to(torch.int64)
@@ -296,8 +298,8 @@ class GradHist2d(Instrument):
         joint = row_counts.t().double() @ per_col.view(o, gbins).double()  # [P, G], exact ints
         state.counts += joint.round().long().view(-1)
         multi = rows[~single]
-        step = max(1, (1 << 20) // max(width, 1))
-        for c in multi.split(step):
+        for s, e in sample_chunks(width, multi.numel()):  # [R, I] products per block
+            c = multi[s:e]
             x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
             idx = _bin_index(x, lo, hi, gbins).add_(off[c % o])
             state.counts += torch.bincount(idx.reshape(-1), minlength=state.counts.numel())

@@ -1,0 +1,474 @@
+"""Shared machinery of the cross-micro-step instruments (:class:`BatchDot`, :class:`InnerTest`,
+:class:`OrthoTest`, :class:`Alpha`): window state, kept factors or sketches, memory budget,
+the rank merge, and the sketch map R.
+
+These statistics pair a sample with a vector that does not exist when the sample's micro-step
+runs: another micro-step's sample (``g_n . g_m``), the window gradient g (known when the window
+closes) or the update d = theta_{t+1} - theta_t (known after the optimizer's real update).
+See docs/cross_microstep.md for the design; in short:
+
+**Exact mode** (``mode="exact"``, the default). Each instrument keeps, for every watched layer and
+micro-step, the layer input ``a`` ``[B, ...]`` and the per-sample-scaled output gradient
+``delta`` ``[B, ...]`` (references to the tensors the capture computed anyway, not copies: the
+instruments of one Lens share them). When the window-end vector is known it evaluates
+
+* projections ``<D, g_n>`` for a direction ``D`` of the layer's parameters by *re-running the
+  layer's forward along D*: every supported layer is linear in its parameters, so
+  ``<D, g_n> = sum(delta_n * layer(a_n; params=D))`` — one forward pass with the parameters
+  replaced by D (``F.linear``, ``conv``, the eval BatchNorm affine map); nothing of size
+  ``[N, *param]`` is formed (other layers: materialised slices);
+* Gram blocks ``g_n . g_m`` from the factor identities of docs/cross_microstep.md: Linear (no sequence axis)
+  ``(A A^T + 1[bias]) * (Delta Delta^T)``; Linear with a sequence axis and Conv2d (unfold) with
+  ``2 T^2 <= d_in d_out``: sums of ``T x T`` products; otherwise that layer's ``[N, *param]``
+  per-sample gradients are materialised once at window end (one layer at a time) and reduced
+  with one matmul.
+
+The memory kept is bounded by ``max_bytes`` (default 1 GiB); exceeding it raises a
+``RuntimeError`` that names the bounded-memory mode. Inputs and output gradients are kept by
+reference, so a tensor modified in place before the window closes is detected (version counter)
+and refused.
+
+**Sketch mode** (``mode="sketch"``, ``k`` dimensions). Each g_n is reduced to ``s_n = R g_n`` in
+``R^k`` as soon as its micro-step runs, and only ``[N, k]`` is kept. Row j of R is, for every
+parameter block viewed as a matrix (Linear: ``[d_out, d_in + 1]`` weight with bias column, Conv:
+``[C_out, C_in*kh*kw + 1]``, others: ``[shape[0], -1]``), ``vec(u_j v_j^T) / sqrt(k)`` with
+independent Rademacher vectors ``u_j``, ``v_j`` per block — so ``s_n`` is computed from the
+layer factors (``s_nj = sum_t (u_j . delta_nt)(v_j . [a_nt, 1])``) without materialising g_n.
+Every dot product ``x . y`` of sketched vectors is estimated by ``s(x) . s(y)``:
+
+    E[s(x) . s(y)] = x . y,        Var[s(x) . s(y)] <= 8 ||x||^2 ||y||^2 / k,
+
+(proof in docs/cross_microstep.md), for any pair of per-sample gradients, and for a per-sample
+gradient and the update direction d or the window gradient g. R is fixed for the lifetime of the
+instrument (``seed``), so start and end points of Alpha share it.
+
+The per-layer maths (projections, Gram pieces, sketches) are methods of the layer's kernel
+(:class:`gradlens.kernels.Kernel`); this module keeps and combines what they return.
+
+Record values are float64 on the CPU; ``record.meta[key]`` says which mode produced them.
+"""
+
+from __future__ import annotations
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradlens.instruments.base import Instrument, WindowStats
+
+__all__ = ["DEFAULT_MAX_BYTES"]
+
+#: default memory budget of one exact-mode instrument (bytes kept for its window)
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+# =============================================================================== sketches
+class _Sketcher:
+    """The fixed random map R: per watched layer and parameter block, Rademacher ``u [k, rows]``
+    and ``v [k, cols]``, drawn once from ``(seed, layer name)``. ``s(g)_j = u_j^T G v_j / sqrt(k)``
+    summed over blocks, with G the block's gradient viewed as a matrix. Which blocks a layer has,
+    and how its sketch is computed (from the factors where it can), is the kernel's business
+    (:meth:`gradlens.kernels.Kernel.sketch`); the sketcher only holds the random matrices."""
+
+    def __init__(self, k: int, seed: int):
+        self.k, self.seed = k, seed
+        self._cache: dict[tuple[str, str, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def _pair(self, w, block: str, rows: int, cols: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        key = (w.name, block, like.dtype, like.device)
+        if key not in self._cache:
+            gen = torch.Generator().manual_seed(
+                (self.seed * 1_000_003 + zlib.crc32(f"{w.name}/{block}".encode())) % (1 << 62)
+            )
+            u = torch.randint(0, 2, (self.k, rows), generator=gen).mul_(2).sub_(1)
+            v = torch.randint(0, 2, (self.k, cols), generator=gen).mul_(2).sub_(1)
+            scale = self.k ** -0.5
+            self._cache[key] = (
+                (u * scale).to(dtype=like.dtype, device=like.device),
+                v.to(dtype=like.dtype, device=like.device),
+            )
+        return self._cache[key]
+
+    def pairs(self, w, like: Tensor):
+        """``pair(block, rows, cols) -> (u [k, rows] / sqrt(k), v [k, cols])`` of layer ``w``."""
+        return lambda block, rows, cols: self._pair(w, block, rows, cols, like)
+
+    def sketch(self, w, a: Tensor, delta: Tensor) -> Tensor:
+        """``[B, k]``: s(g_n) of one layer."""
+        return w.kernel.sketch(w.module, a, delta, w.params, self.k, self.pairs(w, delta))
+
+    def sketch_direction(self, w, direction: dict[str, Tensor], like: Tensor) -> Tensor:
+        """``[k]``: s(D) of one layer's direction (attribute -> ``[*param]``)."""
+        return w.kernel.sketch_direction(w.module, direction, w.params, self.k, self.pairs(w, like), like)
+
+
+# =============================================================================== state
+@dataclass
+class _Layer:
+    w: Any  # WatchedModule
+    a: Tensor
+    delta: Tensor
+    versions: tuple[int, int]
+
+
+@dataclass
+class _Part:
+    """One micro-step: what it contributed to the window."""
+
+    batch: int = 0
+    layers: dict[str, _Layer] = field(default_factory=dict)
+    sketch: Tensor | None = None  # [B, k], sketch mode
+    losses: Tensor | None = None  # [B] float64, Alpha
+    end_proj: Tensor | None = None  # [B] d_prev . g_n, Alpha
+    end_token: int | None = None
+    dense_per_sample: int = 0  # bytes per sample of the largest layer materialised at window end
+
+
+@dataclass
+class _DotState:
+    """Mergeable window state of the cross-micro-step instruments: the list of micro-step parts
+    (merge concatenates: associative, samples stay in order)."""
+
+    parts: list[_Part] = field(default_factory=list)
+    reduction: str = "mean"
+    params: dict[str, Tensor] = field(default_factory=dict)  # qualified name -> parameter
+    modules: dict[str, Any] = field(default_factory=dict)  # layer name -> WatchedModule
+    # Alpha, filled around the real update
+    theta0: dict[str, Tensor] | None = None
+    start: dict[str, Any] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return sum(p.batch for p in self.parts)
+
+    def part(self) -> _Part:
+        if not self.parts:
+            self.parts.append(_Part())
+        return self.parts[-1]
+
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+
+
+def _cat_cached(ctx, tensors: list[Tensor]) -> Tensor:
+    """``torch.cat(tensors)``, the same object for the same inputs within one merge (so that the
+    factors BatchDot / InnerTest / OrthoTest / Alpha share are gathered once)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    cache = ctx.cache
+    key = ("cat",) + tuple(id(t) for t in tensors)
+    if key not in cache:
+        cache[key] = (torch.cat(tensors), tensors)  # keep the inputs alive with the key
+    return cache[key][0]
+
+
+def _nbytes(t: Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class _CrossSample(Instrument):
+    """Shared machinery: keeps layer factors (exact) or sketches (sketch) of the window's g_n."""
+
+    needs = frozenset({"layer"})
+
+    def __init__(
+        self,
+        mode: str = "exact",
+        *,
+        k: int = 1024,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        seed: int = 0,
+    ):
+        if mode not in ("exact", "sketch"):
+            raise ValueError(f"mode must be 'exact' or 'sketch', got {mode!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k (sketch dimension) must be a positive int, got {k!r}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be a non-negative int (bytes), got {max_bytes!r}")
+        self.mode, self.k, self.max_bytes, self.seed = mode, k, max_bytes, seed
+        self._sketcher = _Sketcher(k, seed) if mode == "sketch" else None
+
+    @property
+    def mode_name(self) -> str:
+        return "exact" if self.mode == "exact" else f"sketch(k={self.k})"
+
+    def __repr__(self) -> str:
+        extra = f", k={self.k}" if self.mode == "sketch" else ""
+        return f"{type(self).__name__}(mode={self.mode!r}{extra})"
+
+    # ---- capture -----------------------------------------------------------------------
+    def start_window(self) -> _DotState:
+        return _DotState()
+
+    def update_layer(self, state: _DotState, module, a: Tensor, delta: Tensor) -> None:
+        part = state.part()
+        state.modules[module.name] = module
+        for attr, q in module.params.items():
+            state.params[q] = getattr(module.module, attr)
+        if self._sketcher is not None:
+            s = self._sketcher.sketch(module, a, delta)
+            part.sketch = s if part.sketch is None else part.sketch + s
+            return
+        part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version))
+        if self._materialises(module, a, delta):
+            per = sum(getattr(module.module, attr).numel() for attr in module.params)
+            part.dense_per_sample = max(part.dense_per_sample, per * delta.element_size())
+
+    def _materialises(self, module, a: Tensor, delta: Tensor) -> bool:
+        """Whether window-end work materialises this layer's ``[N, *param]`` (Gram only)."""
+        return False
+
+    def micro_done(self, state: _DotState, batch_size: int, reduction: str, losses) -> None:
+        part = state.part()
+        part.batch = batch_size
+        state.reduction = reduction
+
+    def merge(self, a: _DotState, b: _DotState) -> _DotState:
+        out = _DotState(
+            parts=a.parts + b.parts,
+            reduction=b.reduction if b.parts else a.reduction,
+            params={**a.params, **b.params},
+            modules={**a.modules, **b.modules},
+        )
+        self._check_budget(out)
+        return out
+
+    def _bytes(self, state: _DotState) -> int:
+        n = state.num_samples
+        seen: set[int] = set()
+        total = 0
+        for p in state.parts:
+            total += _nbytes(p.sketch) + _nbytes(p.losses) + _nbytes(p.end_proj)
+            for lay in p.layers.values():
+                for t in (lay.a, lay.delta):
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        total += _nbytes(t)
+        total += n * max((p.dense_per_sample for p in state.parts), default=0)
+        return total + self._extra_bytes(state)
+
+    def _extra_bytes(self, state: _DotState) -> int:
+        return 0
+
+    def _check_budget(self, state: _DotState) -> None:
+        if self.mode != "exact":
+            return
+        used = self._bytes(state)
+        if used > self.max_bytes:
+            raise RuntimeError(
+                f"{type(self).__name__}(mode='exact') needs {used} bytes for the "
+                f"{state.num_samples} samples of this window so far (layer inputs and output "
+                f"gradients kept until the window closes), over max_bytes={self.max_bytes}; raise "
+                f"max_bytes, or use the bounded-memory mode {type(self).__name__}(mode='sketch', "
+                f"k=...) which keeps N x k numbers"
+            )
+
+    # ---- window-end evaluation ---------------------------------------------------------
+    def _check_versions(self, state: _DotState) -> None:
+        for p in state.parts:
+            for name, lay in p.layers.items():
+                if (lay.a._version, lay.delta._version) != lay.versions:
+                    raise RuntimeError(
+                        f"the input or output gradient of layer {name!r} was modified in place "
+                        f"after its micro-step; {type(self).__name__}(mode='exact') keeps them by "
+                        "reference until the window closes: do not modify batches in place, or "
+                        "use mode='sketch'"
+                    )
+
+    def _project(self, state: _DotState, direction: dict[str, Tensor]) -> Tensor:
+        """``[N]`` float64: ``<D, g_n>`` over the tracked parameters (exact mode), for
+        ``direction`` = qualified parameter name -> ``[*param]``. One layer forward along D per
+        layer over all N samples (micro-steps concatenated where their shapes agree)."""
+        self._check_versions(state)
+        n = state.num_samples
+        out = torch.zeros(n, dtype=torch.float64)
+        for name, pieces, idx in self._layer_pieces(state):
+            w = pieces[0][0]
+            dt = pieces[0][2].dtype
+            D = {attr: direction[q].to(dt) for attr, q in w.params.items()}
+            same = all(p[1].shape[1:] == pieces[0][1].shape[1:] for p in pieces)
+            if same and len(pieces) > 1 and pieces[0][1].is_floating_point():
+                a = torch.cat([p[1] for p in pieces])
+                delta = torch.cat([p[2] for p in pieces])
+                proj = w.kernel.directional(w.module, a, delta, D, w.params)
+            else:
+                proj = torch.cat([w.kernel.directional(w.module, p[1], p[2], D, w.params) for p in pieces])
+            proj = proj.double().cpu()
+            if idx is None:
+                out += proj
+            else:
+                out[idx] += proj
+        return out
+
+    def _layer_pieces(self, state: _DotState):
+        """Per layer: ``(name, [(w, a, delta) per micro-step that reached it], sample index
+        or None when every micro-step did)``."""
+        offsets, off = [], 0
+        for p in state.parts:
+            offsets.append(off)
+            off += p.batch
+        names: list[str] = []
+        for p in state.parts:
+            names += [nm for nm in p.layers if nm not in names]
+        for name in names:
+            pieces, idx = [], []
+            for p, o in zip(state.parts, offsets):
+                if name in p.layers:
+                    lay = p.layers[name]
+                    pieces.append((lay.w, lay.a, lay.delta))
+                    idx.append(torch.arange(o, o + p.batch))
+            yield name, pieces, (None if len(pieces) == len(state.parts) else torch.cat(idx))
+
+    def _sketches(self, state: _DotState) -> Tensor:
+        """``[N, k]`` float64 sketches of the window's g_n (sketch mode)."""
+        return torch.cat([p.sketch.double().cpu() for p in state.parts])
+
+    def _sketch_direction(self, state: _DotState, direction: dict[str, Tensor]) -> Tensor:
+        """``[k]`` float64: s(D) with the same R as the samples."""
+        out = torch.zeros(self.k, dtype=torch.float64)
+        like = state.parts[0].sketch
+        for w in state.modules.values():
+            D = {attr: direction[q] for attr, q in w.params.items()}
+            out = out + self._sketcher.sketch_direction(w, D, like).double().cpu()
+        return out
+
+    def _gram(self, state: _DotState, stats: WindowStats | None = None) -> Tensor:
+        """``[N, N]`` float64 g_n . g_m."""
+        if self.mode == "sketch":
+            S = self._sketches(state)
+            return S @ S.T
+        self._check_versions(state)
+        n = state.num_samples
+        K = torch.zeros(n, n, dtype=torch.float64)
+        for name, pieces, idx in self._layer_pieces(state):
+            kl = _memo_layer_gram(stats, pieces)
+            if idx is None:
+                K += kl
+            else:
+                K[idx[:, None], idx[None, :]] += kl
+        return K
+
+    def meta(self, state: _DotState) -> dict[str, Any]:
+        return {self.key: self.mode_name}
+
+    # ---- across ranks (gradlens.distributed) ------------------------------------------------
+    def to_buffers(self, state: _DotState, ctx):
+        """Per rank: its sample count and flags (per-rank row); pieces to gather: the sketches
+        ``[N_r, k]`` (sketch mode) or, per watched layer, ``a`` and ``delta`` of all its
+        micro-steps concatenated (exact mode), and Alpha's per-sample losses / end projections.
+        Factors shared by several instruments are sent once (``ctx.cache``)."""
+        from gradlens.distributed import DistParts
+
+        parts = state.parts
+        n = sum(p.batch for p in parts)
+        has_losses = bool(parts) and all(p.losses is not None for p in parts)
+        has_end = bool(parts) and all(p.end_proj is not None for p in parts)
+        token = parts[0].end_token if parts and parts[0].end_token is not None else -1
+        if any(p.end_token != parts[0].end_token for p in parts):
+            token = -2  # micro-steps projected on different updates: never settles
+        dense = max((p.dense_per_sample for p in parts), default=0)
+        row = [float(n), float(has_losses), float(has_end), float(token), float(dense)]
+        pieces: list[Tensor] = []
+        if self.mode == "sketch":
+            k = self.k
+            pieces.append(
+                torch.cat([p.sketch for p in parts]) if n else torch.zeros(0, k, dtype=torch.float64)
+            )
+        else:
+            self._check_versions(state)
+            for w in ctx.watched:
+                have = [p.layers[w.name] for p in parts if w.name in p.layers]
+                if not have:
+                    row += [-1.0, -1.0]
+                    pieces += [torch.zeros(0, dtype=torch.float64)] * 2
+                    continue
+                if len(have) != len(parts) or any(
+                    h.a.shape[1:] != have[0].a.shape[1:] or h.delta.shape[1:] != have[0].delta.shape[1:]
+                    for h in have
+                ):
+                    raise RuntimeError(
+                        f"{type(self).__name__}(mode='exact') across ranks needs every micro-step "
+                        f"of a rank to reach layer {w.name!r} with the same per-sample shapes; "
+                        f"use mode='sketch' (or Lens(..., process_group=False))"
+                    )
+                a, d = (_cat_cached(ctx, [getattr(h, f) for h in have]) for f in ("a", "delta"))
+                row += [float(_DTYPES.index(a.dtype)), float(_DTYPES.index(d.dtype))]
+                pieces += [a, d]
+        losses = torch.cat([p.losses for p in parts]) if has_losses else torch.zeros(0, dtype=torch.float64)
+        ends = torch.cat([p.end_proj for p in parts]) if has_end else torch.zeros(0, dtype=torch.float64)
+        pieces += [losses, ends]
+        return DistParts(per_rank=[torch.tensor(row, dtype=torch.float64)], pieces=pieces)
+
+    def from_buffers(self, state: _DotState, ctx, sums, per_rank, pieces) -> _DotState:
+        rows = per_rank[0]  # [R, 5 (+ 2 per watched layer in exact mode)]
+        world = rows.shape[0]
+        out = _DotState(
+            reduction=state.reduction,
+            params=dict(state.params),
+            modules=dict(state.modules),
+            theta0=state.theta0,
+            start=state.start,
+        )
+        by_name = {w.name: w for w in ctx.watched}
+        for r in range(world):
+            n, has_losses, has_end, token, dense = (float(v) for v in rows[r, :5])
+            if n <= 0:
+                continue
+            part = _Part(batch=int(round(n)), dense_per_sample=int(round(dense)))
+            part.end_token = None if token == -1 else int(token)
+            if has_losses:
+                part.losses = pieces[-2][r]
+            if has_end:
+                part.end_proj = pieces[-1][r]
+            if self.mode == "sketch":
+                part.sketch = pieces[0][r]
+            else:
+                for i, w in enumerate(ctx.watched):
+                    codes = rows[r, 5 + 2 * i : 7 + 2 * i]
+                    if float(codes[0]) < 0:
+                        continue
+                    a = pieces[2 * i][r].to(_DTYPES[int(codes[0])])
+                    d = pieces[2 * i + 1][r].to(_DTYPES[int(codes[1])])
+                    part.layers[w.name] = _Layer(w, a, d, (a._version, d._version))
+                    out.modules[w.name] = by_name[w.name]
+                    for attr, q in w.params.items():
+                        out.params.setdefault(q, getattr(w.module, attr))
+            out.parts.append(part)
+        self._check_budget(out)
+        return out
+
+
+# =============================================================================== window memo
+def _memo(stats: WindowStats | None) -> dict:
+    """A cache of pure functions of the window's shared layer factors, kept on the window's
+    :class:`WindowStats` (the object every instrument's ``finalize`` receives, dropped with the
+    window): BatchDot, InnerTest and OrthoTest of one Lens hold the very same ``a``/``delta``
+    tensors, so a per-layer Gram or ``g_n . G`` is computed once per window, not once per
+    instrument. Keys hold the ids of those tensors (alive while the states hold them)."""
+    if stats is None:
+        return {}
+    memo = getattr(stats, "_gradlens_cross_memo", None)
+    if memo is None:
+        memo = {}
+        stats._gradlens_cross_memo = memo
+    return memo
+
+
+def _pieces_key(pieces) -> tuple:
+    return tuple((id(a), id(d), a._version, d._version) for _, a, d in pieces)
+
+
+def _memo_layer_gram(stats: WindowStats | None, pieces) -> Tensor:
+    """``[n, n]`` float64 CPU Gram of one layer (:meth:`gradlens.kernels.Kernel.gram`),
+    memoised per window."""
+    memo = _memo(stats)
+    w = pieces[0][0]
+    key = ("gram", w.name, _pieces_key(pieces))
+    if key not in memo:
+        memo[key] = w.kernel.gram(w.module, [(a, d) for _, a, d in pieces], w.params).double().cpu()
+    return memo[key]
