@@ -388,3 +388,28 @@ def test_train_mode_batchnorm_leave_out_option_tracks_last_batchnorm_and_head():
     )
     assert 0 < lens.coverage < 0.1
     lens.close()
+
+
+# ------------------------------------------------------------------------------ scaled functional loss
+@pytest.mark.parametrize("how", ["divide-by-2", "times-3.7", "divide-by-K"])
+def test_scaled_functional_loss_keeps_units_or_refuses(how):
+    """A functional loss the user scales, under ``capture(reduction="mean")``: the record is in
+    the units of DESIGN.md (the multiplier divided out) or the capture refuses with an error;
+    never a silently rescaled number (before issue 8: grad_norm 50% off for ``/ 2``)."""
+    case, model, (batch, _) = problem("custom_params")
+    sizes = [5, 1, 6]
+    G = flat(per_sample_grads(case, model, batch, sizes))
+    m = gradlens.extend(copy.deepcopy(model))
+    lens = Lens(m, [BatchL2(), GradNorm()])
+    try:
+        for mb in split_batch(case, batch, sizes):
+            loss = F.cross_entropy(case.call(m, mb), mb["y"])
+            loss = {"divide-by-2": loss / 2, "times-3.7": loss * 3.7, "divide-by-K": loss / len(sizes)}[how]
+            with lens.capture(reduction="mean"):
+                loss.backward()
+        rec = lens.flush()
+    except (ValueError, RuntimeError) as e:
+        assert "reduction" in str(e) or "scale" in str(e), str(e)
+        return
+    _close(rec["batch_l2"], G.square().sum(1), 1e-10)
+    _close(rec["grad_norm"], G.mean(0).norm(), 1e-10)
