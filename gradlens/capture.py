@@ -16,6 +16,7 @@ light hooks for tracked windows only.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -54,10 +55,18 @@ class LossCall:
         """Hook the loss output so that backward reports what multiplied the loss (called by a
         tracked capture only: untracked steps pay nothing)."""
         if self.output.requires_grad:
-            self.output.register_hook(self._set_multiplier)
+            # The hook lives on the loss's autograd node; a bound method (or any closure over
+            # this LossCall, which holds the loss) would be a reference cycle through C++
+            # autograd objects that the collector cannot free: every graph would stay alive.
+            # A weak reference breaks it.
+            ref = weakref.ref(self)
 
-    def _set_multiplier(self, grad: Tensor) -> None:
-        self.multiplier = grad.detach()
+            def set_multiplier(grad: Tensor) -> None:
+                call = ref()
+                if call is not None:
+                    call.multiplier = grad.detach()
+
+            self.output.register_hook(set_multiplier)
 
     def ignored(self) -> int:
         """How many targets equal ``ignore_index`` (0 unless a mean CE/NLL loss)."""
