@@ -81,9 +81,16 @@ class Lens:
             ``step -> bool``. Untracked windows install no hook and cost nothing.
         exclude: parameter or module names not to track (added to those given to ``extend``).
         log: path of a JSONL file that receives one line per record (see
-            :func:`gradlens.load_log`).
+            :func:`gradlens.load_log`; by default a line holds summaries, see
+            :class:`gradlens.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
+            values written in full, ...).
+        log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default)
+            appends, and a Lens at step 0 continues counting from the step after the log's
+            last record; ``"append"`` appends and keeps this Lens's steps; ``"overwrite"``
+            starts a new log. An existing log is never truncated unless asked.
         tensorboard: a ``SummaryWriter`` or a log directory for TensorBoard scalars/histograms.
-        keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
+        keep_records: keep records in :attr:`records`: ``True`` all, ``False`` none, an int
+            ``n`` the last ``n`` (long runs: ``False`` or a small ``n`` with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
             gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer.
 
@@ -104,8 +111,9 @@ class Lens:
         exclude: Iterable[str] = (),
         log: str | os.PathLike | None = None,
         tensorboard: Any = None,
-        keep_records: bool = True,
+        keep_records: bool | int = True,
         chunk_elements: int = 1 << 20,
+        log_mode: str = "resume",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -130,6 +138,16 @@ class Lens:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if not isinstance(keep_records, (bool, int)) or (
+            not isinstance(keep_records, bool) and keep_records < 0
+        ):
+            raise ValueError(
+                f"keep_records must be True, False or an int >= 0 (keep the last n), got {keep_records!r}"
+            )
+        if log_mode not in ("resume", "append", "overwrite"):
+            raise ValueError(
+                f"log_mode must be 'resume', 'append' or 'overwrite', got {log_mode!r}"
             )
         if not isinstance(chunk_elements, int) or chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
@@ -174,7 +192,12 @@ class Lens:
         if log is not None:
             from gradlens.sinks import JsonlSink
 
-            self._sinks.append(JsonlSink(log))
+            sink = log if isinstance(log, JsonlSink) else JsonlSink(
+                log, mode="overwrite" if log_mode == "overwrite" else "append"
+            )
+            self._sinks.append(sink)
+            if log_mode == "resume" and sink.next_step is not None:
+                self.step = sink.next_step
         if tensorboard is not None:
             from gradlens.sinks import TensorBoardSink
 
@@ -246,8 +269,10 @@ class Lens:
             deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
             for i in self.instruments:
                 i.end_window(self._states[id(i)])
-            if self.keep_records:
+            if self.keep_records is True or self.keep_records > 0:
                 self.records.append(record)
+                if self.keep_records is not True and len(self.records) > self.keep_records:
+                    del self.records[: len(self.records) - self.keep_records]
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
                 self._pending = (record, deferring)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,3 +66,100 @@ def test_no_graph_or_layer_tensor_outlives_its_micro_step():
     lens.close()
     gc.collect()
     assert sum(r() is not None for r in refs) <= 4  # at most the last loss call's tensors
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def _resnet18_shapes() -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of torchvision's resnet18 (11.7 M parameters)."""
+    shapes = {"conv1.weight": (64, 3, 7, 7), "bn1.weight": (64,), "bn1.bias": (64,)}
+    cin = 64
+    for li, cout in enumerate((64, 128, 256, 512), start=1):
+        for b in range(2):
+            p = f"layer{li}.{b}"
+            first_in = cin if b == 0 else cout
+            shapes[f"{p}.conv1.weight"] = (cout, first_in, 3, 3)
+            shapes[f"{p}.conv2.weight"] = (cout, cout, 3, 3)
+            for bn in ("bn1", "bn2"):
+                shapes[f"{p}.{bn}.weight"] = shapes[f"{p}.{bn}.bias"] = (cout,)
+            if b == 0 and cin != cout:
+                shapes[f"{p}.downsample.0.weight"] = (cout, cin, 1, 1)
+                shapes[f"{p}.downsample.1.weight"] = shapes[f"{p}.downsample.1.bias"] = (cout,)
+        cin = cout
+    shapes["fc.weight"], shapes["fc.bias"] = (1000, 512), (1000,)
+    return shapes
+
+
+def test_resnet18_sized_record_is_small_by_default_and_full_where_asked(tmp_path):
+    from gradlens.records import Hist1d, Record
+    from gradlens.sinks import JsonlSink, load_log
+
+    shapes = _resnet18_shapes()
+    assert 11_600_000 < sum(torch.Size(s).numel() for s in shapes.values()) < 11_700_000
+    gen = torch.Generator().manual_seed(0)
+    values = {
+        "loss": 2.3,
+        "batch_l2": torch.rand(128, dtype=torch.float64, generator=gen),
+        "sum_grad_squared": {k: torch.rand(s, generator=gen) for k, s in shapes.items()},
+        "grad_norm": 0.7,
+        "norm_test": 1.2,
+        "grad_hist_1d": Hist1d(torch.arange(100), torch.linspace(-1, 1, 101, dtype=torch.float64)),
+    }
+    record = Record(0, 128, 4, values)
+    path = tmp_path / "run.jsonl"
+    with JsonlSink(path) as sink:
+        sink.write(record)
+    assert path.stat().st_size < 200_000, path.stat().st_size
+    (back,) = load_log(path)
+    assert back["sum_grad_squared"]["fc.weight"].shape == (1000, 512)
+    path2 = tmp_path / "full.jsonl"
+    with JsonlSink(path2, full=["sum_grad_squared"]) as sink:
+        sink.write(record)
+    assert path2.stat().st_size < 200_000
+    (back,) = load_log(path2)
+    assert back == record
+
+
+def _train(lens_kwargs, windows, model_seed=0, start_window=0):
+    torch.manual_seed(model_seed)
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)))
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lens = Lens(model, [BatchL2(), GradNorm(), SumGradSquared()], optimizer=opt, **lens_kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for w in range(windows):
+        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    lens.close()
+    return lens
+
+
+def test_lens_log_resumes_and_never_truncates(tmp_path):
+    from gradlens.sinks import load_log
+
+    path = tmp_path / "run.jsonl"
+    _train({"log": path}, 10)
+    assert [r.step for r in load_log(path)] == list(range(10))
+    lens = _train({"log": path}, 3)  # a restarted run: appended, steps continue
+    assert [r.step for r in lens.records] == [10, 11, 12]
+    assert [r.step for r in load_log(path)] == list(range(13))
+    _train({"log": path, "log_mode": "append"}, 1)  # append, the Lens's own steps
+    assert [r.step for r in load_log(path)] == list(range(13)) + [0]
+    _train({"log": path, "log_mode": "overwrite"}, 2)  # only when asked
+    assert [r.step for r in load_log(path)] == [0, 1]
+    with pytest.raises(ValueError, match="log_mode must be 'resume', 'append' or 'overwrite'"):
+        _train({"log": path, "log_mode": "w"}, 1)
+
+
+def test_keep_records_int_keeps_the_last_n():
+    assert [r.step for r in _train({"keep_records": 3}, 7).records] == [4, 5, 6]
+    assert len(_train({"keep_records": True}, 4).records) == 4
+    assert _train({"keep_records": False}, 4).records == []
+    assert _train({"keep_records": 0}, 2).records == []
+    with pytest.raises(ValueError, match=r"keep_records must be True, False or an int >= 0"):
+        _train({"keep_records": -1}, 1)
