@@ -31,6 +31,8 @@ from gradlens.records import Record
 
 __all__ = ["Lens"]
 
+_LENS_STATE_VERSION = 1
+
 
 @dataclass
 class _MicroStep:
@@ -529,16 +531,147 @@ class Lens:
         l2 = l2.double()
         micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
 
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this Lens in a fresh process, exactly.
+
+        Holds the window index ``step`` (the schedule's position), ``skipped_windows``, each
+        instrument's own state between windows (adaptive histogram ranges, Alpha's last update
+        direction), the pending record (Alpha's record waits for the next window) and, when
+        saved mid-window, the partial window itself (the sums, per-sample norms, histogram counts
+        and factors of the micro-steps captured so far). Save it together with the model's and
+        the optimizer's state dicts (a :class:`~gradlens.GradientAccumulateOptimizer` saves its
+        own partial window); a new Lens on the loaded model then gives the same records as the
+        run that was not interrupted.
+
+        Format: ``{"version", "step", "skipped_windows", "blob"}``; ``blob`` is a uint8 tensor
+        (a pickle in which parameters, watched layers and instruments are referred to by name or
+        position), so ``torch.save`` / ``torch.load(weights_only=True)`` carry it. Like any
+        pickle, load only checkpoints you trust.
+        """
+        import io
+        import pickle
+
+        ids = self._object_ids()
+        payload = {
+            "instruments": [
+                {k: v for k, v in vars(i).items() if k not in getattr(i, "_not_saved", ())}
+                for i in self.instruments
+            ],
+            "window": self._window,
+            "states": [self._states.get(id(i)) for i in self.instruments] if self._window else None,
+            "pending": None,
+        }
+        if self._pending is not None:
+            record, states = self._pending
+            payload["pending"] = (
+                record,
+                {n: states[id(i)] for n, i in enumerate(self.instruments) if id(i) in states},
+            )
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, obj):
+                return ids.get(id(obj))
+
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+        return {
+            "version": _LENS_STATE_VERSION,
+            "step": self.step,
+            "skipped_windows": self.skipped_windows,
+            "blob": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (of a Lens with the same instruments on the same
+        model). The records, the log lines and the pending record continue where the saved
+        Lens stopped.
+
+        Raises:
+            TypeError / ValueError: not a gradlens Lens state dict, another version, other
+                instruments, or parameters / layers this Lens does not track.
+        """
+        import io
+        import pickle
+
+        self._check_open()
+        if not isinstance(state_dict, dict) or "blob" not in state_dict:
+            raise TypeError(
+                "Lens.load_state_dict(state_dict=...) takes the dict from Lens.state_dict(), got "
+                f"{type(state_dict).__name__}"
+            )
+        if state_dict.get("version") != _LENS_STATE_VERSION:
+            raise ValueError(
+                f"Lens state_dict version {state_dict.get('version')!r}; this gradlens reads "
+                f"version {_LENS_STATE_VERSION}"
+            )
+        objs = {pid: obj for obj, pid in self._object_ids(by_pid=True)}
+
+        class _Unpickler(pickle.Unpickler):
+            def persistent_load(self, pid):
+                if pid not in objs:
+                    kind = {"p": "parameter", "w": "watched layer", "m": "module", "i": "instrument"}
+                    raise ValueError(
+                        f"the Lens state_dict refers to {kind.get(pid[0], pid[0])} {pid[1]!r}, "
+                        "which this Lens does not have; build it on the same model with the "
+                        "same instruments (in the same order) and exclusions"
+                    )
+                return objs[pid]
+
+        blob = state_dict["blob"].cpu().numpy().tobytes()
+        payload = _Unpickler(io.BytesIO(blob)).load()
+        saved = payload["instruments"]
+        if len(saved) != len(self.instruments):
+            raise ValueError(
+                f"the Lens state_dict has {len(saved)} instruments, this Lens {len(self.instruments)}; "
+                "create the Lens with the same instruments in the same order"
+            )
+        for inst, attrs in zip(self.instruments, saved):
+            inst.__dict__.update(attrs)
+        self.step = int(state_dict["step"])
+        self.skipped_windows = int(state_dict["skipped_windows"])
+        self._open_window()
+        if payload["window"] is not None:
+            if self._window is None:
+                raise ValueError(
+                    f"the Lens state_dict was saved inside tracked window {self.step}, which this "
+                    "Lens's schedule (every=...) does not track; use the same schedule"
+                )
+            self._window = payload["window"]
+            self._states = {id(i): st for i, st in zip(self.instruments, payload["states"])}
+        self._pending = None
+        if payload["pending"] is not None:
+            record, states = payload["pending"]
+            self._pending = (record, {id(self.instruments[n]): st for n, st in states.items()})
+
+    def _object_ids(self, by_pid: bool = False):
+        """Objects a saved state refers to by name: tracked parameters, watched layers, the
+        model's modules, the instruments and the buffer pools."""
+        pairs = [(self._pools, ("pools", ""))]
+        pairs += [(p, ("p", q)) for q, p in self._param_of.items()]
+        pairs += [(w, ("w", w.name)) for w in self.watched]
+        pairs += [(m, ("m", n)) for n, m in self.model.named_modules()]
+        pairs += [(i, ("i", str(n))) for n, i in enumerate(self.instruments)]
+        if by_pid:
+            return pairs
+        return {id(obj): pid for obj, pid in pairs}
+
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Lens was closed; create a new one")
 
-    def close(self) -> None:
-        """Remove every hook this Lens added and close its sinks (idempotent). Records stay."""
+    def close(self, write_pending: bool = True) -> None:
+        """Remove every hook this Lens added and close its sinks (idempotent). Records stay.
+
+        A pending record (Alpha waits for the next window) is written, marked as missing what
+        the next window would have given; ``write_pending=False`` drops it instead (stopping a
+        run that a Lens will resume from :meth:`state_dict`, which holds it)."""
         if self._closed:
             return
-        self._settle_pending("the Lens was closed before the next window closed")
+        if write_pending:
+            self._settle_pending("the Lens was closed before the next window closed")
+        self._pending = None
         self._closed = True
         self._tap.remove()
         for h in self._hooks:
