@@ -399,6 +399,9 @@ class Lens:
             key = id(inst)
             inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
             self._states[key] = inst.merge(self._states[key], micro.states[key])
+        note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
+        if note is not None:
+            note(b)  # its step(num_samples=...) must agree
 
     def _on_sentinel(self, name: str, module: nn.Module) -> None:
         micro = self._micro
