@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -99,8 +100,10 @@ class Lens:
     Attributes:
         records: the records so far (if ``keep_records``).
         step: index of the current window (number of windows closed so far).
-        skipped_windows: windows a :class:`~gradlens.GradientAccumulateOptimizer` ended without
-            an update (their statistics are dropped; no record).
+        skipped_windows: windows ended without an update (their statistics are dropped; no
+            record): reported by a :class:`~gradlens.GradientAccumulateOptimizer`, or, with a
+            plain ``torch.optim`` optimizer, seen when the window's gradients were cleared
+            without a step (a GradScaler skip); a warning says so.
     """
 
     def __init__(
@@ -292,6 +295,39 @@ class Lens:
             self.skipped_windows += 1
             self._open_window()
 
+    def _note_grads(self) -> None:
+        """Remember the ``p.grad`` objects after a micro-step (plain optimizers only)."""
+        if self.optimizer is not None and not hasattr(self.optimizer, "register_window_end_hook"):
+            self._grad_refs = {
+                q: weakref.ref(p.grad) for q, p in self._param_of.items() if p.grad is not None
+            }
+
+    def _drop_window_cleared_without_step(self) -> None:
+        """A plain ``torch.optim`` optimizer whose step was skipped (``GradScaler.step`` on
+        inf/nan does not call it) fires no hook; the user's ``zero_grad()`` then clears the
+        gradients the window accumulated. Seen at the next capture: every ``p.grad`` of the
+        window is gone or replaced, so that window was not applied. Drop it (no record,
+        ``skipped_windows += 1``) instead of merging it into the next. (Gradients cleared in
+        place, ``zero_grad(set_to_none=False)``, cannot be told from accumulation without a
+        device sync: keep the default ``set_to_none=True``.)"""
+        refs = getattr(self, "_grad_refs", None)
+        self._grad_refs = None
+        if not refs or self._window is None or not self._window.micro_steps:
+            return
+        for q, ref in refs.items():
+            g = self._param_of[q].grad
+            if g is not None and ref() is g:
+                return  # still accumulating into the same gradients
+        self.skipped_windows += 1
+        warnings.warn(
+            f"window {self.step} was dropped: the gradients it accumulated were cleared without "
+            "an optimizer step (e.g. GradScaler skipped the step on inf/nan); no record, "
+            f"lens.skipped_windows={self.skipped_windows}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._open_window()  # as for a window a GradientAccumulateOptimizer skipped
+
     def _settle_pending(self, reason: str | None) -> None:
         """Complete the pending record from the window now closing (``reason is None``) or
         mark what it lacks, then write it to the sinks."""
@@ -322,6 +358,7 @@ class Lens:
             return
         if self._micro is not None:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
+        self._drop_window_cleared_without_step()
         if reduction is None:
             if call is None:
                 raise RuntimeError(
@@ -380,6 +417,7 @@ class Lens:
                 "call loss.backward() inside the with-block"
             )
         self._fold(micro)
+        self._note_grads()
 
     def _fold(self, micro: _MicroStep) -> None:
         b = micro.batch_size

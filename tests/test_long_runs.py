@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -248,3 +249,45 @@ def test_lens_load_state_dict_refuses_another_lens(tmp_path):
         other.load_state_dict(sd)
     with pytest.raises(TypeError, match="takes the dict from Lens.state_dict"):
         other.load_state_dict({"step": 1})
+
+
+# --------------------------------------------------------------------------- GradScaler, plain optim
+
+
+def test_plain_optimizer_with_grad_scaler_skipped_window_is_dropped_not_merged():
+    """plain torch.optim + GradScaler: the window whose step was skipped on overflow leaves no
+    trace; the next record equals the float64 oracle of its own samples."""
+    from oracle import flat, per_sample_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
+    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    gen = torch.Generator().manual_seed(3)
+    for w in range(3):
+        x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 4, (8,), generator=gen)
+        G = flat(per_sample_grads(model, x, y))
+        for k, (xb, yb) in enumerate(zip(x.split([3, 5]), y.split([3, 5]))):
+            loss = loss_fn(model(xb), yb)
+            if w == 1 and k == 1:
+                loss = loss * float("inf")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with lens.capture():
+                    scaler.scale(loss).backward()  # the scaled loss: the Lens divides it out
+            dropped = [str(c.message) for c in caught if "was dropped" in str(c.message)]
+            assert len(dropped) == (w == 2 and k == 0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if w != 1:
+            rec = lens.records[-1]
+            assert (rec.num_samples, rec.micro_steps) == (8, 2)
+            torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=0)
+            assert rec["grad_norm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-10)
+    assert len(lens.records) == 2 and lens.skipped_windows == 1
+    assert [r.step for r in lens.records] == [0, 1]
