@@ -8,9 +8,9 @@ fires on real updates only); without one, call :meth:`Lens.flush` at the end of 
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -91,6 +91,10 @@ class Lens:
             appends, and a Lens at step 0 continues counting from the step after the log's
             last record; ``"append"`` appends and keeps this Lens's steps; ``"overwrite"``
             starts a new log. An existing log is never truncated unless asked.
+        grad_scaler: the ``torch.amp.GradScaler`` of a loop with a plain ``torch.optim``
+            optimizer: a window whose step it skipped (inf/nan) is then dropped, not merged
+            into the next (one ``get_scale()`` host read per tracked window). Not needed with
+            :class:`~gradlens.GradientAccumulateOptimizer`, which reports skipped windows.
         tensorboard: a ``SummaryWriter`` or a log directory for TensorBoard scalars/histograms.
         keep_records: keep records in :attr:`records`: ``True`` all, ``False`` none, an int
             ``n`` the last ``n`` (long runs: ``False`` or a small ``n`` with ``log``).
@@ -102,8 +106,8 @@ class Lens:
         step: index of the current window (number of windows closed so far).
         skipped_windows: windows ended without an update (their statistics are dropped; no
             record): reported by a :class:`~gradlens.GradientAccumulateOptimizer`, or, with a
-            plain ``torch.optim`` optimizer, seen when the window's gradients were cleared
-            without a step (a GradScaler skip); a warning says so.
+            plain ``torch.optim`` optimizer and ``grad_scaler=``, seen when the scaler skipped
+            the step (its scale fell); a warning says so.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class Lens:
         keep_records: bool | int = True,
         chunk_elements: int = 1 << 20,
         log_mode: str = "resume",
+        grad_scaler: Any = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -157,6 +162,12 @@ class Lens:
         if not isinstance(chunk_elements, int) or chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
 
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+            )
+        self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
+        self._scale_at_open: float | None = None
         self.model = model
         self.instruments = instruments
         self.optimizer = optimizer
@@ -236,6 +247,8 @@ class Lens:
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._tap.install()
+            if self.grad_scaler is not None:
+                self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
             self._window = None
             self._states = {}
@@ -271,6 +284,7 @@ class Lens:
             record = Record(self.step, window.num_samples, window.micro_steps, values)
             for i in self.instruments:
                 record.meta.update(i.meta(self._states[id(i)]))
+            self._warn_nonfinite(record)
             deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
             for i in self.instruments:
                 i.end_window(self._states[id(i)])
@@ -295,33 +309,42 @@ class Lens:
             self.skipped_windows += 1
             self._open_window()
 
-    def _note_grads(self) -> None:
-        """Remember the ``p.grad`` objects after a micro-step (plain optimizers only)."""
-        if self.optimizer is not None and not hasattr(self.optimizer, "register_window_end_hook"):
-            self._grad_refs = {
-                q: weakref.ref(p.grad) for q, p in self._param_of.items() if p.grad is not None
-            }
-
-    def _drop_window_cleared_without_step(self) -> None:
-        """A plain ``torch.optim`` optimizer whose step was skipped (``GradScaler.step`` on
-        inf/nan does not call it) fires no hook; the user's ``zero_grad()`` then clears the
-        gradients the window accumulated. Seen at the next capture: every ``p.grad`` of the
-        window is gone or replaced, so that window was not applied. Drop it (no record,
-        ``skipped_windows += 1``) instead of merging it into the next. (Gradients cleared in
-        place, ``zero_grad(set_to_none=False)``, cannot be told from accumulation without a
-        device sync: keep the default ``set_to_none=True``.)"""
-        refs = getattr(self, "_grad_refs", None)
-        self._grad_refs = None
-        if not refs or self._window is None or not self._window.micro_steps:
+    def _warn_nonfinite(self, record: Record) -> None:
+        """A record with inf/nan gradients behind a real update: with a plain optimizer and a
+        GradScaler that the Lens does not know, an earlier skipped window was merged here."""
+        if self.optimizer is None or hasattr(self.optimizer, "register_window_end_hook"):
             return
-        for q, ref in refs.items():
-            g = self._param_of[q].grad
-            if g is not None and ref() is g:
-                return  # still accumulating into the same gradients
+        if self.grad_scaler is not None:
+            return
+        gn, l2 = record.get("grad_norm"), record.get("batch_l2")
+        bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
+            isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
+        )
+        if bad:
+            warnings.warn(
+                f"the record of window {record.step} holds inf/nan per-sample gradients although "
+                "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
+                "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
+                "dropped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _drop_window_skipped_by_scaler(self) -> None:
+        """With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's
+        step on inf/nan (no hook fires) and ``scaler.update()`` lowers the scale. Seen at the
+        next capture through the public ``get_scale()``: the scale fell since the window
+        opened, so that window was not applied. Drop it (no record, ``skipped_windows += 1``,
+        a warning) instead of merging it into the next."""
+        scaler = self.grad_scaler
+        if scaler is None or self._window is None or not self._window.micro_steps:
+            return
+        if self._scale_at_open is None or not float(scaler.get_scale()) < self._scale_at_open:
+            return
         self.skipped_windows += 1
         warnings.warn(
-            f"window {self.step} was dropped: the gradients it accumulated were cleared without "
-            "an optimizer step (e.g. GradScaler skipped the step on inf/nan); no record, "
+            f"window {self.step} was dropped: the GradScaler skipped its optimizer step "
+            f"(inf/nan; the scale fell to {float(scaler.get_scale())}); no record, "
             f"lens.skipped_windows={self.skipped_windows}",
             RuntimeWarning,
             stacklevel=4,
@@ -358,7 +381,7 @@ class Lens:
             return
         if self._micro is not None:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
-        self._drop_window_cleared_without_step()
+        self._drop_window_skipped_by_scaler()
         if reduction is None:
             if call is None:
                 raise RuntimeError(
@@ -417,7 +440,6 @@ class Lens:
                 "call loss.backward() inside the with-block"
             )
         self._fold(micro)
-        self._note_grads()
 
     def _fold(self, micro: _MicroStep) -> None:
         b = micro.batch_size

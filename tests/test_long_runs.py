@@ -254,7 +254,8 @@ def test_lens_load_state_dict_refuses_another_lens(tmp_path):
 # --------------------------------------------------------------------------- GradScaler, plain optim
 
 
-def test_plain_optimizer_with_grad_scaler_skipped_window_is_dropped_not_merged():
+@pytest.mark.parametrize("tell_lens", [True, False])
+def test_plain_optimizer_with_grad_scaler_skipped_window_is_dropped_not_merged(tell_lens):
     """plain torch.optim + GradScaler: the window whose step was skipped on overflow leaves no
     trace; the next record equals the float64 oracle of its own samples."""
     from oracle import flat, per_sample_grads
@@ -265,7 +266,8 @@ def test_plain_optimizer_with_grad_scaler_skipped_window_is_dropped_not_merged()
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
-    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt,
+                grad_scaler=scaler if tell_lens else None)
     gen = torch.Generator().manual_seed(3)
     for w in range(3):
         x = torch.randn(8, 5, generator=gen, dtype=torch.float64)
@@ -280,14 +282,21 @@ def test_plain_optimizer_with_grad_scaler_skipped_window_is_dropped_not_merged()
                 with lens.capture():
                     scaler.scale(loss).backward()  # the scaled loss: the Lens divides it out
             dropped = [str(c.message) for c in caught if "was dropped" in str(c.message)]
-            assert len(dropped) == (w == 2 and k == 0)
-        scaler.step(opt)
+            assert len(dropped) == (w == 2 and k == 0 and tell_lens)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+        merged = [str(c.message) for c in caught if "pass Lens(..., grad_scaler=scaler)" in str(c.message)]
+        assert len(merged) == (w == 2 and not tell_lens)  # a clear message, never silence
         scaler.update()
         opt.zero_grad()
+        if not tell_lens:
+            continue
         if w != 1:
             rec = lens.records[-1]
             assert (rec.num_samples, rec.micro_steps) == (8, 2)
             torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=0)
             assert rec["grad_norm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-10)
-    assert len(lens.records) == 2 and lens.skipped_windows == 1
-    assert [r.step for r in lens.records] == [0, 1]
+    if tell_lens:
+        assert len(lens.records) == 2 and lens.skipped_windows == 1
+        assert [r.step for r in lens.records] == [0, 1]
