@@ -465,7 +465,8 @@ class Lens:
 
     def _on_sentinel(self, name: str, module: nn.Module) -> None:
         micro = self._micro
-        if micro is not None and module.training and micro.tainted_by is None:
+        mixes = module.training or getattr(module, "running_mean", 0) is None  # batch statistics
+        if micro is not None and mixes and micro.tainted_by is None:
             micro.tainted_by = name
 
     def _on_weight_grad(self, w: WatchedModule, grad: Tensor | None) -> None:
