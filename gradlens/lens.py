@@ -127,6 +127,7 @@ class Lens:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
+        model = getattr(model, "_orig_mod", model)  # torch.compile(model): watch the module itself
         if not is_extended(model):
             raise RuntimeError(
                 f"the model ({type(model).__name__}) was not extended; call "
@@ -228,6 +229,9 @@ class Lens:
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._micro: _MicroStep | None = None
         self._pending: tuple[Record, dict[int, Any]] | None = None
+        self._compile_probe = None  # a forward pre-hook of tracked windows: is the model compiled?
+        self._compiled_seen = False
+        self._compile_warned = False
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
@@ -247,12 +251,15 @@ class Lens:
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._tap.install()
+            if self._compile_probe is None:
+                self._compile_probe = self.model.register_forward_pre_hook(self._probe_compile)
             if self.grad_scaler is not None:
                 self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
             self._window = None
             self._states = {}
             self._tap.remove()
+            self._remove_compile_probe()
 
     def _on_pre_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
@@ -308,6 +315,28 @@ class Lens:
         if not updated:
             self.skipped_windows += 1
             self._open_window()
+
+    def _probe_compile(self, module, args) -> None:
+        if torch.compiler.is_compiling():
+            self._compiled_seen = True  # a plain attribute write: traced without a graph break
+
+    def _remove_compile_probe(self) -> None:
+        if self._compile_probe is not None:
+            self._compile_probe.remove()
+            self._compile_probe = None
+
+    def _warn_compiled(self) -> None:
+        if self._compiled_seen and not self._compile_warned:
+            self._compile_warned = True
+            warnings.warn(
+                "the model runs under torch.compile: in a tracked window gradlens hooks every "
+                "watched layer's output, and each hook is a graph break (a 3-layer MLP: 6), so "
+                "tracked windows run partly uncompiled and recompile when tracking starts or "
+                "stops; untracked windows install no hook and stay fully compiled. Track fewer "
+                "windows (Lens(..., every=k)) to keep the cost small. (Said once per Lens.)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _warn_nonfinite(self, record: Record) -> None:
         """A record with inf/nan gradients behind a real update: with a plain optimizer and a
@@ -382,6 +411,7 @@ class Lens:
         if self._micro is not None:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
         self._drop_window_skipped_by_scaler()
+        self._warn_compiled()
         if reduction is None:
             if call is None:
                 raise RuntimeError(
@@ -738,6 +768,7 @@ class Lens:
         self._pending = None
         self._closed = True
         self._tap.remove()
+        self._remove_compile_probe()
         for h in self._hooks:
             h.remove()
         self._hooks = []
