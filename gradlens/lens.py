@@ -59,6 +59,22 @@ class _MicroStep:
         return self._scale
 
 
+def _compile_probe(lens: "Lens"):
+    """A forward pre-hook of tracked windows that notes a compiled forward (a plain function
+    over a weak reference: deep-copying the model copies no Lens)."""
+    import weakref
+
+    ref = weakref.ref(lens)
+
+    def probe(module, args) -> None:
+        if torch.compiler.is_compiling():
+            owner = ref()
+            if owner is not None:
+                owner._compiled_seen = True  # an attribute write: traced without a graph break
+
+    return probe
+
+
 class Lens:
     """Per-sample gradient statistics of a model, one :class:`~gradlens.records.Record` per
     tracked window.
@@ -252,7 +268,7 @@ class Lens:
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._tap.install()
             if self._compile_probe is None:
-                self._compile_probe = self.model.register_forward_pre_hook(self._probe_compile)
+                self._compile_probe = self.model.register_forward_pre_hook(_compile_probe(self))
             if self.grad_scaler is not None:
                 self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
@@ -315,10 +331,6 @@ class Lens:
         if not updated:
             self.skipped_windows += 1
             self._open_window()
-
-    def _probe_compile(self, module, args) -> None:
-        if torch.compiler.is_compiling():
-            self._compiled_seen = True  # a plain attribute write: traced without a graph break
 
     def _remove_compile_probe(self) -> None:
         if self._compile_probe is not None:
