@@ -37,6 +37,7 @@ _LAZY = {
     "AccumBatchNorm2d": "gradlens.batchnorm",
     "AccumBatchNorm3d": "gradlens.batchnorm",
     "convert_accum_batchnorm": "gradlens.batchnorm",
+    "follow_optimizer": "gradlens.batchnorm",
 }
 _SUBMODULES = {"instruments", "plot", "cli", "records", "sinks", "capture", "lens", "registry", "kernels", "ops"}
 

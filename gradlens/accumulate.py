@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -30,7 +32,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel"]
+__all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
 _STATE_KEY = "gradlens_accumulate"
 _STATE_VERSION = 1
@@ -69,6 +71,41 @@ def _check_reduction(reduction: Any) -> str:
     return reduction
 
 
+@dataclass
+class AccumulationState:
+    """Everything a :class:`GradientAccumulateOptimizer` knows about its current window and
+    its history (optax ``MultiStepsState`` in spirit).
+
+    Attributes:
+        micro_step: micro-steps folded into the open window.
+        iterations: real updates so far.
+        skipped_windows: windows dropped (inf/nan under a GradScaler, or :meth:`reset`).
+        has_updated: whether the last ``step()``/``flush()`` made a real update.
+        weight: sum of the window's micro-step weights (``num_samples``, or 1 each).
+        weighted: whether the window's micro-steps gave ``num_samples`` (None: none yet).
+        via_scaler: whether they came through a GradScaler (None: none yet).
+        accumulators: parameter -> window sum ``[*param]`` (accumulation dtype).
+        folded: parameter -> (weak reference to the ``p.grad`` folded last, its version), to
+            tell a second ``step()`` or a missing ``zero_grad()`` from a fresh gradient.
+        noted_samples: the micro-batch size a Lens reported for the coming ``step()``.
+    """
+
+    micro_step: int = 0
+    iterations: int = 0
+    skipped_windows: int = 0
+    has_updated: bool = False
+    weight: float = 0.0
+    weighted: bool | None = None
+    via_scaler: bool | None = None
+    accumulators: dict = field(default_factory=dict)
+    folded: dict = field(default_factory=dict)
+    noted_samples: int | None = None
+
+    def reset_window(self) -> None:
+        self.micro_step, self.weight, self.weighted, self.via_scaler = 0, 0.0, None, None
+        self.accumulators = {}
+
+
 class GradientAccumulateOptimizer(Optimizer):
     """Wraps a ``torch.optim`` optimizer so that it updates once every ``accum_steps`` micro-steps.
 
@@ -94,19 +131,35 @@ class GradientAccumulateOptimizer(Optimizer):
     :meth:`register_window_end_hook` to see every window end.
 
     AMP: use the standard ``torch.amp.GradScaler`` loop unchanged, calling ``scaler.step`` and
-    ``scaler.update`` every micro-step. The wrapper declares ``_step_supports_amp_scaling``, so
-    the scaler hands it the scale and the inf flag instead of unscaling ``p.grad`` itself; the
-    wrapper folds ``grad_k * B_k / scale_k`` into its fp32 accumulators (the unscale is fused into
-    the accumulation, so the window gradient is unscaled even if the scale changed between
-    micro-steps), clips once per window on the unscaled gradient, and if any micro-step of the
-    window had an inf/nan it skips the whole window (``has_updated`` is False, the accumulators
-    are dropped, the next window starts clean).
+    ``scaler.update`` every micro-step, and give the scaler to the wrapper
+    (``grad_scaler=scaler``). The wrapper declares ``_step_supports_amp_scaling``, so the scaler
+    calls its ``step`` on *every* micro-step (also one with inf/nan) without unscaling ``p.grad``;
+    the wrapper reads the scale with the public ``scaler.get_scale()``, folds
+    ``grad_k * B_k / scale_k`` into its fp32 accumulators (the unscale is fused into the
+    accumulation, so the window gradient is unscaled even if the scale changed between
+    micro-steps), clips once per window on the unscaled gradient, and checks the accumulators
+    for inf/nan itself, once per window: a window with one skips the whole window
+    (``has_updated`` is False, the accumulators are dropped, the next window starts clean).
+    Without ``grad_scaler=``, the scale GradScaler attaches to the optimizer for this protocol
+    (``optimizer.grad_scale``) is used; that is read in one place only.
+
+    Misuse is an error, not a mis-weighted window: ``step()`` twice for one backward, a
+    backward on top of a gradient already folded (a forgotten ``zero_grad()``: clear the
+    gradients with ``opt.zero_grad()`` or ``set_to_none=True``), and, when a
+    :class:`~gradlens.Lens` reports the micro-batch it captured, a ``num_samples`` unlike it.
+
+    The window lives in one state object, :class:`AccumulationState` (``opt.accum_state``),
+    as optax's ``MultiSteps`` keeps ``MultiStepsState``; the wrapper implements the
+    ``torch.optim.Optimizer`` interface (``param_groups``, ``state``, ``state_dict``, step and
+    state-dict hooks) itself instead of re-creating ``Optimizer``'s private internals.
 
     Args:
         optimizer: the inner ``torch.optim.Optimizer``.
         accum_steps: micro-steps per real update, >= 1.
         reduction: ``"mean"`` or ``"sum"``, how the user's loss reduces over its micro-batch.
         accum_dtype: the minimum accumulator dtype (default float32).
+        grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.step(opt)`` drives this
+            wrapper (see AMP above).
         clip: ``clip(params) -> Any``, called once per window, before the inner step, with the list
             of parameters whose ``.grad`` holds the unscaled window gradient; it must modify those
             ``.grad`` in place. E.g. ``functools.partial(torch.nn.utils.clip_grad_norm_,
@@ -131,6 +184,7 @@ class GradientAccumulateOptimizer(Optimizer):
         reduction: str = "mean",
         accum_dtype: torch.dtype = torch.float32,
         clip: ClipFn | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         if isinstance(optimizer, GradientAccumulateOptimizer):
             raise TypeError(
@@ -151,34 +205,63 @@ class GradientAccumulateOptimizer(Optimizer):
                 f"clip must be a callable clip(params) that modifies p.grad in place, or None, "
                 f"got {type(clip).__name__}."
             )
-        # The torch.optim.Optimizer bookkeeping that its __init__ would set up, without letting it
-        # build param_groups of its own (those are the inner optimizer's).
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
-        self._window_end_hooks: OrderedDict[int, WindowEndHook] = OrderedDict()
-        self._warned_capturable_if_run_uncaptured = True
-        self._patch_step_function()  # sets the profiler names; `step` is marked hooked: no patch
-
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+            )
+        # Optimizer.__init__ is not called: param_groups and state are the inner optimizer's.
+        # The hooks live in the wrapper's own registries (public RemovableHandle objects).
+        self._hooks: dict[str, OrderedDict[int, Callable]] = {
+            k: OrderedDict()
+            for k in ("step_pre", "step_post", "sd_pre", "sd_post", "load_pre", "load_post", "window_end")
+        }
         self.optimizer = optimizer
         self.accum_steps = check_accum_steps(accum_steps)
         self.reduction = _check_reduction(reduction)
         self.accum_dtype = accum_dtype
         self.clip = clip
-        self.iterations = 0
-        self.has_updated = False
-        self.skipped_windows = 0
-        self._reset_window()
+        self.grad_scaler = grad_scaler
+        self.accum_state = AccumulationState()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # torch.optim.Optimizer wraps an unmarked `step` of every subclass so that hooks fire on
-        # each call; the wrapper fires them itself, on real updates only.
-        super().__init_subclass__(**kwargs)
-        if "step" in cls.__dict__:
-            cls.step.hooked = True  # type: ignore[attr-defined]
+    # ----------------------------------------------------------------- the state, as attributes
+    micro_step = property(lambda self: self.accum_state.micro_step)
+    iterations = property(lambda self: self.accum_state.iterations)
+    has_updated = property(lambda self: self.accum_state.has_updated)
+    skipped_windows = property(lambda self: self.accum_state.skipped_windows)
+
+    # ----------------------------------------------------------------- hooks (Optimizer's API)
+    def _register(self, kind: str, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        table = self._hooks[kind]
+        handle = RemovableHandle(table)
+        table[handle.id] = hook
+        if prepend:
+            table.move_to_end(handle.id, last=False)
+        return handle
+
+    def register_step_pre_hook(self, hook: Callable) -> RemovableHandle:  # type: ignore[override]
+        """``hook(optimizer, args, kwargs)`` right before each real update (see the class doc)."""
+        return self._register("step_pre", hook)
+
+    def register_step_post_hook(self, hook: Callable) -> RemovableHandle:  # type: ignore[override]
+        """``hook(optimizer, args, kwargs)`` right after each real update."""
+        return self._register("step_post", hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:  # type: ignore[override]
+        return self._register("sd_pre", hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:  # type: ignore[override]
+        return self._register("sd_post", hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:  # type: ignore[override]
+        return self._register("load_pre", hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:  # type: ignore[override]
+        return self._register("load_post", hook, prepend)
+
+    def note_micro_batch(self, num_samples: int) -> None:
+        """Told by a :class:`~gradlens.Lens` after it captured a micro-step of ``num_samples``
+        samples: the next :meth:`step`'s ``num_samples`` (if given) must equal it."""
+        self.accum_state.noted_samples = int(num_samples)
 
     # ----------------------------------------------------------------- delegation to the inner one
     @property
@@ -215,6 +298,7 @@ class GradientAccumulateOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` of every parameter; the window's accumulators are kept."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.accum_state.folded = {}  # the next step sees fresh gradients
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -232,19 +316,12 @@ class GradientAccumulateOptimizer(Optimizer):
     def _params(self) -> list[Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _reset_window(self) -> None:
-        self._accumulators: dict[Tensor, Tensor] = {}
-        self._weight = 0.0  # sum of num_samples (or of ones) folded into the window
-        self._weighted: bool | None = None  # whether this window's micro-steps gave num_samples
-        self._found_inf: Tensor | None = None  # GradScaler's inf flags, summed over micro-steps
-        self._via_scaler: bool | None = None  # whether this window's micro-steps came via a scaler
-        self.micro_step = 0
-
     def reset(self) -> None:
         """Drop the current window (accumulators and micro-step count) without updating."""
-        had_window = self.micro_step > 0
-        self._reset_window()
-        self.has_updated = False
+        st = self.accum_state
+        had_window = st.micro_step > 0
+        st.reset_window()
+        st.has_updated = False
         if had_window:
             self._fire_window_end(False)
 
@@ -256,13 +333,14 @@ class GradientAccumulateOptimizer(Optimizer):
         accumulator dtype (unscaled when a GradScaler is used), or None for a parameter that has
         received no gradient in this window. All None right after a real update.
         """
+        st = self.accum_state
         out: list[Tensor | None] = []
         for p in self._params():
-            acc = self._accumulators.get(p)
+            acc = st.accumulators.get(p)
             if acc is None:
                 out.append(None)
             elif self.reduction == "mean":
-                out.append(acc / self._weight)
+                out.append(acc / st.weight)
             else:
                 out.append(acc.clone())
         return out
@@ -284,66 +362,101 @@ class GradientAccumulateOptimizer(Optimizer):
             )
         return value
 
-    def _fold(self, weight: float, grad_scale: Tensor | None) -> None:
+    def _check_fresh(self) -> None:
+        """Raise if a ``p.grad`` was folded already (a second ``step()`` for one backward) or
+        was added to after being folded (a backward without ``zero_grad()`` in between)."""
+        folded = self.accum_state.folded
+        for p in self._params():
+            seen = folded.get(p)
+            if seen is None or p.grad is None or seen[0]() is not p.grad:
+                continue
+            if p.grad._version == seen[1]:
+                raise RuntimeError(
+                    "step() was called twice for one backward pass: this micro-step's gradient "
+                    "was folded into the window already; call step() once per loss.backward()"
+                )
+            raise RuntimeError(
+                "the gradient changed after it was folded into the window without zero_grad() "
+                "in between (a second backward accumulated into p.grad, so a micro-step would "
+                "count twice); call opt.zero_grad() after every opt.step() (clearing with "
+                "model.zero_grad(set_to_none=False) hides that from the wrapper: use "
+                "opt.zero_grad() or set_to_none=True)"
+            )
+
+    def _fold(self, weight: float, grad_scale: Tensor | float | None) -> None:
         """Add this micro-step's ``p.grad`` into the accumulators with the given weight."""
         mean = self.reduction == "mean"
+        st = self.accum_state
         for p in self._params():
             grad = p.grad
             if grad is None:
                 continue
+            st.folded[p] = (weakref.ref(grad), grad._version)
             if grad.is_sparse:
                 raise RuntimeError(
                     "GradientAccumulateOptimizer does not support sparse gradients; use a dense "
                     "embedding (sparse=False)."
                 )
-            acc = self._accumulators.get(p)
+            acc = st.accumulators.get(p)
             if acc is None:
                 dtype = torch.promote_types(self.accum_dtype, p.dtype)
                 acc = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                self._accumulators[p] = acc
+                st.accumulators[p] = acc
             grad = grad.detach()
             if grad_scale is None:
                 acc.add_(grad, alpha=weight if mean else 1.0)
-            else:
+            elif isinstance(grad_scale, Tensor):
                 factor = (weight if mean else 1.0) / grad_scale.to(device=acc.device, dtype=acc.dtype)
                 acc.addcmul_(grad, factor)
+            else:
+                acc.add_(grad, alpha=(weight if mean else 1.0) / grad_scale)
 
     def _fire_window_end(self, updated: bool) -> None:
-        for hook in list(self._window_end_hooks.values()):
+        for hook in list(self._hooks["window_end"].values()):
             hook(self, updated)
+
+    def _window_finite(self) -> bool:
+        """Whether every accumulator is finite (one device sync per window, scaler only)."""
+        accs = list(self.accum_state.accumulators.values())
+        if not accs:
+            return True
+        return bool(torch.stack([torch.isfinite(a).all() for a in accs]).all())
 
     def _close_window(self) -> bool:
         """Write the window gradient into ``p.grad``, clip, and run the inner step once."""
-        if self._found_inf is not None and bool(self._found_inf):  # one sync per window
-            self._reset_window()
-            self.has_updated = False
-            self.skipped_windows += 1
+        st = self.accum_state
+        if st.via_scaler and not self._window_finite():
+            st.reset_window()
+            st.has_updated = False
+            st.skipped_windows += 1
             self._fire_window_end(False)
             return False
 
         params = []
         for p in self._params():
-            acc = self._accumulators.get(p)
+            acc = st.accumulators.get(p)
             if acc is None:
                 continue
-            window_grad = acc.div_(self._weight) if self.reduction == "mean" else acc
+            window_grad = acc.div_(st.weight) if self.reduction == "mean" else acc
             if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
                 p.grad.copy_(window_grad)  # in place: keeps DDP bucket views valid
             else:
                 p.grad = window_grad.to(p.dtype)
             params.append(p)
-        self._reset_window()
+        st.reset_window()
 
         if self.clip is not None:
             self.clip(params)
-        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+        for pre_hook in list(self._hooks["step_pre"].values()):
             pre_hook(self, (self,), {})
         self.optimizer.step()
-        self.iterations += 1
-        self.has_updated = True
-        for post_hook in list(self._optimizer_step_post_hooks.values()):
+        st.iterations += 1
+        st.has_updated = True
+        for post_hook in list(self._hooks["step_post"].values()):
             post_hook(self, (self,), {})
         self._fire_window_end(True)
+        # p.grad now holds the window gradient the wrapper wrote: not a micro-step's gradient
+        st.folded = {p: (weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None}
         return True
 
     @torch.no_grad()
@@ -363,12 +476,20 @@ class GradientAccumulateOptimizer(Optimizer):
         Returns:
             The closure's return value, or None. ``has_updated`` says whether this call updated.
         """
+        st = self.accum_state
         weight = self._check_num_samples(num_samples)
+        noted, st.noted_samples = st.noted_samples, None
+        if weight is not None and noted is not None and weight != noted:
+            raise ValueError(
+                f"step(num_samples={num_samples!r}) but the Lens captured a micro-batch of "
+                f"{noted} samples for this micro-step; pass num_samples=len(x) of the micro-batch "
+                "that was backpropagated (the window is weighted by it)"
+            )
         weighted = weight is not None
-        if self._weighted is not None and self._weighted != weighted:
+        if st.weighted is not None and st.weighted != weighted:
             raise ValueError(
                 f"num_samples={num_samples!r} but the earlier micro-steps of this window "
-                f"{'gave' if self._weighted else 'did not give'} num_samples; give it on every "
+                f"{'gave' if st.weighted else 'did not give'} num_samples; give it on every "
                 f"micro-step of a window or on none."
             )
         loss = None
@@ -376,10 +497,9 @@ class GradientAccumulateOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
-        found_inf = getattr(self, "found_inf", None)
-        via_scaler = found_inf is not None
-        if self._via_scaler is not None and self._via_scaler != via_scaler:
+        grad_scale = self._current_scale()
+        via_scaler = grad_scale is not None
+        if st.via_scaler is not None and st.via_scaler != via_scaler:
             raise RuntimeError(
                 "this micro-step came "
                 + ("through scaler.step(opt)" if via_scaler else "through opt.step()")
@@ -387,25 +507,32 @@ class GradientAccumulateOptimizer(Optimizer):
                 "scaler.step(opt) and scaler.update() on every micro-step (the scaled gradients "
                 "of every micro-step must be unscaled before they are summed)."
             )
-        if found_inf is not None:
-            found_inf = found_inf.detach().float()
-            self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
-
-        self._weighted = weighted
-        self._via_scaler = via_scaler
+        self._check_fresh()
+        st.weighted = weighted
+        st.via_scaler = via_scaler
         w = weight if weighted else 1.0
         for hook in list(getattr(self, "_micro_step_hooks", {}).values()):
             hook(self, num_samples)  # p.grad: this micro-step's gradient, not yet folded
         self._fold(w, grad_scale)
-        self._weight += w
-        self.micro_step += 1
-        if self.micro_step >= self.accum_steps:
+        st.weight += w
+        st.micro_step += 1
+        if st.micro_step >= self.accum_steps:
             self._close_window()
         else:
-            self.has_updated = False
+            st.has_updated = False
         return loss
 
-    step.hooked = True  # type: ignore[attr-defined]  # see Optimizer._patch_step_function
+    def _current_scale(self) -> Tensor | float | None:
+        """The GradScaler scale of this micro-step's gradients, or None outside a scaler.
+
+        ``scaler.step(opt)`` calls this wrapper's ``step`` (``_step_supports_amp_scaling``)
+        with ``p.grad`` still scaled. With ``grad_scaler=`` the scale comes from the public
+        ``get_scale()``; otherwise from the ``grad_scale`` tensor GradScaler attaches to such
+        optimizers during the call (its protocol for them; read here only). Inf/nan are
+        detected by the wrapper itself (:meth:`_window_finite`), never read from the scaler."""
+        if self.grad_scaler is not None:  # every micro-step goes through scaler.step(opt)
+            return float(self.grad_scaler.get_scale()) if self.grad_scaler.is_enabled() else None
+        return getattr(self, "grad_scale", None)
 
     @torch.no_grad()
     def flush(self) -> bool:
@@ -418,7 +545,7 @@ class GradientAccumulateOptimizer(Optimizer):
             Whether a real update happened (also in ``has_updated``).
         """
         if self.micro_step == 0:
-            self.has_updated = False
+            self.accum_state.has_updated = False
             return False
         return self._close_window()
 
@@ -428,9 +555,7 @@ class GradientAccumulateOptimizer(Optimizer):
         ``updated`` is True after a real update (after the step post-hooks), False when the
         window was skipped (GradScaler inf/nan) or dropped by :meth:`reset`.
         """
-        handle = RemovableHandle(self._window_end_hooks)
-        self._window_end_hooks[handle.id] = hook
-        return handle
+        return self._register("window_end", hook)
 
     def register_micro_step_hook(self, hook: MicroStepHook) -> RemovableHandle:
         """Register ``hook(optimizer, num_samples)``, called by every :meth:`step` right before
@@ -448,7 +573,7 @@ class GradientAccumulateOptimizer(Optimizer):
         """The window's running, unnormalised sum for parameter ``p`` (``sum_k w_k grad_k /
         scale_k``, w_k = num_samples under "mean", 1 under "sum"; the accumulator itself, not a
         copy: read it, do not modify it), or None before ``p`` received a gradient."""
-        return self._accumulators.get(p)
+        return self.accum_state.accumulators.get(p)
 
     # ---------------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -457,29 +582,29 @@ class GradientAccumulateOptimizer(Optimizer):
         The section holds the counters, the window's weight and its accumulators keyed by the
         parameter's flat index in ``param_groups`` order (tensors, not copied).
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+        for pre_hook in list(self._hooks["sd_pre"].values()):
             pre_hook(self)
         inner = self.optimizer.state_dict()
         params = self._params()
+        st = self.accum_state
         section = {
             "version": _STATE_VERSION,
             "accum_steps": self.accum_steps,
             "reduction": self.reduction,
-            "micro_step": self.micro_step,
-            "iterations": self.iterations,
-            "skipped_windows": self.skipped_windows,
-            "has_updated": self.has_updated,
-            "weight": self._weight,
-            "weighted": self._weighted,
-            "found_inf": self._found_inf,
-            "via_scaler": self._via_scaler,
+            "micro_step": st.micro_step,
+            "iterations": st.iterations,
+            "skipped_windows": st.skipped_windows,
+            "has_updated": st.has_updated,
+            "weight": st.weight,
+            "weighted": st.weighted,
+            "via_scaler": st.via_scaler,
             "accumulators": {
-                i: self._accumulators[p] for i, p in enumerate(params) if p in self._accumulators
+                i: st.accumulators[p] for i, p in enumerate(params) if p in st.accumulators
             },
         }
         out = dict(inner)
         out[_STATE_KEY] = section
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
+        for post_hook in list(self._hooks["sd_post"].values()):
             result = post_hook(self, out)
             if result is not None:
                 out = result
@@ -501,7 +626,7 @@ class GradientAccumulateOptimizer(Optimizer):
                 f"state_dict must be a dict from GradientAccumulateOptimizer.state_dict(), got "
                 f"{type(state_dict).__name__}."
             )
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+        for pre_hook in list(self._hooks["load_pre"].values()):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -540,23 +665,17 @@ class GradientAccumulateOptimizer(Optimizer):
                 dtype = torch.promote_types(self.accum_dtype, p.dtype)
                 accumulators[p] = acc.detach().to(device=p.device, dtype=dtype, copy=True)
         self.optimizer.load_state_dict(inner)
-        self._reset_window()
-        if section is None:
-            self.iterations = 0
-            self.skipped_windows = 0
-            self.has_updated = False
-        else:
-            self._accumulators = accumulators
-            self.micro_step = int(section["micro_step"])
-            self.iterations = int(section["iterations"])
-            self.skipped_windows = int(section.get("skipped_windows", 0))
-            self.has_updated = bool(section["has_updated"])
-            self._weight = float(section["weight"])
-            self._weighted = section["weighted"]
-            found_inf = section.get("found_inf")
-            self._found_inf = None if found_inf is None else found_inf.detach().clone()
-            self._via_scaler = section.get("via_scaler")
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+        st = self.accum_state = AccumulationState()
+        if section is not None:
+            st.accumulators = accumulators
+            st.micro_step = int(section["micro_step"])
+            st.iterations = int(section["iterations"])
+            st.skipped_windows = int(section.get("skipped_windows", 0))
+            st.has_updated = bool(section["has_updated"])
+            st.weight = float(section["weight"])
+            st.weighted = section["weighted"]
+            st.via_scaler = section.get("via_scaler")
+        for post_hook in list(self._hooks["load_post"].values()):
             post_hook(self)
 
 

@@ -13,7 +13,21 @@ micro-batches the running statistics equal those of ``nn.BatchNorm`` run once on
 concatenated batch. (Averaging the micro-batch variances instead drops the between-micro-batch
 term and underestimates the variance.)
 
-A window ends after ``accum_steps`` training-mode forwards (every training forward counts, also
+**Windows from the optimizer (recommended).** :func:`follow_optimizer` (or
+``convert_accum_batchnorm(model, optimizer=opt)``) registers the BatchNorms with a
+:class:`~gradlens.GradientAccumulateOptimizer`: the running statistics are updated when the
+optimizer really updates and dropped when it ends a window without an update (a GradScaler
+inf/nan, ``opt.reset()``), so ``accum_steps`` is given once, to the optimizer, and a skipped
+window never reaches the running statistics.
+
+**Masks.** ``forward(input, mask)`` takes a mask like Keras' ``AccumBatchNormalization.call(inputs,
+training, mask)``: ``mask`` is ``[B, *spatial]`` (e.g. ``[B, L]`` for ``[B, C, L]`` padded
+sequences, ``[B]`` for ``[B, C]``), true at the positions that count. In training, the micro-batch
+statistics and the window's pooled statistics use the unmasked positions only (every position of
+the output is normalised with them); evaluation ignores the mask. A masked training forward reads
+its valid count on the host (one sync).
+
+Standalone, a window ends after ``accum_steps`` training-mode forwards (every training forward counts, also
 under ``torch.no_grad()``), or when :meth:`flush` is called (a partial window, e.g. at the end of
 an epoch: use :func:`flush_accum_batchnorm` on the model next to
 ``GradientAccumulateOptimizer.flush()``). Evaluation mode behaves exactly like ``nn.BatchNorm``
@@ -38,6 +52,7 @@ __all__ = [
     "AccumBatchNorm3d",
     "convert_accum_batchnorm",
     "flush_accum_batchnorm",
+    "follow_optimizer",
 ]
 
 _WINDOW_BUFFERS = ("window_mean", "window_var", "window_count", "window_steps")
@@ -82,6 +97,7 @@ class _AccumBatchNormMixin:
 
     def _init_window(self, accum_steps: int) -> None:
         self.accum_steps = _check_accum_steps(accum_steps)
+        self.follows_optimizer = False  # set by follow_optimizer: windows end with the optimizer
         self._count = 0  # Python mirrors of window_count / window_steps: no device sync per step
         self._steps = 0
         if self.track_running_stats:
@@ -99,8 +115,11 @@ class _AccumBatchNormMixin:
         """Whether training forwards have been folded into a window not yet applied."""
         return self._steps > 0
 
-    def forward(self, input: Tensor) -> Tensor:
-        """``[B, C, *spatial]`` -> same shape. Training: micro-batch statistics; see module doc."""
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``[B, C, *spatial]`` -> same shape. Training: micro-batch statistics (over the
+        positions where ``mask [B, *spatial]`` is true, if given); see the module doc."""
+        if mask is not None and self.training:
+            return self._masked_forward(input, mask)
         if not (self.training and self.track_running_stats):
             return super().forward(input)
         self._check_input_dim(input)
@@ -119,8 +138,38 @@ class _AccumBatchNormMixin:
             input, batch_mean, batch_var, self.weight, self.bias, True, 1.0, self.eps
         )
         self._fold(batch_mean, batch_var, count)
-        if self._steps >= self.accum_steps:
+        if self._steps >= self.accum_steps and not self.follows_optimizer:
             self.flush()
+        return out
+
+    def _masked_forward(self, input: Tensor, mask: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        spatial = (input.shape[0], *input.shape[2:])
+        if not isinstance(mask, Tensor) or tuple(mask.shape) != spatial:
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(
+                f"mask must be a tensor of shape {spatial} ([B, *spatial] of the input "
+                f"{tuple(input.shape)}: true where a position counts), got {got}"
+            )
+        m = mask.to(dtype=input.dtype).unsqueeze(1)  # [B, 1, *spatial]
+        dims = [0] + list(range(2, input.dim()))
+        count = int(mask.sum())  # one sync: the pooled statistics need the count
+        if count <= 1:
+            raise ValueError(
+                f"the mask leaves {count} position(s) per channel; training statistics need more "
+                "than 1 (skip the forward of a micro-batch that is all padding)"
+            )
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        mean = (input * m).sum(dims) / count
+        centred = input - mean.view(shape)
+        var = (centred.square() * m).sum(dims) / count  # biased, as nn.BatchNorm normalises
+        out = centred * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        if self.track_running_stats:
+            self._fold(mean.detach(), var.detach() * (count / (count - 1)), count)
+            if self._steps >= self.accum_steps and not self.follows_optimizer:
+                self.flush()
         return out
 
     @torch.no_grad()
@@ -289,8 +338,53 @@ def _convert_one(bn: _BatchNorm, accum_steps: int) -> nn.Module:
     return new
 
 
-def convert_accum_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
+def follow_optimizer(module: nn.Module, optimizer: Any) -> Any:
+    """Let every ``AccumBatchNorm`` in ``module`` take its windows from ``optimizer``.
+
+    ``optimizer`` is a :class:`~gradlens.GradientAccumulateOptimizer`: when it ends a window
+    with a real update the BatchNorms apply their pooled statistics (:meth:`flush`), when it
+    ends one without (GradScaler inf/nan, ``reset()``) they drop it (``reset_window``). Their
+    own ``accum_steps`` is then not used. Returns the hook's handle (``.remove()`` detaches).
+
+    Raises:
+        TypeError: ``optimizer`` has no ``register_window_end_hook`` (a plain ``torch.optim``
+            optimizer: wrap it in ``GradientAccumulateOptimizer``, or call
+            :func:`flush_accum_batchnorm` after each ``step()`` yourself).
+        ValueError: ``module`` has no AccumBatchNorm.
+    """
+    if not callable(getattr(optimizer, "register_window_end_hook", None)):
+        raise TypeError(
+            f"follow_optimizer needs a GradientAccumulateOptimizer (it reports every window end, "
+            f"also skipped ones), got {type(optimizer).__name__}; wrap it: "
+            "GradientAccumulateOptimizer(opt, accum_steps=K)"
+        )
+    layers = [m for m in module.modules() if isinstance(m, _AccumBatchNormMixin)]
+    if not layers:
+        raise ValueError(
+            "the module has no AccumBatchNorm layer; convert it first: "
+            "convert_accum_batchnorm(model, optimizer=opt)"
+        )
+    for m in layers:
+        m.follows_optimizer = True
+
+    def on_window_end(opt: Any, updated: bool) -> None:
+        for m in layers:
+            if updated:
+                m.flush()
+            else:
+                m.reset_window()
+
+    return optimizer.register_window_end_hook(on_window_end)
+
+
+def convert_accum_batchnorm(
+    module: nn.Module, accum_steps: int | None = None, *, optimizer: Any = None
+) -> nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its ``AccumBatchNorm`` counterpart.
+
+    With ``optimizer=`` (a :class:`~gradlens.GradientAccumulateOptimizer`) the layers take
+    their windows from it (:func:`follow_optimizer`) and ``accum_steps`` is read from it
+    (give it once, to the optimizer).
 
     Weight, bias, running statistics, ``num_batches_tracked``, eps, momentum and the training
     flag are kept (the same tensors are reused). Existing ``AccumBatchNorm`` modules get the new
@@ -300,6 +394,23 @@ def convert_accum_batchnorm(module: nn.Module, accum_steps: int) -> nn.Module:
     Raises:
         TypeError: for other ``_BatchNorm`` subclasses (e.g. ``SyncBatchNorm``).
     """
+    if optimizer is not None:
+        opt_steps = getattr(optimizer, "accum_steps", None)
+        if accum_steps is not None and accum_steps != opt_steps:
+            raise ValueError(
+                f"accum_steps={accum_steps!r} but the optimizer has accum_steps={opt_steps!r}; "
+                "give accum_steps once, to the optimizer (convert_accum_batchnorm(model, optimizer=opt))"
+            )
+        follow_optimizer_check = getattr(optimizer, "register_window_end_hook", None)
+        if not callable(follow_optimizer_check):
+            follow_optimizer(module, optimizer)  # raises the TypeError that names the fix
+        converted = convert_accum_batchnorm(module, opt_steps)
+        follow_optimizer(converted, optimizer)
+        return converted
+    if accum_steps is None:
+        raise TypeError(
+            "convert_accum_batchnorm needs accum_steps=K or optimizer=GradientAccumulateOptimizer(...)"
+        )
     accum_steps = _check_accum_steps(accum_steps)
     if isinstance(module, _BatchNorm):
         return _convert_one(module, accum_steps)

@@ -490,8 +490,11 @@ class Tap:
         for mod in root.modules():
             entry = self.sites.get(id(mod))
             site_mod = entry is not None
-            self._handles.append(mod.register_forward_pre_hook(self._pre(mod, site_mod)))
+            pre = self._pre(mod, site_mod)
             post = self._site_post(mod, entry[1]) if site_mod else (lambda m, a, o: tap._post(m, a, o))
+            if mod is not root:  # a submodule called on its own (not through the model) is a root
+                pre, post = self._as_root(pre, post)
+            self._handles.append(mod.register_forward_pre_hook(pre))
             self._handles.append(mod.register_forward_hook(post, always_call=True))
             fwd = forward_for(mod)
             if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
@@ -557,6 +560,27 @@ class Tap:
             return None
 
         return pre
+
+    def _as_root(self, pre, post):
+        """Hooks of a submodule that also open the tracked forward when it is called directly
+        (``model.encoder(x)``), not inside the model's own forward."""
+        entered: list[bool] = []
+
+        def pre_(module, args):
+            first = self._mode_depth == 0 and torch.is_grad_enabled() and not _in_functorch()
+            entered.append(first)
+            if first:
+                self._root_pre(module, args, {})
+            return pre(module, args)
+
+        def post_(module, args, output):
+            try:
+                return post(module, args, output)
+            finally:
+                if entered and entered.pop():
+                    self._root_post(module, args, output)
+
+        return pre_, post_
 
     def _post(self, module, args, output):
         if len(self._stack) > 1:

@@ -311,6 +311,7 @@ def train_demo(
         optimizer=optimizer,
         every=1,
         log=log_path,
+        log_mode="overwrite",  # a new demo run replaces the old demo log
     )
 
     generator = torch.Generator().manual_seed(seed)

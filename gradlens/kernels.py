@@ -45,7 +45,10 @@ everything from materialised slices, chunked by :func:`sample_chunks`):
 Linear layers use the factor identities of docs/design.md (no ``[B, *param]`` tensor). Conv2d uses
 unfold + bmm, Embedding a scatter of the output gradients; layers without a gradlens kernel
 (Conv1d/3d, transposed and grouped convolutions) use BackPACK's derivatives (``param_mjp`` with
-``sum_batch=False``).
+``sum_batch=False``), except where BackPACK is wrong or fails: string padding (``"same"``,
+``"valid"``) and ``output_padding > 0`` go through :class:`VmapConvKernel` (``torch.func.vmap``
+over samples of the one convolution's weight VJP: exact for every stride, dilation, group and
+padding). Conv2d's unfold kernel takes string padding as explicit, possibly asymmetric, pads.
 
 One chunking rule: whatever materialises per-sample slices takes ``b`` samples at a time with
 ``b * numel_per_sample <= budget`` (:func:`sample_chunks`, default budget
@@ -532,14 +535,71 @@ class _ConvMaths:
         return (ud * va).sum(2)
 
 
+def _explicit_padding(module: nn.Module, a: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """``(input, padding)`` with integer padding for a Conv whose ``padding`` may be
+    ``"valid"`` or ``"same"``: "same" pads ``d * (k - 1)`` per spatial dim, the extra element
+    (odd total) on the right/bottom as ``F.conv*d`` does; asymmetric pads are applied to the
+    input and the returned padding is 0 there."""
+    pad = module.padding
+    nd = len(module.kernel_size)
+    if not isinstance(pad, str):
+        return a, tuple(pad)
+    if pad == "valid":
+        return a, (0,) * nd
+    totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+    if all(t % 2 == 0 for t in totals):
+        return a, tuple(t // 2 for t in totals)
+    pads: list[int] = []  # F.pad order: last dim first, (left, right)
+    for t in reversed(totals):
+        pads += [t // 2, t - t // 2]
+    return F.pad(a, pads), (0,) * nd
+
+
+class VmapConvKernel(Kernel):
+    """Any ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` (every padding, stride, dilation,
+    group, ``output_padding``): g_n of the weight is the VJP of this one convolution at sample
+    n, for all samples at once with ``torch.func.vmap``; the bias gradient is delta summed over
+    the spatial positions. ``[b, *param]`` per slice, in per-sample units."""
+
+    def per_sample(self, module, a, delta, start, stop, attrs=None):
+        from torch.func import vjp, vmap
+
+        names = self.params(module) if attrs is None else attrs
+        x, d = a[start:stop], delta[start:stop]
+        out = {}
+        if "weight" in names:
+            transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+            nd = len(module.kernel_size)
+
+            def conv(xi: Tensor, w: Tensor) -> Tensor:
+                if transposed:
+                    fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+                    return fn(xi, w, None, module.stride, module.padding, module.output_padding,
+                              module.groups, module.dilation)
+                fn = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+                return fn(xi, w, None, module.stride, module.padding, module.dilation, module.groups)
+
+            weight = module.weight.detach().to(d.dtype)
+
+            def one(xi: Tensor, di: Tensor) -> Tensor:
+                _, pullback = vjp(lambda w: conv(xi.unsqueeze(0), w), weight)
+                return pullback(di.unsqueeze(0))[0]
+
+            out["weight"] = vmap(one)(x.to(d.dtype), d)
+        if "bias" in names and module.bias is not None:
+            out["bias"] = d.flatten(2).sum(2)
+        return out
+
+
 class Conv2dKernel(_ConvMaths, Kernel):
     """``nn.Conv2d`` (groups=1, zero padding): per-sample gradients via unfold + bmm."""
 
     kind = "conv"
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
+        a, padding = _explicit_padding(module, a)
         x = F.unfold(
-            a[start:stop], module.kernel_size, module.dilation, module.padding, module.stride
+            a[start:stop], module.kernel_size, module.dilation, padding, module.stride
         )  # [b, C_in*kh*kw, T]
         d = delta[start:stop].flatten(2)  # [b, C_out, T]
         out = {"weight": torch.bmm(d, x.transpose(1, 2)).view(-1, *module.weight.shape)}
@@ -550,7 +610,8 @@ class Conv2dKernel(_ConvMaths, Kernel):
     def seq_factors(self, module, a, delta, attrs):
         if module.groups != 1:
             return None
-        x = F.unfold(a, module.kernel_size, module.dilation, module.padding, module.stride)
+        a, padding = _explicit_padding(module, a)
+        x = F.unfold(a, module.kernel_size, module.dilation, padding, module.stride)
         return _with_bias_column(x.transpose(1, 2), attrs), delta.flatten(2).transpose(1, 2)
 
     def use_tgram(self, module, a, delta):
@@ -565,8 +626,9 @@ class Conv2dKernel(_ConvMaths, Kernel):
         out = {}
         names = self.params(module)
         if "weight" in names:
+            a, padding = _explicit_padding(module, a)
             out["weight"] = torch.nn.grad.conv2d_weight(
-                a, module.weight.shape, d, module.stride, module.padding, module.dilation
+                a, module.weight.shape, d, module.stride, padding, module.dilation
             )
         if "bias" in names:
             out["bias"] = d.sum((0, 2, 3))

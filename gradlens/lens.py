@@ -37,6 +37,8 @@ from gradlens.records import Record
 
 __all__ = ["Lens"]
 
+_LENS_STATE_VERSION = 1
+
 
 @dataclass
 class _MicroStep:
@@ -114,6 +116,22 @@ class _MicroStep:
         return self._scale
 
 
+def _compile_probe(lens: "Lens"):
+    """A forward pre-hook of tracked windows that notes a compiled forward (a plain function
+    over a weak reference: deep-copying the model copies no Lens)."""
+    import weakref
+
+    ref = weakref.ref(lens)
+
+    def probe(module, args) -> None:
+        if torch.compiler.is_compiling():
+            owner = ref()
+            if owner is not None:
+                owner._compiled_seen = True  # an attribute write: traced without a graph break
+
+    return probe
+
+
 class Lens:
     """Per-sample gradient statistics of a model, one :class:`~gradlens.records.Record` per
     tracked window.
@@ -139,9 +157,20 @@ class Lens:
             ``step -> bool``. Untracked windows install no hook and cost nothing.
         exclude: parameter or module names not to track (added to those given to ``extend``).
         log: path of a JSONL file that receives one line per record (see
-            :func:`gradlens.load_log`).
+            :func:`gradlens.load_log`; by default a line holds summaries, see
+            :class:`gradlens.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
+            values written in full, ...).
+        log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default)
+            appends, and a Lens at step 0 continues counting from the step after the log's
+            last record; ``"append"`` appends and keeps this Lens's steps; ``"overwrite"``
+            starts a new log. An existing log is never truncated unless asked.
+        grad_scaler: the ``torch.amp.GradScaler`` of a loop with a plain ``torch.optim``
+            optimizer: a window whose step it skipped (inf/nan) is then dropped, not merged
+            into the next (one ``get_scale()`` host read per tracked window). Not needed with
+            :class:`~gradlens.GradientAccumulateOptimizer`, which reports skipped windows.
         tensorboard: a ``SummaryWriter`` or a log directory for TensorBoard scalars/histograms.
-        keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
+        keep_records: keep records in :attr:`records`: ``True`` all, ``False`` none, an int
+            ``n`` the last ``n`` (long runs: ``False`` or a small ``n`` with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
             gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer
             (default :data:`gradlens.kernels.CHUNK_ELEMENTS`, the one chunking rule of gradlens).
@@ -161,8 +190,10 @@ class Lens:
         tracked: names of the tracked parameters; ``coverage``: their fraction of the model's
             trainable elements (also in ``record.meta["coverage"]``).
         step: index of the current window (number of windows closed so far).
-        skipped_windows: windows a :class:`~gradlens.GradientAccumulateOptimizer` ended without
-            an update (their statistics are dropped; no record).
+        skipped_windows: windows ended without an update (their statistics are dropped; no
+            record): reported by a :class:`~gradlens.GradientAccumulateOptimizer`, or, with a
+            plain ``torch.optim`` optimizer and ``grad_scaler=``, seen when the scaler skipped
+            the step (its scale fell); a warning says so.
     """
 
     def __init__(
@@ -175,13 +206,16 @@ class Lens:
         exclude: Iterable[str] = (),
         log: str | os.PathLike | None = None,
         tensorboard: Any = None,
-        keep_records: bool = True,
+        keep_records: bool | int = True,
         chunk_elements: int = CHUNK_ELEMENTS,
         undefined: str = "error",
         process_group: Any = None,
+        log_mode: str = "resume",
+        grad_scaler: Any = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
+        model = getattr(model, "_orig_mod", model)  # torch.compile(model): watch the module itself
         if not is_extended(model):
             raise RuntimeError(
                 f"the model ({type(model).__name__}) was not extended; call "
@@ -220,9 +254,25 @@ class Lens:
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if not isinstance(keep_records, (bool, int)) or (
+            not isinstance(keep_records, bool) and keep_records < 0
+        ):
+            raise ValueError(
+                f"keep_records must be True, False or an int >= 0 (keep the last n), got {keep_records!r}"
+            )
+        if log_mode not in ("resume", "append", "overwrite"):
+            raise ValueError(
+                f"log_mode must be 'resume', 'append' or 'overwrite', got {log_mode!r}"
+            )
         if not isinstance(chunk_elements, int) or chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
 
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+            )
+        self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
+        self._scale_at_open: float | None = None
         self.model = model
         self.instruments = instruments
         self.optimizer = optimizer
@@ -268,7 +318,12 @@ class Lens:
         if log is not None and writer:
             from gradlens.sinks import JsonlSink
 
-            self._sinks.append(JsonlSink(log))
+            sink = log if isinstance(log, JsonlSink) else JsonlSink(
+                log, mode="overwrite" if log_mode == "overwrite" else "append"
+            )
+            self._sinks.append(sink)
+            if log_mode == "resume" and sink.next_step is not None:
+                self.step = sink.next_step
         if tensorboard is not None and writer:
             from gradlens.sinks import TensorBoardSink
 
@@ -285,6 +340,9 @@ class Lens:
         self._empty_micro_steps = 0
         self._micro: _MicroStep | None = None
         self._pending: tuple[Record, dict[int, Any]] | None = None
+        self._compile_probe = None  # a forward pre-hook of tracked windows: is the model compiled?
+        self._compiled_seen = False
+        self._compile_warned = False
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
@@ -309,12 +367,17 @@ class Lens:
             self._tap.install()
             if self._grad_sq_hooks is not None:
                 self._grad_sq_hooks.install()
+            if self._compile_probe is None:
+                self._compile_probe = self.model.register_forward_pre_hook(_compile_probe(self))
+            if self.grad_scaler is not None:
+                self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
             self._window = None
             self._states = {}
             self._tap.remove()
             if self._grad_sq_hooks is not None:
                 self._grad_sq_hooks.remove()
+            self._remove_compile_probe()
         self._merged = False
 
     def _merge_ranks(self) -> None:
@@ -436,11 +499,14 @@ class Lens:
             )
             for i in self.instruments:
                 record.meta.update(i.meta(self._states[id(i)]))
+            self._warn_nonfinite(record)
             deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
             for i in self.instruments:
                 i.end_window(self._states[id(i)])
-            if self.keep_records:
+            if self.keep_records is True or self.keep_records > 0:
                 self.records.append(record)
+                if self.keep_records is not True and len(self.records) > self.keep_records:
+                    del self.records[: len(self.records) - self.keep_records]
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
                 self._pending = (record, deferring)
             else:
@@ -458,6 +524,66 @@ class Lens:
         if not updated:
             self.skipped_windows += 1
             self._open_window()
+
+    def _remove_compile_probe(self) -> None:
+        if self._compile_probe is not None:
+            self._compile_probe.remove()
+            self._compile_probe = None
+
+    def _warn_compiled(self) -> None:
+        if self._compiled_seen and not self._compile_warned:
+            self._compile_warned = True
+            warnings.warn(
+                "the model runs under torch.compile: in a tracked window gradlens hooks every "
+                "watched layer's output, and each hook is a graph break (a 3-layer MLP: 6), so "
+                "tracked windows run partly uncompiled and recompile when tracking starts or "
+                "stops; untracked windows install no hook and stay fully compiled. Track fewer "
+                "windows (Lens(..., every=k)) to keep the cost small. (Said once per Lens.)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _warn_nonfinite(self, record: Record) -> None:
+        """A record with inf/nan gradients behind a real update: with a plain optimizer and a
+        GradScaler that the Lens does not know, an earlier skipped window was merged here."""
+        if self.optimizer is None or hasattr(self.optimizer, "register_window_end_hook"):
+            return
+        if self.grad_scaler is not None:
+            return
+        gn, l2 = record.get("grad_norm"), record.get("batch_l2")
+        bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
+            isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
+        )
+        if bad:
+            warnings.warn(
+                f"the record of window {record.step} holds inf/nan per-sample gradients although "
+                "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
+                "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
+                "dropped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _drop_window_skipped_by_scaler(self) -> None:
+        """With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's
+        step on inf/nan (no hook fires) and ``scaler.update()`` lowers the scale. Seen at the
+        next capture through the public ``get_scale()``: the scale fell since the window
+        opened, so that window was not applied. Drop it (no record, ``skipped_windows += 1``,
+        a warning) instead of merging it into the next."""
+        scaler = self.grad_scaler
+        if scaler is None or self._window is None or not self._window.micro_steps:
+            return
+        if self._scale_at_open is None or not float(scaler.get_scale()) < self._scale_at_open:
+            return
+        self.skipped_windows += 1
+        warnings.warn(
+            f"window {self.step} was dropped: the GradScaler skipped its optimizer step "
+            f"(inf/nan; the scale fell to {float(scaler.get_scale())}); no record, "
+            f"lens.skipped_windows={self.skipped_windows}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._open_window()  # as for a window a GradientAccumulateOptimizer skipped
 
     def _settle_pending(self, reason: str | None) -> None:
         """Complete the pending record from the window now closing (``reason is None``) or
@@ -500,6 +626,8 @@ class Lens:
             return
         if self._micro is not None:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
+        self._drop_window_skipped_by_scaler()
+        self._warn_compiled()
         if reduction is not None:
             if reduction not in ("mean", "sum"):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -597,6 +725,9 @@ class Lens:
             key = id(inst)
             inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
             self._states[key] = inst.merge(self._states[key], micro.states[key])
+        note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
+        if note is not None:
+            note(b)  # its step(num_samples=...) must agree
 
     def _on_weight_grad(self, w: Site, grad: Tensor | None) -> None:
         """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
@@ -839,22 +970,153 @@ class Lens:
         l2 = l2.double()
         micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
 
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this Lens in a fresh process, exactly.
+
+        Holds the window index ``step`` (the schedule's position), ``skipped_windows``, each
+        instrument's own state between windows (adaptive histogram ranges, Alpha's last update
+        direction), the pending record (Alpha's record waits for the next window) and, when
+        saved mid-window, the partial window itself (the sums, per-sample norms, histogram counts
+        and factors of the micro-steps captured so far). Save it together with the model's and
+        the optimizer's state dicts (a :class:`~gradlens.GradientAccumulateOptimizer` saves its
+        own partial window); a new Lens on the loaded model then gives the same records as the
+        run that was not interrupted.
+
+        Format: ``{"version", "step", "skipped_windows", "blob"}``; ``blob`` is a uint8 tensor
+        (a pickle in which parameters, watched layers and instruments are referred to by name or
+        position), so ``torch.save`` / ``torch.load(weights_only=True)`` carry it. Like any
+        pickle, load only checkpoints you trust.
+        """
+        import io
+        import pickle
+
+        ids = self._object_ids()
+        payload = {
+            "instruments": [
+                {k: v for k, v in vars(i).items() if k not in getattr(i, "_not_saved", ())}
+                for i in self.instruments
+            ],
+            "window": self._window,
+            "states": [self._states.get(id(i)) for i in self.instruments] if self._window else None,
+            "pending": None,
+        }
+        if self._pending is not None:
+            record, states = self._pending
+            payload["pending"] = (
+                record,
+                {n: states[id(i)] for n, i in enumerate(self.instruments) if id(i) in states},
+            )
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, obj):
+                return ids.get(id(obj))
+
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+        return {
+            "version": _LENS_STATE_VERSION,
+            "step": self.step,
+            "skipped_windows": self.skipped_windows,
+            "blob": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (of a Lens with the same instruments on the same
+        model). The records, the log lines and the pending record continue where the saved
+        Lens stopped.
+
+        Raises:
+            TypeError / ValueError: not a gradlens Lens state dict, another version, other
+                instruments, or parameters / layers this Lens does not track.
+        """
+        import io
+        import pickle
+
+        self._check_open()
+        if not isinstance(state_dict, dict) or "blob" not in state_dict:
+            raise TypeError(
+                "Lens.load_state_dict(state_dict=...) takes the dict from Lens.state_dict(), got "
+                f"{type(state_dict).__name__}"
+            )
+        if state_dict.get("version") != _LENS_STATE_VERSION:
+            raise ValueError(
+                f"Lens state_dict version {state_dict.get('version')!r}; this gradlens reads "
+                f"version {_LENS_STATE_VERSION}"
+            )
+        objs = {pid: obj for obj, pid in self._object_ids(by_pid=True)}
+
+        class _Unpickler(pickle.Unpickler):
+            def persistent_load(self, pid):
+                if pid not in objs:
+                    kind = {"p": "parameter", "w": "watched layer", "m": "module", "i": "instrument"}
+                    raise ValueError(
+                        f"the Lens state_dict refers to {kind.get(pid[0], pid[0])} {pid[1]!r}, "
+                        "which this Lens does not have; build it on the same model with the "
+                        "same instruments (in the same order) and exclusions"
+                    )
+                return objs[pid]
+
+        blob = state_dict["blob"].cpu().numpy().tobytes()
+        payload = _Unpickler(io.BytesIO(blob)).load()
+        saved = payload["instruments"]
+        if len(saved) != len(self.instruments):
+            raise ValueError(
+                f"the Lens state_dict has {len(saved)} instruments, this Lens {len(self.instruments)}; "
+                "create the Lens with the same instruments in the same order"
+            )
+        for inst, attrs in zip(self.instruments, saved):
+            inst.__dict__.update(attrs)
+        self.step = int(state_dict["step"])
+        self.skipped_windows = int(state_dict["skipped_windows"])
+        self._open_window()
+        if payload["window"] is not None:
+            if self._window is None:
+                raise ValueError(
+                    f"the Lens state_dict was saved inside tracked window {self.step}, which this "
+                    "Lens's schedule (every=...) does not track; use the same schedule"
+                )
+            self._window = payload["window"]
+            self._states = {id(i): st for i, st in zip(self.instruments, payload["states"])}
+        self._pending = None
+        if payload["pending"] is not None:
+            record, states = payload["pending"]
+            self._pending = (record, {id(self.instruments[n]): st for n, st in states.items()})
+
+    def _object_ids(self, by_pid: bool = False):
+        """Objects a saved state refers to by name: tracked parameters, watched layers, the
+        model's modules, the instruments and the buffer pools."""
+        pairs = [(self._pools, ("pools", ""))]
+        pairs += [(p, ("p", q)) for q, p in self._tap.params.items()]
+        pairs += [(m, ("m", n)) for n, m in self.model.named_modules()]
+        pairs += [(i, ("i", str(n))) for n, i in enumerate(self.instruments)]
+        if by_pid:
+            return pairs
+        return {id(obj): pid for obj, pid in pairs}
+
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Lens was closed; create a new one")
 
-    def close(self) -> None:
-        """Remove every hook this Lens added and close its sinks (idempotent). Records stay."""
+    def close(self, write_pending: bool = True) -> None:
+        """Remove every hook this Lens added and close its sinks (idempotent). Records stay.
+
+        A pending record (Alpha waits for the next window) is written, marked as missing what
+        the next window would have given; ``write_pending=False`` drops it instead (stopping a
+        run that a Lens will resume from :meth:`state_dict`, which holds it)."""
         if self._closed:
             return
-        self._settle_pending("the Lens was closed before the next window closed")
+        if write_pending:
+            self._settle_pending("the Lens was closed before the next window closed")
+        self._pending = None
         self._closed = True
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
         self._tap.remove()
         if self._grad_sq_hooks is not None:
             self._grad_sq_hooks.remove()
+        self._remove_compile_probe()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["Hist1d", "Hist2d", "Record", "record_to_json", "record_from_json"]
+__all__ = ["Hist1d", "Hist2d", "Record", "TensorSummary", "record_to_json", "record_from_json"]
 
 
 @dataclass
@@ -88,6 +88,54 @@ class Hist2d:
             and torch.equal(self.grad_edges, other.grad_edges)
             and self.clamped_param == other.clamped_param
             and self.clamped_grad == other.clamped_grad
+        )
+
+
+@dataclass
+class TensorSummary:
+    """What a log keeps of a large tensor by default (see :class:`gradlens.sinks.JsonlSink`):
+    its shape and dtype and five float64 numbers over all its elements.
+
+    Attributes:
+        shape: the tensor's shape.
+        dtype: its dtype name (``"float32"``).
+        sum: sum of the elements.
+        norm: L2 norm, sqrt(sum of squares) (e.g. for ``sum_grad_squared[name]``:
+            sqrt(sum_j (sum_n g_n,j^2)^2); the per-parameter total sum_n ||g_n||^2 is ``sum``).
+        min, max: the smallest and largest element (NaN for an empty tensor).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    sum: float
+    norm: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, t: Tensor) -> "TensorSummary":
+        t = t.detach()
+        d = t.double()
+        empty = d.numel() == 0
+        return cls(
+            shape=tuple(t.shape),
+            dtype=str(t.dtype).removeprefix("torch."),
+            sum=float(d.sum()),
+            norm=float(d.norm()) if not empty else 0.0,
+            min=float(d.min()) if not empty else math.nan,
+            max=float(d.max()) if not empty else math.nan,
+        )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorSummary):
+            return NotImplemented
+        return (self.shape, self.dtype) == (other.shape, other.dtype) and all(
+            _values_equal(float(getattr(self, k)), float(getattr(other, k)))
+            for k in ("sum", "norm", "min", "max")
         )
 
 
@@ -188,6 +236,13 @@ def _encode(value: Any) -> Any:
             "clamped_param": value.clamped_param,
             "clamped_grad": value.clamped_grad,
         }
+    if isinstance(value, TensorSummary):
+        return {
+            "__summary__": True,
+            "shape": list(value.shape),
+            "dtype": value.dtype,
+            **{k: _encode(float(getattr(value, k))) for k in ("sum", "norm", "min", "max")},
+        }
     if isinstance(value, Mapping):
         return {str(k): _encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -234,6 +289,12 @@ def _decode(value: Any) -> Any:
                 _decode(value["grad_edges"]),
                 int(value["clamped_param"]),
                 int(value["clamped_grad"]),
+            )
+        if value.get("__summary__") is True:
+            return TensorSummary(
+                tuple(value["shape"]),
+                str(value["dtype"]),
+                *(float(_decode(value[k])) for k in ("sum", "norm", "min", "max")),
             )
         if "__float__" in value:
             return float(value["__float__"])

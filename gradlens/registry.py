@@ -109,11 +109,12 @@ def _string_padding(m) -> bool:
 
 
 def _conv(m: nn.Module) -> "K.Kernel | None":
-    if m.padding_mode != "zeros" or _string_padding(m):
-        return None
-    if type(m) is nn.Conv2d or (isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d)):
-        if m.groups == 1:
-            return K.Conv2dKernel()
+    if m.padding_mode != "zeros":
+        return None  # the padding is an operation of its own: captured per operation
+    if isinstance(m, nn.Conv2d) and m.groups == 1:
+        return K.Conv2dKernel()  # string padding as explicit, possibly asymmetric, pads
+    if _string_padding(m) or any(getattr(m, "output_padding", (0,))):
+        return K.VmapConvKernel()  # BackPACK swaps string padding's roles, fails on output_padding
     base = next(c for c in type(m).__mro__ if c in K._backpack_kernels())
     kernel = K._backpack_kernels()[base]()
     kernel.kind = "conv" if base in (nn.Conv1d, nn.Conv2d, nn.Conv3d) else "other"

@@ -573,3 +573,73 @@ def test_model_bad_input():
         GradientAccumulateModel(model, opt, functools.partial(mse_loss, reduction="none"), 2).train_step(
             (x, y)
         )
+
+
+# ------------------------------------------------------------------- misuse (issue 12)
+def test_misuse_is_an_error_not_a_misweighted_window():
+    model = make_mlp(0)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=3)
+    x, y = make_data(6)
+    mse_loss(model(x[:2]), y[:2]).backward()
+    opt.step(num_samples=2)
+    with pytest.raises(RuntimeError, match=r"step\(\) was called twice for one backward"):
+        opt.step(num_samples=2)
+    mse_loss(model(x[2:4]), y[2:4]).backward()  # zero_grad forgotten: p.grad = g1 + g2
+    with pytest.raises(RuntimeError, match=r"without zero_grad\(\) in between.*opt.zero_grad\(\)"):
+        opt.step(num_samples=2)
+    opt.zero_grad(set_to_none=False)  # in place is fine through the wrapper
+    mse_loss(model(x[2:4]), y[2:4]).backward()
+    opt.step(num_samples=2)
+    assert opt.micro_step == 2
+
+
+def test_num_samples_unlike_the_lens_micro_batch_is_an_error():
+    import gradlens
+    from gradlens.instruments import BatchL2
+
+    model = gradlens.extend(make_mlp(0))
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=2)
+    lens = gradlens.Lens(model, [BatchL2()], optimizer=opt)
+    x, y = make_data(6)
+    loss = loss_fn(model(x[:4]), y[:4])
+    with lens.capture():
+        loss.backward()
+    with pytest.raises(ValueError, match=r"num_samples=3.*micro-batch of 4 samples.*len\(x\)"):
+        opt.step(num_samples=3)
+    opt.step(num_samples=4)
+    lens.close()
+
+
+def test_grad_scaler_given_to_the_wrapper_uses_only_public_api():
+    """grad_scaler=scaler: the scale from get_scale(), inf/nan detected by the wrapper."""
+    split = SplitCase("amp", 2, ((2, 3), (1, 4), (3, 2)))
+    windows = _window_data(split)
+    ref_model, acc_model = make_mlp(0), make_mlp(0)
+    ref_opt = OPTIMIZERS["adam"](list(ref_model.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    opt = GradientAccumulateOptimizer(OPTIMIZERS["adam"](list(acc_model.parameters())), 2, grad_scaler=scaler)
+    for w, micro in enumerate(windows):
+        for k, (x, y) in enumerate(micro):
+            loss = mse_loss(acc_model(x), y)
+            if w == 1 and k == 1:
+                loss = loss * float("nan")
+            scaler.scale(loss).backward()
+            scaler.step(opt, num_samples=len(x))
+            scaler.update()
+            opt.zero_grad()
+    assert opt.skipped_windows == 1 and opt.iterations == 2
+    _run_reference(ref_model, ref_opt, windows, skip={1})
+    assert_params_close(acc_model, ref_model, TOL)
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        GradientAccumulateOptimizer(OPTIMIZERS["adam"](list(acc_model.parameters())), 2, grad_scaler=3)
+
+
+def test_wrapper_keeps_no_torch_private_internals():
+    import inspect
+
+    import gradlens.accumulate as acc
+
+    src = inspect.getsource(acc)
+    for private in ("_patch_step_function", "_optimizer_step_pre_hooks", "found_inf", "hooked"):
+        assert private not in src, private

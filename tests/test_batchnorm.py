@@ -176,3 +176,88 @@ def test_bad_input():
     bn(torch.randn(3, 2))
     with pytest.raises(RuntimeError, match=r"open window; call flush\(\)"):
         convert_accum_batchnorm(bn, 4)
+
+
+# ------------------------------------------------------------- windows from the optimizer, masks
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)).double()
+
+
+def test_follows_the_optimizer_windows_and_skips_what_it_skips():
+    """accum_steps given once (to the optimizer); a GradScaler-skipped window and a reset()
+    window leave the running statistics alone; real windows equal nn.BatchNorm on the window."""
+    from gradlens import GradientAccumulateOptimizer
+
+    model = _bn_model()
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), accum_steps=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    model = convert_accum_batchnorm(model, optimizer=opt)
+    bn = model[1]
+    assert bn.follows_optimizer and bn.accum_steps == 2
+    ref = nn.BatchNorm1d(4).double()
+    gen = torch.Generator().manual_seed(1)
+    for w in range(4):
+        xs = [torch.randn(b, 3, generator=gen, dtype=torch.float64) * 2 + w for b in (3, 5)]
+        poisoned, dropped = w == 1, w == 2
+        for k, x in enumerate(xs):
+            loss = model(x).square().mean()
+            if poisoned and k == 1:
+                loss = loss * float("inf")
+            if dropped and k == 1:
+                opt.reset()
+                opt.zero_grad()
+                break
+            scaler.scale(loss).backward()
+            scaler.step(opt, num_samples=len(x))
+            scaler.update()
+            opt.zero_grad()
+        if not (poisoned or dropped):
+            with torch.no_grad():
+                ref(model[0](torch.cat(xs)))
+        torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bn.running_var, ref.running_var, rtol=1e-12, atol=1e-12)
+        assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked)
+    assert opt.skipped_windows == 1 and int(ref.num_batches_tracked) == 2
+    with pytest.raises(ValueError, match=r"accum_steps=3 but the optimizer has accum_steps=2"):
+        convert_accum_batchnorm(_bn_model(), 3, optimizer=opt)
+    with pytest.raises(TypeError, match=r"needs a GradientAccumulateOptimizer"):
+        convert_accum_batchnorm(_bn_model(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_mask_statistics_over_unmasked_positions_exact_over_unequal_micro_batches(momentum):
+    """Padded sequences [B, C, L] with a [B, L] mask: outputs and running statistics equal the
+    float64 oracle over the valid positions only, over micro-batches of 2, 5 and 3."""
+    gen = torch.Generator().manual_seed(0)
+    sizes, C, L = (2, 5, 3), 3, 6
+    bn = AccumBatchNorm1d(C, accum_steps=3, momentum=momentum, dtype=torch.float64)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5, generator=gen)
+        bn.bias.uniform_(-1, 1, generator=gen)
+    run_mean, run_var = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+    for window in range(2):
+        xs, masks = [], []
+        for b in sizes:
+            x = torch.randn(b, C, L, generator=gen, dtype=torch.float64) * 3 + window
+            lengths = torch.randint(1, L + 1, (b,), generator=gen)
+            mask = torch.arange(L)[None, :] < lengths[:, None]
+            x = x.masked_fill(~mask[:, None, :], 1e3)  # padding values must not count
+            out = bn(x, mask)
+            valid = x.permute(0, 2, 1)[mask]  # [n_valid, C]
+            mu, var = valid.mean(0), valid.var(0, unbiased=False)
+            want = (x - mu[None, :, None]) / (var[None, :, None] + bn.eps).sqrt()
+            want = want * bn.weight[None, :, None] + bn.bias[None, :, None]
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+            xs.append(valid)
+        pooled = torch.cat(xs)
+        m = 1.0 / (window + 1) if momentum is None else momentum
+        run_mean = (1 - m) * run_mean + m * pooled.mean(0)
+        run_var = (1 - m) * run_var + m * pooled.var(0, unbiased=True)
+        torch.testing.assert_close(bn.running_mean, run_mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(bn.running_var, run_var, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"mask must be a tensor of shape \(2, 6\)"):
+        bn(torch.randn(2, C, L, dtype=torch.float64), torch.ones(2, 5, dtype=torch.bool))
+    bn.eval()
+    x = torch.randn(2, C, L, dtype=torch.float64)
+    torch.testing.assert_close(bn(x, torch.ones(2, L, dtype=torch.bool)), bn(x))  # eval ignores it

@@ -113,10 +113,14 @@ def test_plot_errors_give_one_line(log, tmp_path, capsys):
 
     lines = log.read_bytes().splitlines(keepends=True)
     corrupt = tmp_path / "corrupt.jsonl"
-    corrupt.write_bytes(lines[0] + b'{"step": \n' + lines[1])
+    corrupt.write_bytes(b'{"step": \n')
     assert main(["plot", str(corrupt)]) == 1
     line = _one_line(capsys.readouterr().err)
-    assert "corrupt.jsonl' line 2 is corrupt" in line
+    assert "corrupt.jsonl' line 1 is corrupt" in line
+    corrupt.write_bytes(lines[0] + b'{"step": \n' + lines[1])  # a damaged middle line: warn, plot
+    assert main(["plot", str(corrupt), "-o", str(tmp_path / "d.png")]) == 0
+    line = _one_line(capsys.readouterr().err)
+    assert "gradlens plot: warning:" in line and "line 2 (invalid JSON" in line
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -325,10 +325,11 @@ def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         out = {}
         configs = {
-            "norms": [SumGradSquared(), GradNorm(), MeanGSNR()],
+            "norms": [SumGradSquared(), GradNorm()],
             "two_batch": [NoiseScaleTwoBatch()],
             "hist_adapt": [GradHist1d(adapt="abs_max"), GradHist2d(adapt="min_max")],
-            "per_sample": [BatchL2(), NormTest(), BatchDot(), InnerTest(), OrthoTest()],
+            # MeanGSNR's shifted moments are gathered (merged about one shift, exactly)
+            "per_sample": [BatchL2(), NormTest(), BatchDot(), InnerTest(), OrthoTest(), MeanGSNR()],
         }
         x, y = windows[0]
         for key, insts in configs.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import sys
 
 import pytest
@@ -59,7 +60,7 @@ def make_records(n: int = 5, seed: int = 0) -> list[Record]:
 def test_jsonl_round_trip_equal(tmp_path):
     records = make_records()
     path = tmp_path / "sub" / "log.jsonl"  # parent folder is created
-    with JsonlSink(path) as sink:
+    with JsonlSink(path, full=["sum_grad_squared"]) as sink:  # full tensors in log.jsonl.arrays
         for r in records:
             sink.write(r)
     assert sink.closed
@@ -68,12 +69,15 @@ def test_jsonl_round_trip_equal(tmp_path):
     assert math.isnan(loaded[0]["noise_scale"])
     assert loaded[1]["sum_grad_squared"]["0.bias"][0] == float("inf")
     assert len(path.read_text().splitlines()) == len(records)
+    assert sorted(p.name for p in (tmp_path / "sub" / "log.jsonl.arrays").iterdir()) == [
+        f"step-{r.step:08d}.pt" for r in records
+    ]
 
 
 def test_jsonl_streams_each_line_before_close(tmp_path):
     path = tmp_path / "log.jsonl"
     sink = JsonlSink(path)
-    records = make_records(2)
+    records = [_no_dicts(r) for r in make_records(2)]
     sink.write(records[0])
     assert load_log(path) == records[:1]  # flushed while the sink is still open
     sink.write(records[1])
@@ -85,14 +89,70 @@ def test_jsonl_streams_each_line_before_close(tmp_path):
 def test_jsonl_new_file_or_append(tmp_path):
     path = tmp_path / "log.jsonl"
     records = make_records(3)
+    records = [_no_dicts(r) for r in records]
     with JsonlSink(path) as sink:
         sink.write(records[0])
-    with JsonlSink(path) as sink:  # default: a new log replaces the old one
+    with JsonlSink(path, mode="overwrite") as sink:  # asked: a new log replaces the old one
         sink.write(records[1])
     assert load_log(path) == [records[1]]
-    with JsonlSink(path, append=True) as sink:
+    with JsonlSink(path) as sink:  # default: append, never truncate
+        assert sink.next_step == records[1].step + 1
         sink.write(records[2])
     assert load_log(path) == records[1:]
+    with JsonlSink(path, append=False) as sink:  # the older spelling
+        sink.write(records[0])
+    assert load_log(path) == records[:1]
+    with pytest.raises(ValueError, match=r"mode='truncate'.*'append', 'overwrite'"):
+        JsonlSink(path, mode="truncate")
+
+
+def _no_dicts(record):
+    values = {k: v for k, v in record.values.items() if not isinstance(v, dict)}
+    return Record(record.step, record.num_samples, record.micro_steps, values, record.meta)
+
+
+def test_jsonl_summarises_per_parameter_tensors_by_default(tmp_path):
+    from gradlens.records import TensorSummary
+
+    records = make_records(2)
+    path = tmp_path / "log.jsonl"
+    with JsonlSink(path) as sink:
+        for r in records:
+            sink.write(r)
+    loaded = load_log(path)
+    assert not (tmp_path / "log.jsonl.arrays").exists()
+    for r, back in zip(records, loaded):
+        assert torch.equal(back["batch_l2"], r["batch_l2"])  # small tensors stay in full
+        assert back["grad_hist_1d"] == r["grad_hist_1d"]
+        for name, t in r["sum_grad_squared"].items():
+            s = back["sum_grad_squared"][name]
+            assert isinstance(s, TensorSummary) and s.shape == tuple(t.shape)
+            assert s.sum == float(t.sum()) and s.max == float(t.max()) and s.min == float(t.min())
+            assert s.norm == float(t.norm())
+    # a choice of keys; a large tensor is summarised, kept in full only where asked
+    big = Record(9, 4, 1, {"loss": 1.0, "batch_dot": torch.arange(100.0).reshape(10, 10), "x": 2.0})
+    with JsonlSink(path, mode="overwrite", keys=["loss", "batch_dot"], max_elements=50) as sink:
+        sink.write(big)
+    (back,) = load_log(path)
+    assert set(back.keys()) == {"loss", "batch_dot"}
+    assert back["batch_dot"] == TensorSummary((10, 10), "float32", 4950.0, float(big["batch_dot"].double().norm()), 0.0, 99.0)
+    with JsonlSink(path, mode="overwrite", full=True, max_elements=50) as sink:
+        sink.write(big)
+    assert load_log(path) == [big]
+    raw = load_log(path, arrays=False)[0]["batch_dot"]
+    assert raw == {"__array__": "log.jsonl.arrays/step-00000009.pt", "key": "batch_dot"}
+
+
+def test_append_after_a_killed_writer_starts_a_fresh_line(tmp_path):
+    path = tmp_path / "run.jsonl"
+    records = [_no_dicts(r) for r in make_records(4)]
+    lines = _write_lines(path, records[:3])
+    path.write_bytes(b"".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed mid-line
+    with JsonlSink(path) as sink:
+        assert sink.next_step == records[1].step + 1  # the last complete record
+        sink.write(records[3])
+    with pytest.warns(UserWarning, match=r"1 truncated or corrupt line\(s\) skipped: line 3 "):
+        assert load_log(path) == [records[0], records[1], records[3]]
 
 
 def test_jsonl_bad_use(tmp_path):
@@ -111,7 +171,7 @@ def test_jsonl_bad_use(tmp_path):
 
 
 def _write_lines(path, records):
-    with JsonlSink(path) as sink:
+    with JsonlSink(path, mode="overwrite", full=True) as sink:
         for r in records:
             sink.write(r)
     return path.read_bytes().splitlines(keepends=True)
@@ -122,7 +182,7 @@ def test_load_log_truncated_last_line_warns_and_keeps_the_rest(tmp_path):
     records = make_records(4)
     lines = _write_lines(path, records)
     path.write_bytes(b"".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-line
-    with pytest.warns(UserWarning, match=r"run\.jsonl' line 4 is truncated or corrupt"):
+    with pytest.warns(UserWarning, match=r"run\.jsonl': 1 truncated or corrupt line\(s\) skipped: line 4 "):
         loaded = load_log(path)
     assert loaded == records[:3]
 
@@ -132,21 +192,27 @@ def test_load_log_last_line_not_a_record_warns(tmp_path):
     records = make_records(2)
     lines = _write_lines(path, records)
     path.write_bytes(b"".join(lines) + b'{"step": 1}\n\n')  # trailing blank line is ignored
-    with pytest.warns(UserWarning, match="line 3 .*not a gradlens record"):
+    with pytest.warns(UserWarning, match="line 3 \(not a gradlens record"):
         assert load_log(path) == records
 
 
-def test_load_log_corrupt_middle_line_raises(tmp_path):
+def test_load_log_damaged_lines_anywhere_warn_once_and_keep_every_record(tmp_path):
     path = tmp_path / "run.jsonl"
-    lines = _write_lines(path, make_records(3))
-    path.write_bytes(lines[0] + b"\n" + b"{not json\n" + lines[1] + lines[2])
-    with pytest.raises(ValueError, match=r"run\.jsonl' line 3 is corrupt \(invalid JSON"):
-        load_log(path)
-    path.write_bytes(lines[0] + b"\xff\xfe\n" + lines[1])
-    with pytest.raises(ValueError, match="line 2 is corrupt .*UTF-8"):
-        load_log(path)
-    path.write_bytes(lines[0] + b"[1, 2]\n" + lines[1])
-    with pytest.raises(ValueError, match="line 2 is corrupt .*JSON object"):
+    records = make_records(3)
+    lines = _write_lines(path, records)
+    path.write_bytes(
+        lines[0] + b"\n" + b"{not json\n" + lines[1] + b"\xff\xfe\n" + b"[1, 2]\n" + lines[2]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_log(path)
+    assert [r.step for r in loaded] == [r.step for r in records]
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "3 truncated or corrupt line(s) skipped: line 3 (invalid JSON" in msg
+    assert "line 5 (not UTF-8" in msg and "line 6 (expected a JSON object" in msg
+    path.write_bytes(b"{not json\n[1]\n")
+    with pytest.raises(ValueError, match=r"run\.jsonl' line 1 is corrupt .*no line of the file"):
         load_log(path)
 
 

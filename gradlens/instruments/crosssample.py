@@ -115,6 +115,16 @@ class _Layer:
     delta: Tensor
     versions: tuple[int, int]
 
+    def __getstate__(self) -> dict:  # Lens.state_dict: a reloaded tensor's version restarts
+        state = dict(self.__dict__)
+        state["versions"] = (self.a._version, self.delta._version) == self.versions
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        intact = state.pop("versions")
+        self.__dict__.update(state)
+        self.versions = (self.a._version, self.delta._version) if intact else (-1, -1)
+
 
 @dataclass
 class _Part:
@@ -175,6 +185,8 @@ class _CrossSample(Instrument):
     """Shared machinery: keeps layer factors (exact) or sketches (sketch) of the window's g_n."""
 
     needs = frozenset({"layer"})
+
+    _not_saved = ("_sketcher",)  # rebuilt from (k, seed) (Lens.state_dict leaves it out)
 
     def __init__(
         self,

@@ -224,6 +224,8 @@ class GradHist2d(Instrument):
     key = "grad_hist_2d"
     needs = frozenset({"per_sample"})
 
+    _not_saved = ("_row_cache",)  # a cache (Lens.state_dict leaves it out)
+
     def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None):
         if isinstance(bins, int) and not isinstance(bins, bool):
             bins = (bins, bins)
