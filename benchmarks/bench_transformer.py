@@ -117,7 +117,7 @@ def lens_step(instruments, every=1):
 
         def step():
             loss = lm_loss(model(x), y)
-            with lens.capture(reduction="mean"):
+            with lens.capture(reduction="mean", loss=loss):
                 loss.backward()
             opt.step()
             opt.zero_grad()

@@ -364,11 +364,14 @@ class _UseMode(TorchFunctionMode):
             if isinstance(x, Tensor):
                 if x in data:
                     is_data = True
-                elif pid.get(id(x)) is not None or derived.get(x):
-                    raise NotImplementedError(
-                        f"gradlens: a tracked parameter is passed to {getattr(func, '__name__', func)} "
-                        f"as the keyword argument {k!r}; pass it positionally"
-                    )
+                    continue
+                q = pid.get(id(x))
+                if q is not None and x is tap.params[q]:
+                    tracked.append((k, x, frozenset((q,))))
+                elif derived.get(x):
+                    tracked.append((k, x, derived[x]))
+                elif x.requires_grad and not isinstance(x, nn.Parameter):
+                    is_data = True
         if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
             out = func(*args, **kwargs)
             if is_data:
@@ -702,7 +705,8 @@ class Tap:
             (type(a)(x.detach() if isinstance(x, Tensor) else x for x in a) if isinstance(a, (list, tuple)) else a)
             for a in args
         )
-        use = OpUse(f"op{k}:{fname}", func, detached, kwargs, list(tracked), ax, batch, self.forward_id)
+        kw = {n: (v.detach() if isinstance(v, Tensor) else v) for n, v in kwargs.items()}
+        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id)
         for _, _, names in tracked:
             for q in names:
                 self.uses[q] += 1

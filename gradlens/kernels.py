@@ -831,6 +831,7 @@ class BatchNormBatchStatsKernel(_ChannelNormKernel):
     its own weight and bias, and the layers after it, stay exact."""
 
     mixes_samples = True
+    per_micro_batch = True  # x_hat uses the statistics of its own micro-batch: never concatenate
 
     def x_hat(self, module, a):
         dims = (0,) + tuple(range(2, a.dim()))

@@ -631,11 +631,19 @@ class Lens:
         if reduction is not None:
             if reduction not in ("mean", "sum"):
                 raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-            calls = []
             if loss is not None:  # the user names the loss: what multiplies it is divided out
                 if not (isinstance(loss, Tensor) and loss.dim() == 0):
                     raise TypeError(f"loss must be the 0-d loss tensor, got {type(loss).__name__}")
                 calls = [LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")]
+            elif calls:  # a loss computed inside the model (or an extended one): it knows more
+                reduction = None
+            else:
+                raise ValueError(
+                    f"lens.capture(reduction={reduction!r}) needs the loss tensor too, so that "
+                    "whatever multiplies it before backward (a 1/K, a constant, a GradScaler "
+                    f"scale) is divided out instead of changing the units: "
+                    f"lens.capture(reduction={reduction!r}, loss=loss) with loss the unscaled loss"
+                )
         elif not calls:
             raise RuntimeError(
                 "no loss passed through gradlens.extend() ran since the last capture; "

@@ -90,9 +90,12 @@ def _generic(func, args, kwargs, pos, t: Tensor, delta: Tensor, b: int) -> Tenso
     f = _out_of_place(func)
 
     def call(x):
-        a = list(args)
-        _put(a, pos, x)
-        return f(*a, **kwargs)
+        a, kw = list(args), dict(kwargs)
+        if isinstance(pos, str):  # a keyword argument
+            kw[pos] = x
+        else:
+            _put(a, pos, x)
+        return f(*a, **kw)
 
     _, vjp_fn = torch.func.vjp(call, t.detach())
     n = delta.shape[b]

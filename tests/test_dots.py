@@ -549,8 +549,9 @@ def test_mean_tests_with_training_mode_batchnorm():
 
     model = gradlens.extend(copy.deepcopy(model0))
     lens = Lens(model, [InnerTest(), OrthoTest()], undefined="exclude")
-    with lens.capture(reduction="mean"):
-        F.cross_entropy(model(x), y).backward()
+    loss = F.cross_entropy(model(x), y)
+    with lens.capture(reduction="mean", loss=loss):
+        loss.backward()
     lens.flush()
     assert sorted(lens.tracked) == sorted(names)
     _close(lens.records[0]["inner_test"], inner)

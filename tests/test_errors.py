@@ -191,7 +191,10 @@ def test_loss_not_extended():
             loss.backward()
     # stating the reduction is the documented way around it
     loss = nn.functional.cross_entropy(model(X), Y)
-    with lens.capture(reduction="mean"):
+    with pytest.raises(ValueError, match=r"needs the loss tensor too.*loss=loss"):
+        with lens.capture(reduction="mean"):
+            loss.backward()
+    with lens.capture(reduction="mean", loss=loss):
         loss.backward()
     assert lens.flush().num_samples == 6
 

@@ -53,7 +53,7 @@ def test_no_graph_or_layer_tensor_outlives_its_micro_step():
         functional = i % 3 == 2
         loss = nn.functional.mse_loss(out, torch.zeros_like(out)) if functional else loss_fn(out, y)
         losses = nn.functional.cross_entropy(out.detach(), y, reduction="none")
-        with lens.capture(reduction="mean" if functional else None, losses=losses):
+        with lens.capture(reduction="mean" if functional else None, losses=losses, loss=loss if functional else None):
             scaler.scale(loss).backward()
         if i % 2 == 1:
             scaler.step(opt)

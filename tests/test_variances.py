@@ -40,7 +40,7 @@ def _run(model, loss_fn, x, y, split, instruments, reduction=None):
     lens = Lens(gradlens.extend(model), instruments)
     for xb, yb in zip(x.split(split), y.split(split)):
         loss = loss_fn(model(xb), yb)
-        with lens.capture(reduction=reduction):
+        with lens.capture(reduction=reduction, loss=loss if reduction else None):
             loss.backward()
     rec = lens.flush()
     lens.close()

@@ -304,6 +304,7 @@ class _CrossSample(Instrument):
             dt = pieces[0][2].dtype
             D = {attr: direction[q].to(dt) for attr, q in w.params.items()}
             same = all(p[1].shape[1:] == pieces[0][1].shape[1:] for p in pieces)
+            same = same and not getattr(w.kernel, "per_micro_batch", False)
             if same and len(pieces) > 1 and pieces[0][1].is_floating_point():
                 a = torch.cat([p[1] for p in pieces])
                 delta = torch.cat([p[2] for p in pieces])

@@ -191,7 +191,10 @@ class MeanGSNR(Instrument):
 
     averaged over the tracked coordinates j with var_j > 0: coordinates whose per-sample
     gradients are all equal carry no noise and are left out (exactly: the variance comes from
-    shifted sums, see the module docstring). NaN if N < 2 or no coordinate varies.
+    shifted sums, see the module docstring), and so are variances below the round-off level
+    of the window's largest (var_j <= eps * max_j var_j, eps of the accumulation dtype: the
+    gradient of a key bias under softmax is 0 up to rounding). NaN if N < 2 or no coordinate
+    varies.
     Materialises per-sample gradients (one layer and slice at a time, like GradHist1d).
 
     Convention vs cockpit-for-pytorch's ``MeanGSNR``: cockpit divides by the *biased* variance
@@ -246,9 +249,15 @@ class MeanGSNR(Instrument):
         if n < 2:
             return math.nan
         total, count = 0.0, 0
-        for name in state.count:
-            mean, var = state.mean_var(name)
-            ok = var > 0
+        moments = [state.mean_var(name) for name in state.count]
+        if not moments:
+            return math.nan
+        # variances below the round-off level of the window's largest one are zero: e.g. a
+        # key bias under softmax, or a bias before a norm, whose exact gradient is 0
+        eps = max(torch.finfo(state.s2[name].dtype).eps for name in state.count)
+        floor = eps * max(float(var.max()) for _, var in moments)
+        for mean, var in moments:
+            ok = var > floor
             total += float((mean[ok].square() / var[ok]).sum())
             count += int(ok.sum())
         return total / count if count else math.nan
