@@ -86,6 +86,11 @@ class Lens:
         keep_records: keep records in :attr:`records` (set False for long runs with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
             gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer.
+        sinks: more places for the records (after ``log`` and ``tensorboard``): any objects
+            with ``write(record)`` and ``close()``. ``write`` is called once per record, in the
+            order records become final (a record waiting for the next window, e.g. for
+            ``Alpha``, is written when that window closes), ``close`` once by :meth:`close`.
+            E.g. :class:`gradlens.integrations.wandb.WandbSink`.
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -106,6 +111,7 @@ class Lens:
         tensorboard: Any = None,
         keep_records: bool = True,
         chunk_elements: int = 1 << 20,
+        sinks: Iterable[Any] = (),
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -133,6 +139,7 @@ class Lens:
             )
         if not isinstance(chunk_elements, int) or chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+        extra_sinks = _check_sinks(sinks)
 
         self.model = model
         self.instruments = instruments
@@ -179,6 +186,7 @@ class Lens:
             from gradlens.sinks import TensorBoardSink
 
             self._sinks.append(TensorBoardSink(tensorboard))
+        self._sinks.extend(extra_sinks)
 
         self._hooks = []
         if optimizer is not None:
@@ -280,15 +288,36 @@ class Lens:
 
     # ------------------------------------------------------------------ capture
     @contextmanager
-    def capture(self, reduction: str | None = None, losses: Tensor | None = None) -> Iterator[None]:
+    def capture(
+        self,
+        reduction: str | None = None,
+        losses: Tensor | None = None,
+        *,
+        multiplier: float | Tensor | None = None,
+        loss: Tensor | None = None,
+    ) -> Iterator[None]:
         """Context manager around one micro-step's ``loss.backward()``.
 
         The loss reduction and batch size come from the last forward pass of a loss module
         passed through :func:`gradlens.extend`; pass ``reduction="mean"|"sum"`` to use a
         functional loss instead (the batch size is then read from the model's layers).
         ``losses``: optional per-sample losses ``[B]`` of this micro-step.
+
+        What multiplied the loss on its way to ``backward`` (a GradScaler's scale, the ``1/K``
+        of a framework that divides the loss by the accumulation count) must be divided out to
+        get per-sample gradients. An extended loss module measures it by itself. With
+        ``reduction=`` (a functional loss, or a loss computed inside the model) say it with:
+
+        Args:
+            multiplier: a known factor (positive float, or 0-d tensor) by which the
+                backpropagated objective was multiplied relative to the loss of this micro-step
+                (or relative to ``loss``, when given); e.g. ``1 / K``.
+            loss: the 0-d loss tensor as computed, before any such scaling; gradlens hooks it and
+                divides out whatever multiplies it between it and ``backward`` (measured in
+                backward, no host sync). Backward must pass through it.
         """
         self._check_open()
+        probe = _check_multiplier(reduction, multiplier, loss)
         call = last_loss_call()
         if self._window is None:  # untracked window: nothing to do, nothing to pay
             yield
@@ -330,6 +359,9 @@ class Lens:
         if batch is not None:
             micro.loss_call = call
             call.watch_multiplier()
+        elif probe is not None:
+            micro.loss_call = probe
+            probe.watch()
         self._micro = micro
         try:
             yield
@@ -351,6 +383,13 @@ class Lens:
             raise RuntimeError(
                 "lens.capture() exited without a backward pass through the watched model; "
                 "call loss.backward() inside the with-block"
+            )
+        if probe is not None and probe.missed():
+            self._open_window()  # the window's sums used an unknown scale: drop them
+            raise RuntimeError(
+                "lens.capture(loss=...): backward did not pass through the given loss tensor, "
+                "so what multiplied it is unknown; pass the tensor that is backpropagated (or "
+                "scaled and then backpropagated), or state multiplier= instead"
             )
         self._fold(micro)
 
@@ -534,3 +573,88 @@ class Lens:
             f"tracked_params={len(self._param_of)})"
         )
 
+
+
+# ---------------------------------------------------------------------- sinks and multipliers
+def _check_sinks(sinks: Iterable[Any]) -> list[Any]:
+    """The ``sinks=`` argument of :class:`Lens` as a list; every entry must have callable
+    ``write(record)`` and ``close()`` (the sink protocol)."""
+    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+        raise TypeError(
+            f"Lens(sinks=...) takes a list of sinks (objects with write(record) and close()), "
+            f"got {type(sinks).__name__} {sinks!r}"
+        )
+    out = list(sinks)
+    for sink in out:
+        missing = [m for m in ("write", "close") if not callable(getattr(sink, m, None))]
+        if missing:
+            raise TypeError(
+                f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(missing)}(); "
+                "a sink is any object with write(record) and close() (see gradlens.sinks), e.g. "
+                "gradlens.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
+            )
+    return out
+
+
+class _Multiplier:
+    """What multiplied a functional loss in backward: a known ``factor`` times what a hook on
+    ``loss`` sees (duck-types :class:`~gradlens.capture.LossCall`'s ``multiplier``)."""
+
+    def __init__(self, factor: float | Tensor | None, loss: Tensor | None):
+        self.factor = factor
+        self.loss = loss
+        self.measured: Tensor | None = None
+
+    def watch(self) -> None:
+        if self.loss is not None:
+            self.loss.register_hook(self._set)
+
+    def _set(self, grad: Tensor) -> None:
+        self.measured = grad.detach()
+
+    def missed(self) -> bool:
+        return self.loss is not None and self.measured is None
+
+    @property
+    def multiplier(self) -> float | Tensor | None:
+        if self.measured is None:
+            return self.factor
+        return self.measured if self.factor is None else self.measured * self.factor
+
+
+def _check_multiplier(reduction, multiplier, loss) -> _Multiplier | None:
+    if multiplier is None and loss is None:
+        return None
+    if reduction is None:
+        raise ValueError(
+            "lens.capture(multiplier=..., loss=...) go with a stated reduction "
+            "(lens.capture(reduction='mean', ...)); with a loss module passed through "
+            "gradlens.extend() the multiplier is measured by itself: drop them"
+        )
+    if multiplier is not None:
+        if isinstance(multiplier, Tensor):
+            if multiplier.dim() != 0 or not multiplier.is_floating_point():
+                raise ValueError(
+                    "lens.capture(multiplier=...) must be a positive number or a 0-d float tensor, "
+                    f"got a {multiplier.dtype} tensor of shape {tuple(multiplier.shape)}"
+                )
+            multiplier = multiplier.detach()
+        elif isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not (
+            0 < multiplier < float("inf")
+        ):
+            raise ValueError(
+                f"lens.capture(multiplier=...) must be a positive finite number (e.g. 1 / K), got "
+                f"{multiplier!r}"
+            )
+    if loss is not None:
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            what = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"lens.capture(loss=...) must be the 0-d loss tensor that is backpropagated, got {what}"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "lens.capture(loss=...) does not require grad, so backward cannot pass through "
+                "it; pass the loss before .detach()/.item()"
+            )
+    return _Multiplier(multiplier, loss)
