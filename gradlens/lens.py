@@ -221,7 +221,29 @@ class Lens:
             self._states = {}
             self._tap.remove()
 
-    def _on_pre_step(self, optimizer, args, kwargs) -> None:
+    def _on_pre_step(self, optimizer, args, kwargs):
+        if self._window is None:
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if callable(closure):
+            # optimizer.step(closure) (PyTorch Lightning): the closure runs this window's last
+            # micro-step inside step(), after this hook; snapshot once it has run, just before
+            # the update.
+            def closure_then_snapshot(*a, **k):
+                out = closure(*a, **k)
+                if not done:
+                    done.append(True)
+                    self._before_update()
+                return out
+
+            done: list[bool] = []
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_snapshot}
+            return (closure_then_snapshot, *args[1:]), kwargs
+        self._before_update()
+        return None
+
+    def _before_update(self) -> None:
         if self._window is not None:
             for i in self.instruments:
                 i.before_update(self._states[id(i)])
@@ -264,6 +286,14 @@ class Lens:
         self.step += 1
         self._open_window()
         return record
+
+    def discard_window(self) -> None:
+        """Drop the current window's statistics without a record, for an update the training
+        framework skipped (e.g. a GradScaler found inf/nan gradients and did not call the
+        optimizer): the next micro-steps start a fresh window with the same step index, and
+        :attr:`skipped_windows` counts it."""
+        self._check_open()
+        self._on_window_end(None, False)
 
     def _on_window_end(self, optimizer, updated: bool) -> None:
         """A window the optimizer ended without an update (GradScaler inf/nan, ``reset()``): its
