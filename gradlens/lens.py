@@ -224,7 +224,8 @@ class Lens:
     def _on_pre_step(self, optimizer, args, kwargs):
         if self._window is None:
             return None
-        closure = kwargs.get("closure", args[0] if args else None)
+        # args[0] is the optimizer itself (torch passes step's full positional arguments)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if callable(closure):
             # optimizer.step(closure) (PyTorch Lightning): the closure runs this window's last
             # micro-step inside step(), after this hook; snapshot once it has run, just before
@@ -239,7 +240,7 @@ class Lens:
             done: list[bool] = []
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": closure_then_snapshot}
-            return (closure_then_snapshot, *args[1:]), kwargs
+            return (args[0], closure_then_snapshot, *args[2:]), kwargs
         self._before_update()
         return None
 
@@ -619,7 +620,7 @@ def _check_sinks(sinks: Iterable[Any]) -> list[Any]:
         missing = [m for m in ("write", "close") if not callable(getattr(sink, m, None))]
         if missing:
             raise TypeError(
-                f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(missing)}(); "
+                f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(m + '()' for m in missing)}; "
                 "a sink is any object with write(record) and close() (see gradlens.sinks), e.g. "
                 "gradlens.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
             )
