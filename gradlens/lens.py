@@ -60,6 +60,7 @@ class _MicroStep:
     forwards: set[int] = field(default_factory=set)  # forward passes this backward reached
     backward_done: bool = False
     empty: bool = False
+    factor: Any = None  # capture(multiplier=...): a known factor applied to the loss
     _multiplier: Any = None
     _resolved: bool = False
     _scale: Any = None
@@ -78,8 +79,12 @@ class _MicroStep:
         self._resolved = True
         active = [c for c in self.loss_calls if c.multiplier is not None]
         if self.explicit:
+            m = None
             if active:
-                self._multiplier, self.loss_value = active[0].multiplier, active[0].value
+                m, self.loss_value = active[0].multiplier, active[0].value
+            if self.factor is not None:  # a known factor applied on top of the named loss
+                m = self.factor if m is None else m * self.factor
+            self._multiplier = m
             return
         if not active:
             names = [c.module_name for c in self.loss_calls]
@@ -184,6 +189,11 @@ class Lens:
             records. Merged records describe the global batch of all ranks (samples rank-major),
             are kept on every rank, and are written to the sinks (``log``, ``tensorboard``) by
             rank 0 of the group only. See docs/distributed.md.
+        sinks: more places for the records (after ``log`` and ``tensorboard``): any objects
+            with ``write(record)`` and ``close()``. ``write`` is called once per record, in the
+            order records become final (a record waiting for the next window, e.g. for
+            ``Alpha``, is written when that window closes), ``close`` once by :meth:`close`.
+            E.g. :class:`gradlens.integrations.wandb.WandbSink`.
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -212,6 +222,7 @@ class Lens:
         process_group: Any = None,
         log_mode: str = "resume",
         grad_scaler: Any = None,
+        sinks: Iterable[Any] = (),
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -266,6 +277,7 @@ class Lens:
             )
         if not isinstance(chunk_elements, int) or chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+        extra_sinks = _check_sinks(sinks)
 
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise TypeError(
@@ -328,6 +340,7 @@ class Lens:
             from gradlens.sinks import TensorBoardSink
 
             self._sinks.append(TensorBoardSink(tensorboard))
+        self._sinks.extend(extra_sinks)
 
         self._hooks = []
         if optimizer is not None:
@@ -454,7 +467,30 @@ class Lens:
             "after it stay exact)"
         )
 
-    def _on_pre_step(self, optimizer, args, kwargs) -> None:
+    def _on_pre_step(self, optimizer, args, kwargs):
+        if self._window is None:
+            return None
+        # args[0] is the optimizer itself (torch passes step's full positional arguments)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # optimizer.step(closure) (PyTorch Lightning): the closure runs this window's last
+            # micro-step inside step(), after this hook; snapshot once it has run, just before
+            # the update.
+            def closure_then_snapshot(*a, **k):
+                out = closure(*a, **k)
+                if not done:
+                    done.append(True)
+                    self._before_update()
+                return out
+
+            done: list[bool] = []
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_snapshot}
+            return (args[0], closure_then_snapshot, *args[2:]), kwargs
+        self._before_update()
+        return None
+
+    def _before_update(self) -> None:
         if self._window is not None:
             self._merge_ranks()
             for i in self.instruments:
@@ -516,6 +552,14 @@ class Lens:
         self._empty_micro_steps = 0
         self._open_window()
         return record
+
+    def discard_window(self) -> None:
+        """Drop the current window's statistics without a record, for an update the training
+        framework skipped (e.g. a GradScaler found inf/nan gradients and did not call the
+        optimizer): the next micro-steps start a fresh window with the same step index, and
+        :attr:`skipped_windows` counts it."""
+        self._check_open()
+        self._on_window_end(None, False)
 
     def _on_window_end(self, optimizer, updated: bool) -> None:
         """A window the optimizer ended without an update (GradScaler inf/nan, ``reset()``): its
@@ -601,7 +645,12 @@ class Lens:
     # ------------------------------------------------------------------ capture
     @contextmanager
     def capture(
-        self, reduction: str | None = None, losses: Tensor | None = None, loss: Tensor | None = None
+        self,
+        reduction: str | None = None,
+        losses: Tensor | None = None,
+        *,
+        multiplier: float | Tensor | None = None,
+        loss: Tensor | None = None,
     ) -> Iterator[None]:
         """Context manager around one micro-step's ``loss.backward()``.
 
@@ -616,10 +665,24 @@ class Lens:
         for a mean objective (a token-mean language-model loss, ignored targets included) and
         dL_n for a sum; ``record.meta["units"]`` says which.
         ``losses``: optional per-sample losses ``[B]`` of this micro-step.
+
+        What multiplied the loss on its way to ``backward`` (a GradScaler's scale, the ``1/K``
+        of a framework that divides the loss by the accumulation count) must be divided out to
+        get per-sample gradients. An extended loss module measures it by itself. With
+        ``reduction=`` (a functional loss, or a loss computed inside the model) say it with:
+
+        Args:
+            multiplier: a known factor (positive float, or 0-d tensor) by which the
+                backpropagated objective was multiplied relative to the loss of this micro-step
+                (or relative to ``loss``, when given); e.g. ``1 / K``.
+            loss: the 0-d loss tensor as computed, before any such scaling; gradlens hooks it and
+                divides out whatever multiplies it between it and ``backward`` (measured in
+                backward, no host sync). Backward must pass through it.
         """
         self._check_open()
         if loss is not None and reduction is None:
             raise ValueError("lens.capture(loss=...) needs the loss's reduction: capture(reduction='mean', loss=loss)")
+        multiplier = _check_multiplier(reduction, multiplier, loss)
         calls = take_loss_calls()
         if self._window is None:  # untracked window: nothing to do, nothing to pay
             yield
@@ -635,6 +698,8 @@ class Lens:
                 if not (isinstance(loss, Tensor) and loss.dim() == 0):
                     raise TypeError(f"loss must be the 0-d loss tensor, got {type(loss).__name__}")
                 calls = [LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")]
+            elif multiplier is not None:  # a known factor already applied to the loss
+                calls = []
             elif calls:  # a loss computed inside the model (or an extended one): it knows more
                 reduction = None
             else:
@@ -666,6 +731,7 @@ class Lens:
         )
         for call in calls:
             call.watch_multiplier()
+        micro.factor = multiplier
         if self._tap.tainted:
             self._check_undefined()
         self._micro = micro
@@ -699,6 +765,13 @@ class Lens:
             raise RuntimeError(
                 "lens.capture() exited without a backward pass through the watched model; "
                 "call loss.backward() inside the with-block"
+            )
+        if probe is not None and probe.missed():
+            self._open_window()  # the window's sums used an unknown scale: drop them
+            raise RuntimeError(
+                "lens.capture(loss=...): backward did not pass through the given loss tensor, "
+                "so what multiplied it is unknown; pass the tensor that is backpropagated (or "
+                "scaled and then backpropagated), or state multiplier= instead"
             )
         self._fold(micro)
 
@@ -1143,3 +1216,63 @@ class Lens:
             f"tracked={len(self._tap.params)} parameters, coverage={100 * self.coverage:.1f}%)"
         )
 
+
+
+# ---------------------------------------------------------------------- sinks and multipliers
+def _check_sinks(sinks: Iterable[Any]) -> list[Any]:
+    """The ``sinks=`` argument of :class:`Lens` as a list; every entry must have callable
+    ``write(record)`` and ``close()`` (the sink protocol)."""
+    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+        raise TypeError(
+            f"Lens(sinks=...) takes a list of sinks (objects with write(record) and close()), "
+            f"got {type(sinks).__name__} {sinks!r}"
+        )
+    out = list(sinks)
+    for sink in out:
+        missing = [m for m in ("write", "close") if not callable(getattr(sink, m, None))]
+        if missing:
+            raise TypeError(
+                f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(m + '()' for m in missing)}; "
+                "a sink is any object with write(record) and close() (see gradlens.sinks), e.g. "
+                "gradlens.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
+            )
+    return out
+
+
+def _check_multiplier(reduction, multiplier, loss) -> float | Tensor | None:
+    """Checks capture()'s multiplier= and loss= arguments; returns the multiplier (detached)."""
+    if multiplier is None and loss is None:
+        return None
+    if reduction is None:
+        raise ValueError(
+            "lens.capture(multiplier=..., loss=...) go with a stated reduction "
+            "(lens.capture(reduction='mean', ...)); with a loss module passed through "
+            "gradlens.extend() the multiplier is measured by itself: drop them"
+        )
+    if multiplier is not None:
+        if isinstance(multiplier, Tensor):
+            if multiplier.dim() != 0 or not multiplier.is_floating_point():
+                raise ValueError(
+                    "lens.capture(multiplier=...) must be a positive number or a 0-d float tensor, "
+                    f"got a {multiplier.dtype} tensor of shape {tuple(multiplier.shape)}"
+                )
+            multiplier = multiplier.detach()
+        elif isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not (
+            0 < multiplier < float("inf")
+        ):
+            raise ValueError(
+                f"lens.capture(multiplier=...) must be a positive finite number (e.g. 1 / K), got "
+                f"{multiplier!r}"
+            )
+    if loss is not None:
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            what = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"lens.capture(loss=...) must be the 0-d loss tensor that is backpropagated, got {what}"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "lens.capture(loss=...) does not require grad, so backward cannot pass through "
+                "it; pass the loss before .detach()/.item()"
+            )
+    return multiplier

@@ -1,0 +1,71 @@
+"""Float64 oracle for the framework integration tests: per-sample gradients with
+``torch.func.vmap(grad(...))`` on a copy of the model at each window's starting parameters
+(snapshotted by the test, never by gradlens), and the statistics derived from them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from oracle import hist_oracle
+
+
+def per_sample(model: nn.Module, state: dict, loss_one: Callable, *data) -> dict[str, torch.Tensor]:
+    """name -> [N, *param] float64 per-sample gradients of ``loss_one(out_of_one_sample, *targets)``
+    at parameters ``state`` (a state_dict)."""
+    m = copy.deepcopy(model).double()
+    m.load_state_dict(state)
+    for mod in m.modules():
+        mod._forward_hooks.clear()
+        mod._forward_pre_hooks.clear()
+    params = {k: v.detach().double() for k, v in m.named_parameters()}
+    buffers = {k: v.detach() for k, v in m.named_buffers()}
+
+    def one(p, x, *t):
+        out = functional_call(m, (p, buffers), (x.unsqueeze(0),))
+        return loss_one(out, *(ti.unsqueeze(0) for ti in t))
+
+    in_dims = (None,) + (0,) * len(data)
+    return vmap(grad(one), in_dims=in_dims)(params, *data)
+
+
+def flat(gs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+
+
+def norm_set(gs: dict[str, torch.Tensor], prefix: str = "") -> dict:
+    """batch_l2 [N], sum_grad_squared {name: [*param]}, grad_norm of the mean gradient."""
+    G = flat(gs)
+    return {
+        "batch_l2": G.square().sum(1),
+        "sum_grad_squared": {prefix + k: g.square().sum(0) for k, g in gs.items()},
+        "grad_norm": G.mean(0).norm(),
+    }
+
+
+def hist_counts(gs: dict[str, torch.Tensor], lo: float, hi: float, bins: int):
+    return hist_oracle(flat(gs), lo, hi, bins)
+
+
+def alpha(sq, f, df, var_f, var_df) -> float:
+    """Alpha from the weighted least-squares quadratic along s in [0, 1] (theta_t + s d)
+    (numpy lstsq, as tests/test_dots.py's oracle)."""
+    phi = np.array([[1, 0, 0], [1, 1, 1], [0, 1, 0], [0, 1, 2]], dtype=np.float64)
+    y = np.array([float(v) for v in (*f, *df)], dtype=np.float64)
+    sw = 1 / np.sqrt(np.array([float(v) for v in (*var_f, *var_df)], dtype=np.float64))
+    mu = np.linalg.lstsq(phi * sw[:, None], y * sw, rcond=None)[0]
+    if mu[2] <= 0:
+        return -1.0
+    return 1.0 / (-mu[1] / (2 * mu[2])) - 1.0
+
+
+def close(a, b, rtol=1e-9, atol=1e-12):
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+        rtol=rtol, atol=atol,
+    )

@@ -1,0 +1,158 @@
+"""Hugging Face Trainer: LensTrainerCallback records == float64 oracle of the same windows.
+
+A tiny model (Embedding + Linear on [B, T, d]) computes its own token-mean cross-entropy; the
+real Trainer runs on CPU with ``gradient_accumulation_steps=3``, a sequential sampler and a
+float64 model. The oracle: ``torch.func`` per-sample gradients of each sequence's own token-mean
+loss (= B * grad of its share of the micro-batch loss, DESIGN.md) at each window's starting
+parameters. Run with ``/work/venv-models/bin/python -m pytest -m frameworks``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradlens.instruments import Alpha, BatchL2, GradHist1d, GradNorm, SumGradSquared
+
+try:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gradlens.integrations.transformers import LensTrainerCallback
+
+    _IMPORT_ERROR = None
+except ImportError as err:  # collected (and deselected) by the default run
+    _IMPORT_ERROR = err
+    TrainerCallback = object
+
+import _integration_oracle as O
+
+pytestmark = pytest.mark.frameworks
+
+
+@pytest.fixture(autouse=True)
+def _frameworks_present():
+    """The default run collects this file and deselects it (marker ``frameworks``); when the
+    tests do run, a missing framework fails them, never skips them."""
+    if _IMPORT_ERROR is not None:
+        raise _IMPORT_ERROR
+
+K, B, T, V, N_TOTAL = 3, 4, 5, 11, 35  # windows of 3 micro-batches of 4; the last is [4, 4, 3]
+LO, HI, BINS = -0.3, 0.3, 32
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 6)
+        self.head = nn.Linear(6, V)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(torch.tanh(self.emb(input_ids)))  # [B, T, V]
+        out = {"logits": logits}
+        if labels is not None:  # the model's own loss: token-mean cross-entropy
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return out
+
+
+class Snapshots(TrainerCallback):
+    def __init__(self):
+        self.states = []
+
+    def on_step_begin(self, args, state, control, model=None, **kw):  # once per window
+        self.states.append(copy.deepcopy(model.state_dict()))
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (N_TOTAL, T), generator=g)
+    labels = torch.randint(0, V, (N_TOTAL, T), generator=g)
+    return ids, labels
+
+
+def _seq_loss(out, labels):
+    return F.cross_entropy(out["logits"].flatten(0, 1), labels.flatten())
+
+
+def _train(tmp_path, instruments, **kw):
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    model0 = copy.deepcopy(model)
+    ids, labels = _data()
+    ds = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=B,
+        gradient_accumulation_steps=K, num_train_epochs=1, learning_rate=0.5,
+        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
+        train_sampling_strategy="sequential", report_to="none", save_strategy="no",
+        logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    snaps = Snapshots()
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[snaps])
+    cb = LensTrainerCallback(trainer, instruments, **kw)
+    trainer.train()
+    return cb, snaps.states, model0, ids, labels, trainer
+
+
+def test_trainer_records_equal_oracle(tmp_path):
+    insts = [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=BINS, range=(LO, HI))]
+    cb, states, model0, ids, labels, trainer = _train(tmp_path, insts)
+    recs = cb.records
+    n = K * B
+    windows = [(ids[s:s + n], labels[s:s + n]) for s in range(0, N_TOTAL, n)]
+    assert len(recs) == len(windows) == len(states) == 3
+    assert [r.step for r in recs] == [0, 1, 2]
+    assert [r.micro_steps for r in recs] == [3, 3, 3]
+    assert [r.num_samples for r in recs] == [12, 12, 11]
+    # the parameters moved between windows (so each window's oracle point matters)
+    assert not torch.equal(states[0]["head.weight"], states[1]["head.weight"])
+    for t, rec in enumerate(recs):
+        gs = O.per_sample(model0, states[t], _seq_loss, *windows[t])
+        o = O.norm_set(gs)
+        O.close(rec["batch_l2"], o["batch_l2"])
+        O.close(rec["grad_norm"], o["grad_norm"])
+        assert sorted(rec["sum_grad_squared"]) == sorted(o["sum_grad_squared"])
+        for name, v in o["sum_grad_squared"].items():
+            O.close(rec["sum_grad_squared"][name], v)
+        counts, low, high = O.hist_counts(gs, LO, HI, BINS)
+        h = rec["grad_hist_1d"]
+        assert torch.equal(h.counts, counts) and (h.clamped_low, h.clamped_high) == (low, high)
+        assert (low, high) != (0, 0) or counts[0] + counts[-1] < counts.sum()
+    # the scalars went through trainer.log: log_history at the Trainer's step (updates done)
+    hist = {e["step"]: e for e in trainer.state.log_history if "gradlens/grad_norm" in e}
+    assert sorted(hist) == [1, 2, 3]
+    for rec in recs:
+        assert hist[rec.step + 1]["gradlens/grad_norm"] == pytest.approx(float(rec["grad_norm"]), rel=1e-12)
+        assert hist[rec.step + 1]["gradlens/grad_hist_1d/clamped_low"] == rec["grad_hist_1d"].clamped_low
+
+
+def test_trainer_refuses_alpha_and_says_why(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = Trainer(model=TinyLM(), args=args, train_dataset=[])
+    with pytest.raises(ValueError, match=r"cannot run Alpha.*per.*loss|Alpha: it needs every sample"):
+        LensTrainerCallback(trainer, [GradNorm(), Alpha()])
+
+
+def test_trainer_refuses_window_normalised_loss(tmp_path):
+    class KwLM(TinyLM):
+        def forward(self, input_ids, labels=None, **kwargs):
+            return super().forward(input_ids, labels)
+
+    ids, labels = _data()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, max_steps=1, save_strategy="no", disable_tqdm=True,
+    )
+    trainer = Trainer(model=KwLM(), args=args,
+                      train_dataset=[{"input_ids": i, "labels": l} for i, l in zip(ids, labels)])
+    LensTrainerCallback(trainer, [GradNorm()])
+    with pytest.raises(ValueError, match=r"model_accepts_loss_kwargs = False"):
+        trainer.train()
+
+
+def test_trainer_callback_bad_arguments():
+    with pytest.raises(TypeError, match=r"transformers.Trainer"):
+        LensTrainerCallback(object(), [GradNorm()])
