@@ -110,6 +110,11 @@ def _pending() -> deque:
     return q
 
 
+def pending_loss_calls() -> int:
+    """How many losses were computed since the last capture (in this thread)."""
+    return len(_pending())
+
+
 def take_loss_calls() -> list[LossCall]:
     """The losses computed since the last call (in this thread), oldest first."""
     q = _pending()
@@ -119,7 +124,11 @@ def take_loss_calls() -> list[LossCall]:
 
 
 def _note_loss(call: LossCall) -> None:
-    _pending().append(call)
+    q = _pending()
+    if q and q[-1].output is not None and q[-1].output is call.output:
+        q[-1] = call  # an extended loss module around a loss function seen inside: one loss
+    else:
+        q.append(call)
 
 
 def _loss_forward_hook(module: nn.Module, inputs, output) -> None:

@@ -766,7 +766,7 @@ class Lens:
                 "lens.capture() exited without a backward pass through the watched model; "
                 "call loss.backward() inside the with-block"
             )
-        if probe is not None and probe.missed():
+        if micro.explicit and micro.loss_calls and micro.loss_calls[0].multiplier is None:
             self._open_window()  # the window's sums used an unknown scale: drop them
             raise RuntimeError(
                 "lens.capture(loss=...): backward did not pass through the given loss tensor, "

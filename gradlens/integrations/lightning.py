@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 import gradlens
-from gradlens.capture import last_loss_call
+from gradlens.capture import pending_loss_calls
 from gradlens.integrations import record_scalars
 from gradlens.instruments.base import Instrument
 from gradlens.lens import Lens
@@ -207,7 +207,7 @@ class LensCallback(pl.Callback):
             )
         losses, self._losses = self._losses, None
         if self.reduction is None:
-            if lens.is_tracked() and last_loss_call(consume=False) is None:
+            if lens.is_tracked() and not pending_loss_calls():
                 raise RuntimeError(
                     "LensCallback: no loss module passed through gradlens.extend() ran in this "
                     "training_step; use loss_fn = gradlens.extend(nn.CrossEntropyLoss()) in the "
