@@ -192,7 +192,7 @@ def test_agrees_with_per_sample_noise_scale_on_demo_cnn():
     """Demo CNN on the digits at a fixed theta: per window the per-sample route gives unbiased
     tr(Sigma) and |G|^2 = |G_hat|^2 - tr/N too; the paired differences average to zero within
     4 standard errors, and the two B_simple (ratio of the means) agree within that spread."""
-    pytest.importorskip("sklearn")
+    import sklearn  # noqa: F401  (a test dependency: its absence must fail, not skip)
     from gradlens.cli import _digits, build_demo_model
 
     torch.manual_seed(0)

@@ -17,31 +17,14 @@ The helpers below turn a record into the flat scalar and histogram names all of 
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, Mapping
+from typing import Mapping
 
-import torch
 from torch import Tensor
 
 from gradlens.records import Hist1d, Hist2d, Record
+from gradlens.sinks import _as_number  # the one rule for what counts as a scalar
 
 __all__ = ["record_scalars", "record_histograms"]
-
-
-def _as_number(value: Any) -> float | None:
-    """``value`` as a float when it is a real number or a 0-d real tensor, else ``None``."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if (
-        isinstance(value, Tensor)
-        and value.dim() == 0
-        and not value.is_complex()
-        and value.dtype != torch.bool
-    ):
-        return float(value)
-    return None
 
 
 def record_scalars(record: Record, prefix: str = "gradlens/") -> dict[str, float]:
