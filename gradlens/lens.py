@@ -802,6 +802,10 @@ class Lens:
             s.micro_grad_sq = micro.grad_sq * (scale * scale)
             s.micro_size_sq = float(b) ** 2
         self._window = self._window.merge(s)
+        skipped = [q for q in self._tap.params if q not in micro.seen]  # g_n = 0 for these
+        for inst in self._per_sample_insts:
+            for q in skipped:
+                inst.update_zeros(micro.states[id(inst)], q, self._tap.params[q], b)
         for inst in self._micro_insts:
             key = id(inst)
             inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)

@@ -151,3 +151,61 @@ def test_an_empty_micro_batch_adds_nothing():
     rec = lens.flush()
     assert rec.num_samples == B and rec.micro_steps == 1 and rec["loss"] == pytest.approx(float(ce(m(x), y)))
     assert rec.meta["empty_micro_steps"] == 1
+
+
+class _Branchy(nn.Module):
+    """A trunk and a head; ``skip=True`` leaves the head out of the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(5, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x, skip=False):
+        h = torch.tanh(self.trunk(x))
+        return h if skip else self.head(h)
+
+
+def test_a_layer_skipped_by_a_micro_step_counts_its_zero_elements():
+    """Micro-step 2 skips the head: its per-sample gradients are exact zeros there, and both
+    histograms hold N x D elements equal to the float64 oracle's."""
+    from gradlens.instruments import GradHist1d, GradHist2d
+
+    from oracle import hist_oracle
+
+    torch.manual_seed(0)
+    model = _Branchy().double()
+    x, y = torch.randn(B, 5, dtype=torch.float64), torch.randint(0, 4, (B,))
+    split = [(slice(0, 4), False), (slice(4, B), True)]
+    ref = copy.deepcopy(model)
+    params = list(ref.parameters())
+    rows = []
+    for sl, skip in split:
+        for n in range(sl.start, sl.stop):
+            out = ref(x[n:n + 1], skip=skip)
+            g = torch.autograd.grad(F.cross_entropy(out, y[n:n + 1]), params, allow_unused=True)
+            rows.append(torch.cat([(torch.zeros_like(p) if v is None else v).reshape(-1)
+                                   for p, v in zip(params, g)]))
+    G = torch.stack(rows)  # [N, D]
+    theta = torch.cat([p.detach().reshape(-1) for p in params])
+
+    m = gradlens.extend(model)
+    ce = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
+    h1 = GradHist1d(bins=8, range=(-0.4, 0.4))
+    h2 = GradHist2d(bins=(4, 8), range=((-0.6, 0.6), (-0.4, 0.4)))
+    lens = Lens(m, [h1, h2, BatchL2()])
+    for sl, skip in split:
+        loss = ce(m(x[sl], skip=skip), y[sl])
+        with lens.capture():
+            loss.backward()
+    rec = lens.flush()
+    counts, low, high = hist_oracle(G, -0.4, 0.4, 8)
+    got = rec["grad_hist_1d"]
+    assert int(got.counts.sum()) == G.numel()
+    torch.testing.assert_close(got.counts, counts, rtol=0, atol=0)
+    assert (got.clamped_low, got.clamped_high) == (low, high)
+    pidx = torch.floor((theta + 0.6) * 4 / 1.2).clamp(0, 3).long()
+    gidx = torch.floor((G + 0.4) * 8 / 0.8).clamp(0, 7).long()
+    joint = torch.bincount((pidx[None, :] * 8 + gidx).reshape(-1), minlength=32).view(4, 8)
+    torch.testing.assert_close(rec["grad_hist_2d"].counts, joint, rtol=0, atol=0)
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)

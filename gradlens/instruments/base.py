@@ -261,6 +261,12 @@ class Instrument:
         call :meth:`update` instead."""
         return False
 
+    def update_zeros(self, state: Any, name: str, param: Tensor, count: int) -> None:
+        """A tracked parameter that this micro-step's backward never reached (a layer the
+        forward skipped): its per-sample gradients are ``count`` samples of exact zeros. Only
+        instruments that count elements need this (sums and norms are unchanged by zeros)."""
+        return None
+
     # ---- optional extension points (used by instruments that need more than the above) ----
     def update_layer(self, state: Any, module: Any, a: Tensor, delta: Tensor) -> None:
         """For ``"layer" in needs``: called once per watched module per micro-step with the

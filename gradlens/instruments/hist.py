@@ -156,6 +156,21 @@ class GradHist1d(Instrument):
             self._extremes(state, ext)
         return True
 
+    def update_zeros(self, state: _Hist1dState, name, param, count):
+        """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer)."""
+        n = count * param.numel()
+        state.to(param.device)
+        if 0.0 < state.lo:
+            state.low += n
+        elif 0.0 <= state.hi:
+            zero = torch.zeros(1, dtype=param.dtype if param.is_floating_point() else torch.float32,
+                               device=state.counts.device)
+            state.counts.index_add_(0, _bin_index(zero, state.lo, state.hi, self.bins),
+                                    torch.full((1,), n, dtype=torch.int64, device=zero.device))
+        state.total += n  # above hi: counted high (total - in range - low)
+        if self.adapt is not None:
+            self._extremes(state, torch.zeros(1, device=state.counts.device))
+
     @staticmethod
     def _extremes(state: _Hist1dState, x: Tensor) -> None:
         mn, mx = torch.aminmax(x)  # kept as tensors: no device sync per slice
@@ -309,6 +324,21 @@ class GradHist2d(Instrument):
         if self.adapt is not None:
             self._grad_extremes(state, vmin.min(), vmax.max())
         return True
+
+    def update_zeros(self, state: _Hist2dState, name, param, count):
+        """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer):
+        each entry j adds ``count`` to the cell (bin of theta_j, bin of 0)."""
+        state.to(param.device)
+        off = self._offsets(state, name, param).reshape(-1)
+        lo, hi = state.grange
+        zero = torch.zeros(1, dtype=param.dtype, device=off.device)
+        idx = off + _bin_index(zero, lo, hi, self.bins[1])
+        state.counts.index_add_(0, idx, torch.full_like(idx, count))
+        if not lo <= 0.0 <= hi:
+            state.clamped_grad += count * param.numel()
+        if self.adapt is not None:
+            z = torch.zeros((), device=off.device)
+            self._grad_extremes(state, z, z)
 
     @staticmethod
     def _grad_extremes(state: _Hist2dState, mn: Tensor, mx: Tensor) -> None:
