@@ -556,3 +556,26 @@ def test_mean_tests_with_training_mode_batchnorm():
     assert sorted(lens.tracked) == sorted(names)
     _close(lens.records[0]["inner_test"], inner)
     _close(lens.records[0]["ortho_test"], ortho)
+
+
+def test_micro_batches_that_are_slices_with_an_in_place_first_layer_are_not_refused():
+    """x.split(...) micro-batches share one version counter; an in-place first layer bumps it
+    for every slice. That is no modification of an earlier micro-batch: the Gram is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    ref = copy.deepcopy(model)
+    rows = []
+    for n in range(8):
+        g = torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1].clone()), y[n:n + 1]), list(ref.parameters()))
+        rows.append(torch.cat([v.reshape(-1) for v in g]))
+    G = torch.stack(rows)
+    m = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(m, [BatchDot()])
+    for xs, ys in zip(x.clone().split([3, 5]), y.split([3, 5])):
+        loss = loss_fn(m(xs), ys)
+        with lens.capture():
+            loss.backward()
+    rec = lens.flush()
+    torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)

@@ -25,8 +25,8 @@ instruments of one Lens share them). When the window-end vector is known it eval
 
 The memory kept is bounded by ``max_bytes`` (default 1 GiB); exceeding it raises a
 ``RuntimeError`` that names the bounded-memory mode. Inputs and output gradients are kept by
-reference, so a tensor modified in place before the window closes is detected (version counter)
-and refused.
+reference (a slice of a larger tensor, such as a micro-batch from ``x.split``, is copied), so a
+tensor modified in place before the window closes is detected (version counter) and refused.
 
 **Sketch mode** (``mode="sketch"``, ``k`` dimensions). Each g_n is reduced to ``s_n = R g_n`` in
 ``R^k`` as soon as its micro-step runs, and only ``[N, k]`` is kept. Row j of R is, for every
@@ -105,6 +105,16 @@ class _Sketcher:
     def sketch_direction(self, w, direction: dict[str, Tensor], like: Tensor) -> Tensor:
         """``[k]``: s(D) of one layer's direction (attribute -> ``[*param]``)."""
         return w.kernel.sketch_direction(w.module, direction, w.params, self.k, self.pairs(w, like), like)
+
+
+def _own(t: Tensor) -> Tensor:
+    """``t`` itself if it owns its storage, else a copy: a slice of a larger tensor (e.g. a
+    micro-batch from ``x.split(...)``) shares its version counter with the other slices, so an
+    in-place change of a later micro-batch would look like a change of this one."""
+    whole = t.numel() * t.element_size()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == whole:
+        return t
+    return t.clone()
 
 
 # =============================================================================== state
@@ -226,6 +236,7 @@ class _CrossSample(Instrument):
             s = self._sketcher.sketch(module, a, delta)
             part.sketch = s if part.sketch is None else part.sketch + s
             return
+        a, delta = _own(a), _own(delta)
         part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version))
         if self._materialises(module, a, delta):
             per = sum(getattr(module.module, attr).numel() for attr in module.params)
