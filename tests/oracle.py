@@ -134,9 +134,20 @@ def flat(gs: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.flatten(1) for g in gs.values()], dim=1)
 
 
-def hist_oracle(values: torch.Tensor, lo: float, hi: float, bins: int):
-    """(counts, clamped_low, clamped_high) by the documented floor rule, float64."""
+def bins_oracle(values: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
+    """int64 bin of each value by the documented rule, from the float64 edges
+    ``lo + (hi - lo) * k / bins`` (an edge at 0 exactly 0): the number of inner edges <= v,
+    i.e. values below ``lo`` in bin 0, at or above ``hi`` (and NaN) in the last bin."""
+    k = torch.arange(1, bins, dtype=torch.float64)
+    inner = lo + (hi - lo) * k / bins
+    inner[(inner.abs() < 1e-12 * (hi - lo))] = 0.0
     v = values.double().flatten()
-    idx = torch.floor((v - lo) * bins / (hi - lo)).clamp(0, bins - 1).long()
-    counts = torch.bincount(idx, minlength=bins)
-    return counts, int((v < lo).sum()), int((v > hi).sum())
+    idx = torch.searchsorted(inner, v.nan_to_num(nan=float("inf")), right=True)
+    return idx.reshape(values.shape)
+
+
+def hist_oracle(values: torch.Tensor, lo: float, hi: float, bins: int):
+    """(counts, clamped_low, clamped_high) by the documented rule, float64."""
+    v = values.double().flatten()
+    counts = torch.bincount(bins_oracle(v, lo, hi, bins), minlength=bins)
+    return counts, int((v < lo).sum()), int((v > hi).sum() + v.isnan().sum())

@@ -171,7 +171,7 @@ def test_a_layer_skipped_by_a_micro_step_counts_its_zero_elements():
     histograms hold N x D elements equal to the float64 oracle's."""
     from gradlens.instruments import GradHist1d, GradHist2d
 
-    from oracle import hist_oracle
+    from oracle import bins_oracle, hist_oracle
 
     torch.manual_seed(0)
     model = _Branchy().double()
@@ -204,8 +204,8 @@ def test_a_layer_skipped_by_a_micro_step_counts_its_zero_elements():
     assert int(got.counts.sum()) == G.numel()
     torch.testing.assert_close(got.counts, counts, rtol=0, atol=0)
     assert (got.clamped_low, got.clamped_high) == (low, high)
-    pidx = torch.floor((theta + 0.6) * 4 / 1.2).clamp(0, 3).long()
-    gidx = torch.floor((G + 0.4) * 8 / 0.8).clamp(0, 7).long()
+    pidx = bins_oracle(theta, -0.6, 0.6, 4)
+    gidx = bins_oracle(G, -0.4, 0.4, 8)
     joint = torch.bincount((pidx[None, :] * 8 + gidx).reshape(-1), minlength=32).view(4, 8)
     torch.testing.assert_close(rec["grad_hist_2d"].counts, joint, rtol=0, atol=0)
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)

@@ -40,7 +40,7 @@ from gradlens.instruments import (
     OrthoTest,
     SumGradSquared,
 )
-from oracle import MODELS, flat, make_problem, per_sample_grads
+from oracle import MODELS, bins_oracle, flat, make_problem, per_sample_grads
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -183,8 +183,8 @@ def _check_window(vals, num_samples, G, theta_t, theta_next, window, next_window
     assert (vals["grad_hist_1d"].clamped_low, vals["grad_hist_1d"].clamped_high) == (low, high)
     theta = torch.cat([p.detach().flatten() for p in theta_t.parameters()])
     pb, gb = 6, 8
-    pidx = torch.floor((theta + param_r) * pb / (2 * param_r)).clamp(0, pb - 1).long()
-    gidx = torch.floor((G + grad_r) * gb / (2 * grad_r)).clamp(0, gb - 1).long()
+    pidx = bins_oracle(theta, -param_r, param_r, pb)
+    gidx = bins_oracle(G, -grad_r, grad_r, gb)
     joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
     assert torch.equal(vals["grad_hist_2d"].counts, joint)
     assert vals["grad_hist_2d"].clamped_param == n * int(((theta < -param_r) | (theta > param_r)).sum())

@@ -21,7 +21,7 @@ from gradlens.instruments import (
     NormTest,
     SumGradSquared,
 )
-from oracle import MODELS, SPLITS, flat, hist_oracle, make_problem, per_sample_grads
+from oracle import MODELS, SPLITS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads
 
 RTOL = 1e-10
 HIST_BINS = 10
@@ -109,8 +109,8 @@ def check_against_oracle(rec, P, reduction):
     pr = P["param_r"]
     theta = torch.cat([p.detach().flatten() for p in P["model"].parameters()])
     pb, gb = HIST2D_BINS
-    pidx = torch.floor((theta + pr) * pb / (2 * pr)).clamp(0, pb - 1).long()
-    gidx = torch.floor((G + r) * gb / (2 * r)).clamp(0, gb - 1).long()
+    pidx = bins_oracle(theta, -pr, pr, pb)
+    gidx = bins_oracle(G, -r, r, gb)
     joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
     h2 = rec["grad_hist_2d"]
     assert torch.equal(h2.counts, joint)

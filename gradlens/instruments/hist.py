@@ -2,13 +2,20 @@
 
 Binning (both axes): element x falls in bin ``floor((x - lo) * bins / (hi - lo))`` clamped to
 ``[0, bins - 1]``; values below ``lo`` count in the first bin, values at or above ``hi`` in the
-last, and the number clamped is recorded. So ``0`` on a symmetric range with an even number of
-bins is counted in the bin right of zero, ``[0, w)``. Non-finite values count as out of range
-(-inf low; +inf and NaN high).
+last, and the number clamped is recorded. When 0 is an edge (a symmetric range with an even
+number of bins) the sign decides exactly: ``0`` and positive values fall in the bin right of
+zero, ``[0, w)``, negative ones left of it, however small (see
+:func:`~gradlens.instruments.outer_hist.bin_of`). Non-finite values count as out of range (-inf
+low; +inf and NaN high).
 
-Cost: one vectorised pass per layer over slices of samples (``torch.histc`` for 1D, one
-``bincount`` over the combined index ``param_bin * grad_bins + grad_bin`` for 2D); no Python loop
-over samples or bins. The range is fixed within a window, so micro-step counts add; ``adapt``
+Cost: one vectorised pass per layer over slices of samples (bin index, then one ``bincount``;
+for 2D over the combined index ``param_bin * grad_bins + grad_bin``); no Python loop over
+samples or bins. The parameter values, and so their bins, are fixed within a window: they are
+binned once per window. On the CPU, rank-one layers (Linear without a sequence axis) take exact
+shortcuts that touch far fewer than B x D elements (:mod:`gradlens.instruments.outer_hist` for
+1D; for 2D the rows of a sample whose products lie in one bin, or on both sides of the zero edge,
+are counted with small matmuls). On an accelerator the per-micro-step work makes no host read
+(:mod:`gradlens.sync`). The range is fixed within a window, so micro-step counts add; ``adapt``
 sets the next window's range from this window's extremes.
 """
 
@@ -21,20 +28,20 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.instruments.outer_hist import bin_of, outer_hist1d, row_extremes
+from gradlens.instruments.outer_hist import _affine, bin_of, outer_hist1d, row_extremes
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
+from gradlens.sync import device_paths
 
 __all__ = ["GradHist1d", "GradHist2d"]
 
 _ADAPT = (None, "abs_max", "min_max")
-
+_EXACT_FLOAT = 1 << 24  # histc counts in float32: at most this many elements per call
 
 def _check_bins(bins, what: str) -> int:
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"{what} must be a positive int, got {bins!r}")
     return bins
-
 
 def _check_range(rng, what: str) -> tuple[float, float]:
     try:
@@ -45,32 +52,39 @@ def _check_range(rng, what: str) -> tuple[float, float]:
         raise ValueError(f"{what} must satisfy lo < hi (finite), got {rng!r}: the range is empty")
     return lo, hi
 
-
 def _check_adapt(adapt):
     if adapt not in _ADAPT:
         raise ValueError(f"adapt must be one of {_ADAPT}, got {adapt!r}")
     return adapt
 
-
 def _edges(lo: float, hi: float, bins: int) -> Tensor:
     """``[bins + 1]`` float64 edges lo + (hi - lo) * i / bins (0 exact on symmetric ranges)."""
     edges = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64) / bins
     edges[-1] = hi
+    s, z = _affine(lo, hi, bins)
+    if z is not None:
+        edges[int(z)] = 0.0
     return edges
 
+def tally(counts: Tensor, idx: Tensor) -> None:
+    """``counts[k] += #{idx == k}`` for int64 ``idx`` in ``[0, len(counts))``, in place.
 
-def _bin_index(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
-    """int64 bin of every element (the documented floor rule, clamped; NaN -> last bin)."""
-    return bin_of(x, lo, hi, bins)
-
+    CPU: one ``bincount``. Device paths (:mod:`gradlens.sync`): ``bincount`` reads the largest
+    index back to size its output, so the indices are counted by ``torch.histc`` over their
+    integer values instead (exact: each call stays below 2**24 elements)."""
+    flat = idx.reshape(-1)
+    n = counts.numel()
+    if not device_paths(flat):
+        counts += torch.bincount(flat, minlength=n)
+        return
+    for part in flat.split(_EXACT_FLOAT):
+        counts += torch.histc(part.float(), n, 0, n).to(torch.int64)
 
 def _pick(fn, a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return b if a is None else a if b is None else fn(a, b.to(a.device))
 
-
 def _num(t: Tensor | None, default: float) -> float:
     return default if t is None else float(t)
-
 
 def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[float, float]:
     if adapt == "abs_max":
@@ -80,13 +94,16 @@ def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[f
         return (mn, mx) if math.isfinite(mn) and math.isfinite(mx) and mn < mx else lo_hi
     return lo_hi
 
+def _zeros_like_counter(device) -> Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
 
 @dataclass
 class _Hist1dState:
     lo: float
     hi: float
-    counts: Tensor
+    counts: Tensor  # [bins] int64, clamped values included
     low: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    high: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     total: int = 0
     mn: Tensor | None = None  # extremes seen (only with adapt), on the gradients' device
     mx: Tensor | None = None
@@ -94,8 +111,7 @@ class _Hist1dState:
     def to(self, device) -> None:
         """Keep the counters on the gradients' device (no host sync per slice)."""
         if self.counts.device != device:
-            self.counts, self.low = self.counts.to(device), self.low.to(device)
-
+            self.counts, self.low, self.high = (t.to(device) for t in (self.counts, self.low, self.high))
 
 class GradHist1d(Instrument):
     """``record["grad_hist_1d"]``: :class:`~gradlens.records.Hist1d` of every element of every
@@ -126,29 +142,27 @@ class GradHist1d(Instrument):
         x = grad_batch.detach()
         state.to(x.device)
         lo, hi = state.lo, state.hi
-        # histc counts in the input dtype: keep each call below 2**24 elements (float32-exact;
-        # a precision bound, not a memory chunk)
-        for part in x.reshape(-1).split(1 << 24):
-            inside = torch.histc(part, self.bins, lo, hi)  # [lo, hi], hi in the last bin
-            state.counts += inside.to(torch.int64)
-            state.low += (part < lo).sum()
+        tally(state.counts, bin_of(x, lo, hi, self.bins))
+        state.low += (x < lo).sum()
+        state.high += (x > hi).sum() + x.isnan().sum()
         state.total += x.numel()
         if self.adapt is not None:
             self._extremes(state, x)
 
     def update_outer(self, state: _Hist1dState, name, param, delta, a) -> bool:
         """Rank-one layers (g_n = delta_n a_n^T, ``delta [B, O]``, ``a [B, I]``): exact counts
-        from sorted factors (:mod:`gradlens.instruments.outer_hist`); False if too costly."""
+        from sorted factors (:mod:`gradlens.instruments.outer_hist`); False if too costly, and
+        on the device paths (its searches have data-dependent sizes)."""
+        if device_paths(delta):
+            return False
         out = outer_hist1d(delta, a, state.lo, state.hi, self.bins)
         if out is None:
             return False
         state.to(delta.device)
         counts, low, high = out
         state.counts += counts
-        # counts include the clamped values; keep the layout of update(): in-range + low
-        state.counts[0] -= low
-        state.counts[-1] -= high
         state.low += low
+        state.high += high
         state.total += delta.shape[0] * delta.shape[1] * a.shape[1]
         if self.adapt is not None:
             ext = torch.stack([delta.amin(1) * a.amin(1), delta.amin(1) * a.amax(1),
@@ -160,16 +174,16 @@ class GradHist1d(Instrument):
         """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer)."""
         n = count * param.numel()
         state.to(param.device)
+        zero = torch.zeros(1, dtype=torch.float32, device=state.counts.device)
+        state.counts.index_add_(0, bin_of(zero, state.lo, state.hi, self.bins),
+                                torch.full((1,), n, dtype=torch.int64, device=zero.device))
         if 0.0 < state.lo:
             state.low += n
-        elif 0.0 <= state.hi:
-            zero = torch.zeros(1, dtype=param.dtype if param.is_floating_point() else torch.float32,
-                               device=state.counts.device)
-            state.counts.index_add_(0, _bin_index(zero, state.lo, state.hi, self.bins),
-                                    torch.full((1,), n, dtype=torch.int64, device=zero.device))
-        state.total += n  # above hi: counted high (total - in range - low)
+        elif 0.0 > state.hi:
+            state.high += n
+        state.total += n
         if self.adapt is not None:
-            self._extremes(state, torch.zeros(1, device=state.counts.device))
+            self._extremes(state, zero)
 
     @staticmethod
     def _extremes(state: _Hist1dState, x: Tensor) -> None:
@@ -178,19 +192,15 @@ class GradHist1d(Instrument):
         state.mx = mx if state.mx is None else torch.maximum(state.mx, mx)
 
     def merge(self, a: _Hist1dState, b: _Hist1dState) -> _Hist1dState:
+        dev = a.counts.device
         return _Hist1dState(
-            a.lo, a.hi, a.counts + b.counts.to(a.counts.device), a.low + b.low.to(a.low.device),
+            a.lo, a.hi, a.counts + b.counts.to(dev), a.low + b.low.to(dev), a.high + b.high.to(dev),
             a.total + b.total, _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist1dState) -> Hist1d:
-        counts = state.counts.cpu().clone()
-        low = int(state.low)
-        high = state.total - int(counts.sum()) - low
-        counts[0] += low
-        counts[-1] += high
-        edges = _edges(state.lo, state.hi, self.bins)
-        return Hist1d(counts, edges, low, high)
+        return Hist1d(state.counts.cpu().clone(), _edges(state.lo, state.hi, self.bins),
+                      int(state.low), int(state.high))
 
     def end_window(self, state: _Hist1dState) -> None:
         self.range = _adapted(self.range, _num(state.mn, math.inf), _num(state.mx, -math.inf), self.adapt)
@@ -199,14 +209,24 @@ class GradHist1d(Instrument):
     def to_buffers(self, state: _Hist1dState, ctx):
         from gradlens.distributed import DistParts
 
-        sums = [state.counts, state.low, torch.tensor(state.total, dtype=torch.int64)]
+        sums = [state.counts, state.low, state.high, torch.tensor(state.total, dtype=torch.int64)]
         per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist1dState, ctx, sums, per_rank, pieces) -> _Hist1dState:
         mn, mx = _merged_extremes(per_rank)
-        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], int(sums[2]), mn, mx)
+        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], int(sums[3]), mn, mx)
 
+@dataclass
+class _Theta:
+    """One parameter's bins for a window (theta is fixed within it): computed on its first
+    use, kept on the device (no host read until the window closes)."""
+
+    offsets: Tensor  # [*param] int64: param_bin * grad_bins
+    clamped: Tensor  # 0-d int64: entries outside the parameter range (or NaN)
+    mn: Tensor  # 0-d: extremes of theta (for adapt)
+    mx: Tensor
+    rows: Tensor | None = None  # [O, P] parameter-bin counts per row (2-D parameters, CPU)
 
 @dataclass
 class _Hist2dState:
@@ -216,14 +236,12 @@ class _Hist2dState:
     clamped_grad: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     gmn: Tensor | None = None
     gmx: Tensor | None = None
-    #: per window (shared by its micro-steps): parameter name -> (theta bin offsets, #theta out
-    #: of range, min, max); name + "#rows" -> [O, P] parameter-bin counts per row
+    #: per window (shared by its micro-steps): parameter name -> :class:`_Theta`
     cache: dict = field(default_factory=dict)
 
     def to(self, device) -> None:
         if self.counts.device != device:
             self.counts, self.clamped_grad = self.counts.to(device), self.clamped_grad.to(device)
-
 
 class GradHist2d(Instrument):
     """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
@@ -238,8 +256,6 @@ class GradHist2d(Instrument):
 
     key = "grad_hist_2d"
     needs = frozenset({"per_sample"})
-
-    _not_saved = ("_row_cache",)  # a cache (Lens.state_dict leaves it out)
 
     def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None):
         if isinstance(bins, int) and not isinstance(bins, bool):
@@ -272,67 +288,100 @@ class GradHist2d(Instrument):
         state.cache = window_state.cache  # theta is fixed within a window: bin it once
         return state
 
-    def _offsets(self, state: _Hist2dState, name: str, param: Tensor) -> Tensor:
-        cached = state.cache.get(name)
-        if cached is None:
+    def _theta(self, state: _Hist2dState, name: str, param: Tensor) -> _Theta:
+        got = state.cache.get(name)
+        if got is None:
             theta = param.detach()
             lo, hi = state.prange
-            off = _bin_index(theta, lo, hi, self.bins[0]).mul_(self.bins[1])
-            n_out = int(((theta < lo) | (theta > hi) | theta.isnan()).sum())
-            mn, mx = (float(v) for v in torch.aminmax(theta)) if self.adapt else (math.inf, -math.inf)
-            cached = state.cache[name] = (off, n_out, mn, mx)
-        return cached[0]
+            off = bin_of(theta, lo, hi, self.bins[0]).mul_(self.bins[1])
+            out = ((theta < lo) | (theta > hi) | theta.isnan()).sum()
+            mn, mx = torch.aminmax(theta.reshape(-1)) if theta.numel() else (theta.new_tensor(math.inf),
+                                                                             theta.new_tensor(-math.inf))
+            got = state.cache[name] = _Theta(off, out, mn, mx)
+        return got
 
     def update(self, state: _Hist2dState, name, param, grad_batch):
         x = grad_batch.detach()
         state.to(x.device)
-        off = self._offsets(state, name, param)
+        off = self._theta(state, name, param).offsets
         lo, hi = state.grange
-        gbins = self.bins[1]
-        idx = _bin_index(x, lo, hi, gbins).add_(off)
-        state.counts += torch.bincount(idx.reshape(-1), minlength=state.counts.numel())
+        tally(state.counts, bin_of(x, lo, hi, self.bins[1]).add_(off))
         state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum()
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
 
     def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
-        """Rank-one layers (``delta [B, O]``, ``a [B, I]``): a row (n, i) whose products all lie
-        in one in-range gradient bin adds row i's parameter-bin counts to that column (one small
-        matmul for all such rows); the other rows are binned element by element."""
+        """Rank-one layers on the CPU (``delta [B, O]``, ``a [B, I]``, finite): each row (n, o),
+        the products ``delta[n, o] * a[n, :]``, is counted by the cheapest exact rule:
+
+        * all its products in one gradient bin g: row o's parameter-bin counts go to column g
+          (one small matmul for all such rows);
+        * its products on both sides of the zero edge (bins z - 1 and z, nothing else): the sign
+          decides, so per parameter entry (o, i) the number of samples with a negative product is
+          ``[delta > 0]^T [a < 0] + [delta < 0]^T [a > 0]`` over those rows (two matmuls);
+        * any other row: its products binned one by one.
+        """
+        if device_paths(delta):
+            return False
         pbins, gbins = self.bins
         lo, hi = state.grange
         o, width = param.shape
         state.to(delta.device)
-        off = self._offsets(state, name, param)  # [O, I] p_bin * G
-        row_counts = self._row_counts(state, name, off)  # [O, P]
+        theta = self._theta(state, name, param)
+        off = theta.offsets  # [O, I] p_bin * G
+        row_counts = self._row_counts(theta)  # [O, P]
         vmin, vmax = row_extremes(delta, a)
         first, last = bin_of(vmin, lo, hi, gbins), bin_of(vmax, lo, hi, gbins)
-        single = (first == last) & (vmin >= lo) & (vmax <= hi)
+        inside = (vmin >= lo) & (vmax <= hi)
+        single = (first == last) & inside
         rows = torch.arange(delta.numel(), device=delta.device)
         row_i = rows % o
         s_rows = rows[single]
         per_col = torch.bincount(row_i[s_rows] * gbins + first[s_rows], minlength=o * gbins)
         joint = row_counts.t().double() @ per_col.view(o, gbins).double()  # [P, G], exact ints
         state.counts += joint.round().long().view(-1)
-        multi = rows[~single]
+        done = single
+        z = _affine(lo, hi, gbins)[1]
+        if z is not None and 0 < z < gbins:
+            zs = ((first == int(z) - 1) & (last == int(z)) & inside).view_as(delta)
+            if bool(zs.any()):
+                self._zero_split(state, zs, delta, a, off, row_counts, int(z))
+                done = done | zs.reshape(-1)
+        multi = rows[~done]
         for s, e in sample_chunks(width, multi.numel()):  # [R, I] products per block
             c = multi[s:e]
             x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
-            idx = _bin_index(x, lo, hi, gbins).add_(off[c % o])
-            state.counts += torch.bincount(idx.reshape(-1), minlength=state.counts.numel())
+            tally(state.counts, bin_of(x, lo, hi, gbins).add_(off[c % o]))
             state.clamped_grad += ((x < lo) | (x > hi)).sum()
         if self.adapt is not None:
             self._grad_extremes(state, vmin.min(), vmax.max())
         return True
 
+    def _zero_split(self, state, zs: Tensor, delta: Tensor, a: Tensor, off: Tensor,
+                    row_counts: Tensor, z: int) -> None:
+        """Rows ``zs [B, O]`` whose products lie in bins z - 1 (negative) and z (zero or
+        positive): per parameter bin, how many of their products are negative."""
+        f = torch.float64 if delta.shape[0] >= _EXACT_FLOAT else torch.float32
+        zf = zs.to(f)
+        d_pos, d_neg = zf * (delta > 0), zf * (delta < 0)
+        neg = d_pos.t() @ (a < 0).to(f) + d_neg.t() @ (a > 0).to(f)  # [O, I] exact counts
+        pbins, gbins = self.bins
+        neg_p = torch.zeros(pbins, dtype=torch.float64, device=neg.device)
+        neg_p.index_add_(0, (off // gbins).reshape(-1), neg.reshape(-1).double())
+        all_p = (zs.sum(0).double() @ row_counts.double())  # [P]: products of these rows
+        neg_p = neg_p.round().long()
+        cells = state.counts.view(pbins, gbins)
+        cells[:, z - 1] += neg_p
+        cells[:, z] += all_p.round().long() - neg_p
+
     def update_zeros(self, state: _Hist2dState, name, param, count):
         """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer):
         each entry j adds ``count`` to the cell (bin of theta_j, bin of 0)."""
         state.to(param.device)
-        off = self._offsets(state, name, param).reshape(-1)
+        off = self._theta(state, name, param).offsets.reshape(-1)
         lo, hi = state.grange
-        zero = torch.zeros(1, dtype=param.dtype, device=off.device)
-        idx = off + _bin_index(zero, lo, hi, self.bins[1])
+        zero = torch.zeros(1, dtype=torch.float32, device=off.device)
+        idx = off + bin_of(zero, lo, hi, self.bins[1])
         state.counts.index_add_(0, idx, torch.full_like(idx, count))
         if not lo <= 0.0 <= hi:
             state.clamped_grad += count * param.numel()
@@ -345,17 +394,15 @@ class GradHist2d(Instrument):
         state.gmn = mn if state.gmn is None else torch.minimum(state.gmn, mn)
         state.gmx = mx if state.gmx is None else torch.maximum(state.gmx, mx)
 
-    def _row_counts(self, state: _Hist2dState, name: str, off: Tensor) -> Tensor:
-        """``[O, P]`` parameter-bin counts of each row of a 2-D parameter (cached per window)."""
-        key = name + "#rows"
-        cached = state.cache.get(key)
-        if cached is None:
+    def _row_counts(self, theta: _Theta) -> Tensor:
+        """``[O, P]`` parameter-bin counts of each row of a 2-D parameter (once per window)."""
+        if theta.rows is None:
+            off = theta.offsets
             o = off.shape[0]
             pbins, gbins = self.bins
-            pb = off // gbins
-            ids = torch.arange(o, device=off.device)[:, None] * pbins + pb
-            cached = state.cache[key] = torch.bincount(ids.view(-1), minlength=o * pbins).view(o, pbins)
-        return cached
+            ids = torch.arange(o, device=off.device)[:, None] * pbins + off // gbins
+            theta.rows = torch.bincount(ids.view(-1), minlength=o * pbins).view(o, pbins)
+        return theta.rows
 
     def merge(self, a: _Hist2dState, b: _Hist2dState) -> _Hist2dState:
         return _Hist2dState(
@@ -371,14 +418,14 @@ class GradHist2d(Instrument):
             counts=state.counts.view(pb, gb).cpu().clone(),
             param_edges=_edges(*state.prange, pb),
             grad_edges=_edges(*state.grange, gb),
-            clamped_param=sum(c[1] for k, c in state.cache.items() if not k.endswith("#rows")) * stats.num_samples,
+            clamped_param=sum(int(t.clamped) for t in state.cache.values()) * stats.num_samples,
             clamped_grad=int(state.clamped_grad),
         )
 
     def end_window(self, state: _Hist2dState) -> None:
-        thetas = [c for k, c in state.cache.items() if not k.endswith("#rows")]
-        pmn = min((c[2] for c in thetas), default=math.inf)
-        pmx = max((c[3] for c in thetas), default=-math.inf)
+        thetas = list(state.cache.values())
+        pmn = min((float(t.mn) for t in thetas), default=math.inf)
+        pmx = max((float(t.mx) for t in thetas), default=-math.inf)
         self.param_range = _adapted(self.param_range, pmn, pmx, self.adapt)
         self.grad_range = _adapted(
             self.grad_range, _num(state.gmn, math.inf), _num(state.gmx, -math.inf), self.adapt
@@ -396,13 +443,11 @@ class GradHist2d(Instrument):
         mn, mx = _merged_extremes(per_rank)
         return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache)
 
-
 def _extremes_row(mn: Tensor | None, mx: Tensor | None) -> Tensor:
     """``[2]`` float64 (min, max) of this rank's window (+inf, -inf when it saw nothing)."""
     lo = torch.tensor(math.inf, dtype=torch.float64) if mn is None else mn.detach().double().cpu()
     hi = torch.tensor(-math.inf, dtype=torch.float64) if mx is None else mx.detach().double().cpu()
     return torch.stack([lo.reshape(()), hi.reshape(())])
-
 
 def _merged_extremes(per_rank) -> tuple[Tensor | None, Tensor | None]:
     if not per_rank:

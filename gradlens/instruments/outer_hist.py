@@ -29,10 +29,27 @@ def row_extremes(delta: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
     return vmin, vmax
 
 
+def _affine(lo: float, hi: float, bins: int) -> tuple[float, float | None]:
+    """``(s, z)``: bins per unit ``s = bins / (hi - lo)`` and, when 0 is an edge of the range,
+    its index ``z = -lo * s`` (an integer), else None."""
+    s = bins / (hi - lo)
+    z = -lo * s
+    if lo <= 0.0 <= hi and abs(z - round(z)) <= 1e-9 * max(1.0, abs(z)):
+        return s, float(round(z))
+    return s, None
+
+
 def bin_of(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
-    """int64 bins, ``floor((x - lo) * bins / (hi - lo))`` clamped to ``[0, bins - 1]`` — the
-    arithmetic of ``torch.histc`` and of the documented rule."""
-    idx = torch.floor((x - lo) * bins / (hi - lo))
+    """int64 bins by the documented rule ``floor((x - lo) * bins / (hi - lo))``, clamped to
+    ``[0, bins - 1]`` (NaN in the last bin). When 0 is an edge it is computed as
+    ``z + floor(x * bins / (hi - lo))``, the same number without the rounding of ``x - lo``: the
+    sign of x alone decides the side of the zero edge (a tiny negative value is never rounded
+    into the bin right of zero)."""
+    s, z = _affine(lo, hi, bins)
+    if z is None:
+        idx = torch.floor((x - lo) * s)
+    else:
+        idx = torch.floor(x * s).add_(z)
     return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).long()
 
 
