@@ -63,6 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradlens.sync import device_paths
+
 __all__ = ["Kernel", "CHUNK_ELEMENTS", "sample_chunks"]
 
 #: elements of one transient block: a materialised ``[b, *param]`` slice, a ``T x T`` Gram
@@ -313,8 +315,8 @@ class LinearKernel(Kernel):
         return out
 
     def outer_factors(self, module, a, delta):
-        if delta.dim() != 2 or "weight" not in self.params(module):
-            return {}
+        if delta.dim() != 2 or "weight" not in self.params(module) or device_paths(delta):
+            return {}  # (the factor fast paths are CPU shortcuts with host reads)
         if not (torch.isfinite(a).all() and torch.isfinite(delta).all()):
             return {}  # inf * 0 = nan: let the materialised path see what autograd would
         return {"weight": (delta, a)}

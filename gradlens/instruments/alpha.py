@@ -117,7 +117,7 @@ class Alpha(_CrossSample):
         D = {attr: direction["d"][q] for attr, q in module.params.items() if q in direction["d"]}
         if not D:
             return
-        proj = module.kernel.directional(module.module, a, delta, D, module.params).double().cpu()
+        proj = module.kernel.directional(module.module, a, delta, D, module.params).double()
         part.end_proj = proj if part.end_proj is None else part.end_proj + proj
         part.end_token = direction["token"]
 
@@ -131,7 +131,7 @@ class Alpha(_CrossSample):
                     f"a tensor of {batch_size} elements, got {shape}; compute them with "
                     "reduction='none' (e.g. F.cross_entropy(out, y, reduction='none'))"
                 )
-            state.part().losses = losses.detach().reshape(-1).double().cpu()
+            state.part().losses = losses.detach().reshape(-1).double()  # on its device until the window closes
 
     def _extra_bytes(self, state: _DotState) -> int:
         return sum(_nbytes(p) for p in state.params.values())  # theta_t snapshot
