@@ -80,6 +80,16 @@ def sample_chunks(numel_per_sample: int, batch: int, budget: int = CHUNK_ELEMENT
         yield s, min(batch, s + step)
 
 
+def _chunked_entries(fn: Callable[..., Tensor], *index: Tensor, width: int = 1) -> Tensor:
+    """``fn(*index)`` evaluated over slices of the index tensors so that each slice's
+    ``[m, width]`` gathers stay below :data:`CHUNK_ELEMENTS` (``width`` positions per entry)."""
+    m = index[0].shape[0]
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    if m <= step:
+        return fn(*index)
+    return torch.cat([fn(*(t[s:s + step] for t in index)) for s in range(0, m, step)])
+
+
 class Kernel:
     """Default kernel: everything derived from materialised per-sample gradients."""
 
@@ -94,6 +104,19 @@ class Kernel:
     def per_sample(self, module, a, delta, start: int, stop: int, attrs=None) -> dict[str, Tensor]:
         """``attrs``: only these parameters (default: all trainable); kernels may return more."""
         raise NotImplementedError
+
+    def elements(self, module, a, delta, attr: str, n: Tensor, j: Tensor) -> Tensor:
+        """``[m]`` the entries ``g_n[j]`` of parameter ``attr`` (``j`` a flat index into it) for
+        the pairs ``(n[k], j[k])``: what sampled histograms need, without the ``[B, *param]``
+        tensor where the layer's maths allows. Default: materialised slices of samples, the
+        entries gathered (no host read)."""
+        out = None
+        for s, e in self._chunks(module, delta.shape[0]):
+            g = self.per_sample(module, a, delta, s, e, attrs=[attr])[attr].reshape(e - s, -1)
+            inside = (n >= s) & (n < e)
+            got = g[(n - s).clamp(0, e - s - 1), j]
+            out = torch.where(inside, got, got.new_zeros(()) if out is None else out)
+        return out
 
     def outer_factors(self, module, a, delta) -> dict[str, tuple[Tensor, Tensor]]:
         """Parameters whose per-sample gradient is the outer product ``delta_n a_n^T``:
@@ -313,6 +336,20 @@ class LinearKernel(Kernel):
             if "bias" in attrs:
                 out["bias"] = d.sum(1)
         return out
+
+    def elements(self, module, a, delta, attr, n, j):
+        x, d = self._flat(module, a, delta)  # [B, T, I], [B, T, O]
+        if attr == "bias":
+            return _chunked_entries(lambda nk, jk: d[nk, :, jk].sum(1), n, j, width=d.shape[1])
+        o, i = self._weight_index(module, j)
+        return _chunked_entries(lambda nk, ok, ik: (d[nk, :, ok] * x[nk, :, ik]).sum(1), n, o, i,
+                                width=d.shape[1])
+
+    @staticmethod
+    def _weight_index(module, j: Tensor) -> tuple[Tensor, Tensor]:
+        """(output row, input column) of flat weight index j (``[O, I]`` layout)."""
+        width = module.in_features
+        return j // width, j % width
 
     def outer_factors(self, module, a, delta):
         if delta.dim() != 2 or "weight" not in self.params(module) or device_paths(delta):
@@ -609,6 +646,29 @@ class Conv2dKernel(_ConvMaths, Kernel):
             out["bias"] = d.sum(2)
         return {n: out[n] for n in self.params(module)}
 
+    def elements(self, module, a, delta, attr, n, j):
+        d = delta.flatten(2)  # [B, C_out, L]
+        if attr == "bias":
+            return _chunked_entries(lambda nk, jk: d[nk, jk].sum(-1), n, j, width=d.shape[2])
+        a, padding = _explicit_padding(module, a)
+        if any(padding):
+            ph, pw = padding
+            a = F.pad(a, (pw, pw, ph, ph))
+        c_out, c_per, kh, kw = module.weight.shape
+        co, r = j // (c_per * kh * kw), j % (c_per * kh * kw)
+        c_in = (co // (c_out // module.groups)) * c_per + r // (kh * kw)
+        ki, kj = (r // kw) % kh, r % kw
+        (sh, sw), (dh, dw) = module.stride, module.dilation
+        ho, wo = delta.shape[2:]
+        st = a.stride()
+        # a view of every input patch: [B, C_in, kh, kw, H_out, W_out], no copy
+        patches = a.as_strided((a.shape[0], a.shape[1], kh, kw, ho, wo),
+                               (st[0], st[1], st[2] * dh, st[3] * dw, st[2] * sh, st[3] * sw))
+        return _chunked_entries(
+            lambda nk, ck, ik, jk, ok: (patches[nk, ck, ik, jk].flatten(1) * d[nk, ok]).sum(1),
+            n, c_in, ki, kj, co, width=d.shape[2],
+        )
+
     def seq_factors(self, module, a, delta, attrs):
         if module.groups != 1:
             return None
@@ -690,6 +750,12 @@ class EmbeddingKernel(Kernel):
         out = d.new_zeros(idx.shape[0], module.num_embeddings, module.embedding_dim)
         out.scatter_add_(1, idx.unsqueeze(-1).expand_as(d), d)
         return {"weight": out}
+
+    def elements(self, module, a, delta, attr, n, j):
+        idx, d = self._flat(module, a, delta)  # [B, T], [B, T, D]
+        v, k = j // module.embedding_dim, j % module.embedding_dim
+        return _chunked_entries(lambda nk, vk, kk: ((idx[nk] == vk[:, None]) * d[nk, :, kk]).sum(1),
+                                n, v, k, width=idx.shape[1])
 
     def batch_l2(self, module, a, delta):
         # ||g_n||^2 = sum_{t,t'} [idx_t = idx_t'] delta_t . delta_t' (no [V, D] per sample)
@@ -869,6 +935,14 @@ class TransposedLinearKernel(LinearKernel):
             out["weight"] = out["weight"].transpose(-1, -2)
         return out
 
+    def elements(self, module, a, delta, attr, n, j):
+        return super().elements(self._AsLinear(module), a, delta, attr, n, j)
+
+    @staticmethod
+    def _weight_index(module, j: Tensor) -> tuple[Tensor, Tensor]:
+        width = module.out_features  # W is [d_in, d_out]: j = i * d_out + o
+        return j % width, j // width
+
     def outer_factors(self, module, a, delta):
         got = super().outer_factors(module, a, delta)
         return {"weight": (a, delta)} if got else {}
@@ -931,5 +1005,8 @@ class MaterialisedKernel(Kernel):
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         return {module._attr: a[start:stop]}
+
+    def elements(self, module, a, delta, attr, n, j):
+        return a.reshape(a.shape[0], -1)[n, j]
 
 

@@ -8,6 +8,7 @@ fires on real updates only); without one, call :meth:`Lens.flush` at the end of 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -1012,12 +1013,22 @@ class Lens:
             inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not (per_sample or from_chunks):
             return
-        # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
         done: set[tuple[int, str]] = set()
+        # Sampled histograms draw their entries from the layer's factors: no materialisation.
+        for inst in self._per_sample_insts:
+            if getattr(inst, "sample", None) is not None:
+                for attr, qname in w.params.items():
+                    draw = functools.partial(kernel.elements, module, a, delta, attr)
+                    inst.update_sampled(micro.states[id(inst)], qname, self._tap.params[qname], draw,
+                                        delta.shape[0])
+                    done.add((id(inst), attr))
+        # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
         for attr, (d2, a2) in kernel.outer_factors(module, a, delta).items():
             if attr in w.params:
                 qname = w.params[attr]
                 for inst in self._per_sample_insts:
+                    if (id(inst), attr) in done:
+                        continue
                     if inst.update_outer(micro.states[id(inst)], qname, self._tap.params[qname], d2, a2):
                         done.add((id(inst), attr))
         attrs = [

@@ -31,21 +31,28 @@ class Hist1d:
         edges: ``[bins + 1]`` float64, ``linspace(lo, hi, bins + 1)``.
         clamped_low: how many elements were below ``lo`` (included in ``counts[0]``).
         clamped_high: how many elements were above ``hi`` (included in ``counts[-1]``).
+        stderr: sampled histograms (``GradHist1d(sample=...)``) only: ``[bins]`` float64
+            standard error of each estimated count; ``counts`` and the clamped numbers are then
+            float64 unbiased estimates. None for exact counts.
+        sample: the fraction of elements drawn (None: exact).
     """
 
     counts: Tensor
     edges: Tensor
-    clamped_low: int = 0
-    clamped_high: int = 0
+    clamped_low: int | float = 0
+    clamped_high: int | float = 0
+    stderr: Tensor | None = None
+    sample: float | None = None
 
     @property
     def range(self) -> tuple[float, float]:
         return float(self.edges[0]), float(self.edges[-1])
 
     @property
-    def total(self) -> int:
-        """Number of elements binned (``N * D`` for D tracked parameter entries)."""
-        return int(self.counts.sum())
+    def total(self) -> int | float:
+        """Number of elements binned (``N * D`` for D tracked parameter entries; an estimate,
+        float, for a sampled histogram)."""
+        return _total(self.counts)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -54,6 +61,8 @@ class Hist1d:
             and torch.equal(self.edges, other.edges)
             and self.clamped_low == other.clamped_low
             and self.clamped_high == other.clamped_high
+            and _same(self.stderr, other.stderr)
+            and self.sample == other.sample
         )
 
 
@@ -68,17 +77,20 @@ class Hist2d:
         grad_edges: ``[grad_bins + 1]`` float64.
         clamped_param: elements whose parameter value was outside the parameter range.
         clamped_grad: elements whose gradient value was outside the gradient range.
+        stderr, sample: as in :class:`Hist1d` (``stderr`` ``[param_bins, grad_bins]``).
     """
 
     counts: Tensor
     param_edges: Tensor
     grad_edges: Tensor
     clamped_param: int = 0
-    clamped_grad: int = 0
+    clamped_grad: int | float = 0
+    stderr: Tensor | None = None
+    sample: float | None = None
 
     @property
-    def total(self) -> int:
-        return int(self.counts.sum())
+    def total(self) -> int | float:
+        return _total(self.counts)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -88,7 +100,17 @@ class Hist2d:
             and torch.equal(self.grad_edges, other.grad_edges)
             and self.clamped_param == other.clamped_param
             and self.clamped_grad == other.clamped_grad
+            and _same(self.stderr, other.stderr)
+            and self.sample == other.sample
         )
+
+
+def _total(counts: Tensor) -> int | float:
+    return float(counts.sum()) if counts.is_floating_point() else int(counts.sum())
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    return a is b if a is None or b is None else torch.equal(a, b)
 
 
 @dataclass
@@ -226,6 +248,7 @@ def _encode(value: Any) -> Any:
             "edges": _encode(value.edges),
             "clamped_low": value.clamped_low,
             "clamped_high": value.clamped_high,
+            **_sampled_fields(value),
         }
     if isinstance(value, Hist2d):
         return {
@@ -235,6 +258,7 @@ def _encode(value: Any) -> Any:
             "grad_edges": _encode(value.grad_edges),
             "clamped_param": value.clamped_param,
             "clamped_grad": value.clamped_grad,
+            **_sampled_fields(value),
         }
     if isinstance(value, TensorSummary):
         return {
@@ -250,6 +274,16 @@ def _encode(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return {"__float__": repr(value)}
     return value
+
+
+def _sampled_fields(h) -> dict:
+    if h.stderr is None and h.sample is None:
+        return {}
+    return {"stderr": _encode(h.stderr), "sample": h.sample}
+
+
+def _count(v, sampled: bool):
+    return float(v) if sampled else int(v)
 
 
 def _encode_floats(data: Any) -> Any:
@@ -276,19 +310,25 @@ def _decode(value: Any) -> Any:
             data = _decode_floats(value["__tensor__"])
             return torch.tensor(data, dtype=dtype).reshape(value["shape"])
         if value.get("__hist1d__"):
+            sampled = value.get("sample") is not None
             return Hist1d(
                 _decode(value["counts"]),
                 _decode(value["edges"]),
-                int(value["clamped_low"]),
-                int(value["clamped_high"]),
+                _count(value["clamped_low"], sampled),
+                _count(value["clamped_high"], sampled),
+                _decode(value.get("stderr")),
+                value.get("sample"),
             )
         if value.get("__hist2d__"):
+            sampled = value.get("sample") is not None
             return Hist2d(
                 _decode(value["counts"]),
                 _decode(value["param_edges"]),
                 _decode(value["grad_edges"]),
                 int(value["clamped_param"]),
-                int(value["clamped_grad"]),
+                _count(value["clamped_grad"], sampled),
+                _decode(value.get("stderr")),
+                value.get("sample"),
             )
         if value.get("__summary__") is True:
             return TensorSummary(

@@ -151,6 +151,7 @@ SETS = {
     "hist_adapt": lambda: [GradHist1d(adapt="abs_max"), GradHist2d(adapt="min_max")],
     "cross": lambda: [BatchDot(), InnerTest(), OrthoTest(), Alpha()],
     "sketch": lambda: [BatchDot(mode="sketch", k=8)],
+    "sampled": lambda: [GradHist1d(sample=0.3), GradHist2d(sample=0.3, adapt="abs_max")],
 }
 
 

@@ -261,6 +261,16 @@ class Instrument:
         call :meth:`update` instead."""
         return False
 
+    #: sampled instruments (e.g. ``GradHist1d(sample=0.01)``) set a fraction here: the Lens
+    #: then calls :meth:`update_sampled` instead of materialising per-sample gradients
+    sample: float | None = None
+
+    def update_sampled(self, state: Any, name: str, param: Tensor, elements, batch: int) -> None:
+        """For ``sample`` set: ``elements(n, j)`` returns ``[m]`` entries g_n[j] (``n`` sample
+        indices in ``[0, batch)``, ``j`` flat indices into ``param``) of this use's per-sample
+        gradients, computed from the layer's factors."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample")
+
     def update_zeros(self, state: Any, name: str, param: Tensor, count: int) -> None:
         """A tracked parameter that this micro-step's backward never reached (a layer the
         forward skipped): its per-sample gradients are ``count`` samples of exact zeros. Only

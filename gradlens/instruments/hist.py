@@ -29,6 +29,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.outer_hist import _affine, bin_of, outer_hist1d, row_extremes
+from gradlens.instruments.sampling import Draws, add_estimate, check_sample
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 from gradlens.sync import device_paths
@@ -107,11 +108,20 @@ class _Hist1dState:
     total: int = 0
     mn: Tensor | None = None  # extremes seen (only with adapt), on the gradients' device
     mx: Tensor | None = None
+    var: Tensor | None = None  # sampled mode: [bins] float64 variance of the estimated counts
 
     def to(self, device) -> None:
         """Keep the counters on the gradients' device (no host sync per slice)."""
         if self.counts.device != device:
             self.counts, self.low, self.high = (t.to(device) for t in (self.counts, self.low, self.high))
+            if self.var is not None:
+                self.var = self.var.to(device)
+
+
+def _sampled_counters(bins: int) -> dict:
+    """Float64 counters of the sampled mode (estimates, their variance, clamped estimates)."""
+    z = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
+    return {"counts": z(bins), "var": z(bins), "low": z(), "high": z()}
 
 class GradHist1d(Instrument):
     """``record["grad_hist_1d"]``: :class:`~gradlens.records.Hist1d` of every element of every
@@ -122,21 +132,49 @@ class GradHist1d(Instrument):
         range: ``(lo, hi)`` of the first window (default ``(-2, 2)``).
         adapt: ``None`` (fixed range), ``"abs_max"`` (next range ``(-m, m)``, m the largest
             |g_n,j| of this window) or ``"min_max"`` (next range = this window's extremes).
+        sample: ``None`` (exact counts) or a fraction in (0, 1): per layer and micro-step that
+            fraction of its ``B * D`` elements is drawn at random and the counts are unbiased
+            estimates (float64) with their standard error in ``Hist1d.stderr``; cost falls with
+            the fraction (:mod:`gradlens.instruments.sampling`). With ``adapt`` the next range
+            comes from the sampled extremes.
+        seed: seed of the sampling stream (the global torch random state is not used).
     """
 
     key = "grad_hist_1d"
     needs = frozenset({"per_sample"})
 
-    def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None):
+    def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None,
+                 sample: float | None = None, seed: int = 0):
         self.bins = _check_bins(bins, "bins")
         self.range = _check_range(range, "range")
         self.adapt = _check_adapt(adapt)
+        self.sample = check_sample(sample)
+        self._draws = Draws(seed)
 
     def __repr__(self) -> str:
-        return f"GradHist1d(bins={self.bins}, range={self.range}, adapt={self.adapt!r})"
+        extra = "" if self.sample is None else f", sample={self.sample}"
+        return f"GradHist1d(bins={self.bins}, range={self.range}, adapt={self.adapt!r}{extra})"
 
     def start_window(self):
+        if self.sample is not None:
+            return _Hist1dState(*self.range, **_sampled_counters(self.bins))
         return _Hist1dState(*self.range, torch.zeros(self.bins, dtype=torch.int64))
+
+    def update_sampled(self, state: _Hist1dState, name, param, elements, batch: int) -> None:
+        """Sampled mode: draw entries of this layer's per-sample gradients (``elements(n, j)``
+        gives ``g_n[j]``) and add their scaled counts."""
+        n, j, m, total = self._draws.draw(batch, param.numel(), self.sample, param.device)
+        x = elements(n, j).detach()
+        state.to(x.device)
+        lo, hi = state.lo, state.hi
+        h = torch.zeros(self.bins, dtype=torch.int64, device=x.device)
+        tally(h, bin_of(x, lo, hi, self.bins))
+        add_estimate(state.counts, state.var, h, m, total)
+        state.low += (x < lo).sum() * (total / m)
+        state.high += ((x > hi).sum() + x.isnan().sum()) * (total / m)
+        state.total += total
+        if self.adapt is not None:
+            self._extremes(state, x)
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
         x = grad_batch.detach()
@@ -176,7 +214,7 @@ class GradHist1d(Instrument):
         state.to(param.device)
         zero = torch.zeros(1, dtype=torch.float32, device=state.counts.device)
         state.counts.index_add_(0, bin_of(zero, state.lo, state.hi, self.bins),
-                                torch.full((1,), n, dtype=torch.int64, device=zero.device))
+                                torch.full((1,), n, dtype=state.counts.dtype, device=zero.device))
         if 0.0 < state.lo:
             state.low += n
         elif 0.0 > state.hi:
@@ -196,11 +234,15 @@ class GradHist1d(Instrument):
         return _Hist1dState(
             a.lo, a.hi, a.counts + b.counts.to(dev), a.low + b.low.to(dev), a.high + b.high.to(dev),
             a.total + b.total, _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
+            _pick(torch.add, a.var, b.var),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist1dState) -> Hist1d:
-        return Hist1d(state.counts.cpu().clone(), _edges(state.lo, state.hi, self.bins),
-                      int(state.low), int(state.high))
+        edges = _edges(state.lo, state.hi, self.bins)
+        if state.var is not None:
+            return Hist1d(state.counts.cpu().clone(), edges, float(state.low), float(state.high),
+                          stderr=state.var.sqrt().cpu(), sample=self.sample)
+        return Hist1d(state.counts.cpu().clone(), edges, int(state.low), int(state.high))
 
     def end_window(self, state: _Hist1dState) -> None:
         self.range = _adapted(self.range, _num(state.mn, math.inf), _num(state.mx, -math.inf), self.adapt)
@@ -210,12 +252,15 @@ class GradHist1d(Instrument):
         from gradlens.distributed import DistParts
 
         sums = [state.counts, state.low, state.high, torch.tensor(state.total, dtype=torch.int64)]
+        if state.var is not None:  # independent ranks: estimates and variances add
+            sums.append(state.var)
         per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist1dState, ctx, sums, per_rank, pieces) -> _Hist1dState:
         mn, mx = _merged_extremes(per_rank)
-        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], int(sums[3]), mn, mx)
+        var = sums[4] if len(sums) > 4 else None
+        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], int(sums[3]), mn, mx, var)
 
 @dataclass
 class _Theta:
@@ -238,10 +283,13 @@ class _Hist2dState:
     gmx: Tensor | None = None
     #: per window (shared by its micro-steps): parameter name -> :class:`_Theta`
     cache: dict = field(default_factory=dict)
+    var: Tensor | None = None  # sampled mode: [P * G] float64 variance of the estimates
 
     def to(self, device) -> None:
         if self.counts.device != device:
             self.counts, self.clamped_grad = self.counts.to(device), self.clamped_grad.to(device)
+            if self.var is not None:
+                self.var = self.var.to(device)
 
 class GradHist2d(Instrument):
     """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
@@ -252,12 +300,15 @@ class GradHist2d(Instrument):
         bins: ``(param_bins, grad_bins)`` or one int for both (default ``(40, 50)``).
         range: ``((p_lo, p_hi), (g_lo, g_hi))`` (default ``((-1, 1), (-2, 2))``).
         adapt: as in :class:`GradHist1d`, applied to both axes.
+        sample, seed: as in :class:`GradHist1d` (estimated counts with ``Hist2d.stderr``; the
+            parameter axis stays exact, ``clamped_grad`` is estimated).
     """
 
     key = "grad_hist_2d"
     needs = frozenset({"per_sample"})
 
-    def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None):
+    def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None,
+                 sample: float | None = None, seed: int = 0):
         if isinstance(bins, int) and not isinstance(bins, bool):
             bins = (bins, bins)
         try:
@@ -272,15 +323,20 @@ class GradHist2d(Instrument):
         self.param_range = _check_range(pr, "range[0] (parameter range)")
         self.grad_range = _check_range(gr, "range[1] (gradient range)")
         self.adapt = _check_adapt(adapt)
+        self.sample = check_sample(sample)
+        self._draws = Draws(seed)
 
     def __repr__(self) -> str:
         return (
             f"GradHist2d(bins={self.bins}, range=({self.param_range}, {self.grad_range}), "
-            f"adapt={self.adapt!r})"
+            f"adapt={self.adapt!r}" + ("" if self.sample is None else f", sample={self.sample}") + ")"
         )
 
     def start_window(self):
         p, g = self.bins
+        if self.sample is not None:
+            c = _sampled_counters(p * g)
+            return _Hist2dState(self.param_range, self.grad_range, c["counts"], c["low"], var=c["var"])
         return _Hist2dState(self.param_range, self.grad_range, torch.zeros(p * g, dtype=torch.int64))
 
     def start_micro(self, window_state: _Hist2dState) -> _Hist2dState:
@@ -307,6 +363,21 @@ class GradHist2d(Instrument):
         lo, hi = state.grange
         tally(state.counts, bin_of(x, lo, hi, self.bins[1]).add_(off))
         state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum()
+        if self.adapt is not None:
+            self._grad_extremes(state, *torch.aminmax(x))
+
+    def update_sampled(self, state: _Hist2dState, name, param, elements, batch: int) -> None:
+        """Sampled mode: as :meth:`GradHist1d.update_sampled`, each drawn g_n[j] in the cell
+        (bin of theta_j, bin of g_n[j])."""
+        n, j, m, total = self._draws.draw(batch, param.numel(), self.sample, param.device)
+        x = elements(n, j).detach()
+        state.to(x.device)
+        off = self._theta(state, name, param).offsets.reshape(-1)[j]
+        lo, hi = state.grange
+        h = torch.zeros_like(state.counts, dtype=torch.int64)
+        tally(h, bin_of(x, lo, hi, self.bins[1]).add_(off))
+        add_estimate(state.counts, state.var, h, m, total)
+        state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum() * (total / m)
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
 
@@ -382,7 +453,8 @@ class GradHist2d(Instrument):
         lo, hi = state.grange
         zero = torch.zeros(1, dtype=torch.float32, device=off.device)
         idx = off + bin_of(zero, lo, hi, self.bins[1])
-        state.counts.index_add_(0, idx, torch.full_like(idx, count))
+        state.counts.index_add_(0, idx, torch.full(idx.shape, count, dtype=state.counts.dtype,
+                                                   device=idx.device))
         if not lo <= 0.0 <= hi:
             state.clamped_grad += count * param.numel()
         if self.adapt is not None:
@@ -409,17 +481,20 @@ class GradHist2d(Instrument):
             a.prange, a.grange, a.counts + b.counts.to(a.counts.device),
             a.clamped_grad + b.clamped_grad.to(a.clamped_grad.device),
             _pick(torch.minimum, a.gmn, b.gmn), _pick(torch.maximum, a.gmx, b.gmx),
-            cache=a.cache,
+            cache=a.cache, var=_pick(torch.add, a.var, b.var),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
         pb, gb = self.bins
+        sampled = state.var is not None
         return Hist2d(
             counts=state.counts.view(pb, gb).cpu().clone(),
             param_edges=_edges(*state.prange, pb),
             grad_edges=_edges(*state.grange, gb),
             clamped_param=sum(int(t.clamped) for t in state.cache.values()) * stats.num_samples,
-            clamped_grad=int(state.clamped_grad),
+            clamped_grad=float(state.clamped_grad) if sampled else int(state.clamped_grad),
+            stderr=state.var.sqrt().view(pb, gb).cpu() if sampled else None,
+            sample=self.sample,
         )
 
     def end_window(self, state: _Hist2dState) -> None:
@@ -437,11 +512,13 @@ class GradHist2d(Instrument):
         from gradlens.distributed import DistParts
 
         per_rank = [_extremes_row(state.gmn, state.gmx)] if self.adapt is not None else []
-        return DistParts(sums=[state.counts, state.clamped_grad], per_rank=per_rank)
+        sums = [state.counts, state.clamped_grad] + ([state.var] if state.var is not None else [])
+        return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist2dState, ctx, sums, per_rank, pieces) -> _Hist2dState:
         mn, mx = _merged_extremes(per_rank)
-        return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache)
+        var = sums[2] if len(sums) > 2 else None
+        return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache, var=var)
 
 def _extremes_row(mn: Tensor | None, mx: Tensor | None) -> Tensor:
     """``[2]`` float64 (min, max) of this rank's window (+inf, -inf when it saw nothing)."""
