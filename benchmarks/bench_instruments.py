@@ -5,7 +5,7 @@ Run:  python benchmarks/bench_instruments.py [--steps 20] [--models mlp,cnn] [--
 For each model it times (median over ``--steps`` interleaved rounds after warm-up) one training step — forward,
 backward, SGD update, zero_grad — with nothing attached ("plain"), and with:
   (a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale,
-  (b) GradHist1d, (c) GradHist2d, (b+c) both,
+  (b) GradHist1d, (c) GradHist2d, (b+c) both, (b') / (c') the same sampling 1% of the elements,
   an untracked window (a Lens whose schedule skips the step),
   BackPACK's BatchL2Grad / SumGradSquared / BatchGrad alone (references),
 and, when cockpit-for-pytorch is importable (``pip install -e .[bench]``), cockpit's GradHist1d,
@@ -113,6 +113,8 @@ def configs(cockpit: bool):
         ("gradlens (b) GradHist1d", lens_step(lambda: [GradHist1d()])),
         ("gradlens (c) GradHist2d", lens_step(lambda: [GradHist2d()])),
         ("gradlens (b+c) GradHist1d + GradHist2d", lens_step(lambda: [GradHist1d(), GradHist2d()])),
+        ("gradlens (b') GradHist1d sample=1%", lens_step(lambda: [GradHist1d(sample=0.01)])),
+        ("gradlens (c') GradHist2d sample=1%", lens_step(lambda: [GradHist2d(sample=0.01)])),
         ("BackPACK BatchL2Grad", backpack_step("BatchL2Grad")),
         ("BackPACK SumGradSquared", backpack_step("SumGradSquared")),
         ("BackPACK BatchGrad", backpack_step("BatchGrad")),
@@ -174,6 +176,7 @@ def main(argv=None):
         for name, ms in rows:
             print(f"| {name:<62} | {ms:9.2f} | {ms / plain:7.2f}x |")
         by = dict(rows)
+        print(f"\nGradHist2d / GradHist1d: {by['gradlens (c) GradHist2d'] / by['gradlens (b) GradHist1d']:.2f}")
         if cockpit:
             norms = by["gradlens (a) norms: BatchL2+SGS+GradNorm+NormTest+NoiseScale"]
             print(

@@ -338,6 +338,11 @@ class LinearKernel(Kernel):
         return out
 
     def elements(self, module, a, delta, attr, n, j):
+        if delta.dim() == 2:  # no sequence axis: g_n[o, i] = delta_no a_ni
+            if attr == "bias":
+                return delta[n, j]
+            o, i = self._weight_index(module, j)
+            return delta[n, o] * a[n, i]
         x, d = self._flat(module, a, delta)  # [B, T, I], [B, T, O]
         if attr == "bias":
             return _chunked_entries(lambda nk, jk: d[nk, :, jk].sum(1), n, j, width=d.shape[1])

@@ -1023,7 +1023,9 @@ class Lens:
                                         delta.shape[0])
                     done.add((id(inst), attr))
         # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
-        for attr, (d2, a2) in kernel.outer_factors(module, a, delta).items():
+        exact = [i for i in self._per_sample_insts if getattr(i, "sample", None) is None]
+        factors = kernel.outer_factors(module, a, delta) if exact else {}
+        for attr, (d2, a2) in factors.items():
             if attr in w.params:
                 qname = w.params[attr]
                 for inst in self._per_sample_insts:
