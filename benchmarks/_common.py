@@ -70,8 +70,9 @@ def memory_note(device) -> str:
                 "after reset_peak_memory_stats); model, data and state kept between steps are not counted")
     return ("peak MiB: highest CPU tensor memory during one extra, untimed step of the configuration, above "
             "what was allocated just before it (running sum of the CPU allocator's allocations and frees "
-            "recorded by torch.profiler with profile_memory=True); model, data and state kept between "
-            "steps are not counted")
+            "recorded by torch.profiler with profile_memory=True; it does not see frees of tensors allocated "
+            "before the step: its warning about a 'memory block of unknown size' says so); model, data and "
+            "state kept between steps are not counted")
 
 
 def peak_memory_mib(step: Callable[[], None], device) -> float:
