@@ -1,9 +1,12 @@
-"""Shared pieces of the benchmark scripts: the reference models and interleaved timing."""
+"""Shared pieces of the benchmark scripts: the reference models, interleaved timing that is
+correct on CUDA, and the peak memory of one step."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,19 +28,134 @@ def cnn() -> nn.Module:
     )
 
 
-def interleaved_ms(steps: dict, rounds: int, warmup: int = 3) -> dict:
+def device_sync(device) -> Callable[[], None]:
+    """``torch.cuda.synchronize`` for a CUDA device, else a no-op.
+
+    CUDA kernels run asynchronously: a host timer around an unsynchronised step measures the
+    launches, not the work. Every timed region starts and ends with this call."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def interleaved_ms(steps: dict, rounds: int, warmup: int = 3, sync: Callable[[], None] | None = None) -> dict:
     """Median ms per call of each step function, timed in interleaved rounds (one call of every
-    configuration per round) so that drift and load from other processes hit all rows alike."""
+    configuration per round) so that drift and load from other processes hit all rows alike.
+
+    ``sync`` (e.g. :func:`device_sync`) runs before the timer starts and before it stops, so that
+    on a GPU each time is the step's device work, not its launch; warm-up calls are synchronised
+    too (one-time CUDA / cuBLAS initialisation stays out of the timed rounds)."""
+    sync = sync or (lambda: None)
     for st in steps.values():
         for _ in range(warmup):
             st()
+            sync()
     times = {k: [] for k in steps}
     for _ in range(rounds):
         for k, st in steps.items():
+            sync()
             t0 = time.perf_counter()
             st()
+            sync()
             times[k].append(time.perf_counter() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def memory_note(device) -> str:
+    """One line saying what :func:`peak_memory_mib` measures on ``device`` (print it in headers)."""
+    if torch.device(device).type == "cuda":
+        return ("peak MiB: highest CUDA memory held by tensors during one extra, untimed step of the "
+                "configuration, above what was allocated just before it (torch.cuda.max_memory_allocated "
+                "after reset_peak_memory_stats); model, data and state kept between steps are not counted")
+    return ("peak MiB: highest CPU tensor memory during one extra, untimed step of the configuration, above "
+            "what was allocated just before it (running sum of the CPU allocator's allocations and frees "
+            "recorded by torch.profiler with profile_memory=True; it does not see frees of tensors allocated "
+            "before the step: its warning about a 'memory block of unknown size' says so); model, data and "
+            "state kept between steps are not counted")
+
+
+def peak_memory_mib(step: Callable[[], None], device) -> float:
+    """Peak tensor memory of one call of ``step`` above the memory allocated just before it, in MiB
+    (2**20 bytes); ``nan`` where it cannot be measured.
+
+    Run it outside the timed rounds (it adds a step, and on CPU a profiler). CUDA: the caching
+    allocator's peak counter, reset before the step (``max_memory_allocated - memory_allocated``).
+    CPU: torch.profiler(profile_memory=True) records every allocation (+bytes) and free (-bytes)
+    of the CPU allocator during the step; the maximum of their running sum in time order is the
+    peak (tensors freed during the step that were allocated before it may take it below 0)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    if device.type != "cpu":
+        return math.nan
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    try:
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.device_type().name == "CPU")
+    except Exception:  # noqa: BLE001 - a profiler without these fields: say "n/a", not a number
+        return math.nan
+    run = peak = 0
+    for _, nbytes in deltas:
+        run += nbytes
+        peak = max(peak, run)
+    return peak / 2**20
+
+
+def fmt_mib(value: float) -> str:
+    """``value`` MiB as printed in the tables (``n/a`` for nan)."""
+    return "n/a" if math.isnan(value) else f"{value:.1f}"
+
+
+def failure(e: BaseException) -> str:
+    """``"<Type>: <first line of the message>"`` (at most 300 characters) for a ``failed:`` row."""
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {msg}"[:300]
+
+
+def build_all(builds, make_args: Callable[[], tuple], sync: Callable[[], None]):
+    """Build every ``(name, build)`` row as ``build(*make_args())`` (fresh arguments per row, e.g.
+    a copy of the model) and run its first step (synchronised),
+    so that a configuration that cannot run (a missing comparison tool, an operation it does not
+    support on the device) fails here, before the timing.
+
+    Returns ``(steps, closers, failed)``: ``steps[name]`` the step function of each row that ran,
+    ``closers`` their close functions, ``failed[name]`` the reason of each row that did not."""
+    steps, closers, failed = {}, [], {}
+    for name, build in builds:
+        try:
+            step, close = build(*make_args())
+        except Exception as e:  # noqa: BLE001 - every row must print
+            failed[name] = failure(e)
+            continue
+        closers.append(close)
+        try:
+            step()
+            sync()
+        except Exception as e:  # noqa: BLE001
+            failed[name] = failure(e)
+            continue
+        steps[name] = step
+    return steps, closers, failed
+
+
+def peak_memory_all(steps: dict, device) -> dict:
+    """:func:`peak_memory_mib` of every step in ``steps`` (``nan`` where measuring fails)."""
+    out = {}
+    for name, step in steps.items():
+        try:
+            out[name] = peak_memory_mib(step, device)
+        except Exception:  # noqa: BLE001 - a failed measurement prints n/a
+            out[name] = math.nan
+    return out
 
 
 def has_cockpit() -> bool:

@@ -14,6 +14,9 @@ reports), as ratios to the plain DDP step:
   untracked window (a Lens whose schedule skips the step);
 and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
 all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
+
+CPU only: the ranks are gloo processes on this machine's cores; ``--device`` other than ``cpu``
+is refused with a message (the GPU benchmarks are the other scripts' ``--device cuda``).
 """
 
 from __future__ import annotations
@@ -146,7 +149,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="only 'cpu': this benchmark runs gloo processes on CPU")
     args = parser.parse_args()
+    if torch.device(args.device).type != "cpu":
+        parser.error(f"--device {args.device}: bench_ddp.py is CPU-only (gloo processes on CPU cores, no "
+                     "nccl); run it with --device cpu or without --device. The GPU benchmarks are "
+                     "bench_instruments.py, bench_dots.py and bench_transformer.py with --device cuda.")
     mp.start_processes(_worker, args=(args.world, _free_port(), args), nprocs=args.world, start_method="spawn")
 
 

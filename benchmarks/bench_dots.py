@@ -2,7 +2,7 @@
 vs a plain training step, exact and sketch mode, beside cockpit-for-pytorch's InnerTest,
 OrthoTest and Alpha.
 
-Run:  python benchmarks/bench_dots.py [--steps 15] [--models mlp,cnn] [--k 256]
+Run:  python benchmarks/bench_dots.py [--steps 15] [--models mlp,cnn] [--k 256] [--device cpu|cuda]
 
 One "step" is one window: K micro-steps (forward, backward) and one SGD update, zero_grad.
 "plain" is the same window with nothing attached; every ratio is to the plain window of the
@@ -12,8 +12,12 @@ gradlens rows run with accumulation by hand, like the plain window (MLP: batch 1
 micro-steps of 32; CNN: batch 64 as K = 2 micro-steps of 32), and pass per-sample losses to
 ``lens.capture(losses=...)``.
 cockpit cannot accumulate: its rows run the whole batch as one micro-step (K = 1), on plain SGD
-(the only optimizer for which its Alpha is right), and are skipped with a note when cockpit is
-not importable.
+(the only optimizer for which its Alpha is right); without cockpit they print ``failed: <reason>``.
+
+``--device cuda`` puts the models, the data and cockpit on the GPU and synchronises the device
+around every timed window. After the timed rounds one more, untimed window of each configuration
+measures its peak memory (the header line says how), printed with its ratio to the plain
+window's. A row whose setup or first window fails prints ``failed: <reason>``; the others run.
 
 Target (issue 4): BatchDot + Alpha + InnerTest + OrthoTest in exact mode <= 3x a plain step on
 the MLP at batch 128, K = 4.
@@ -22,6 +26,7 @@ the MLP at batch 128, K = 4.
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 
 import torch
@@ -32,7 +37,18 @@ import gradlens
 from gradlens import Lens
 from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
 
-from _common import cnn, cockpit_step, has_cockpit, interleaved_ms, mlp
+from _common import (
+    build_all,
+    cnn,
+    cockpit_step,
+    device_sync,
+    fmt_mib,
+    has_cockpit,
+    interleaved_ms,
+    memory_note,
+    mlp,
+    peak_memory_all,
+)
 
 warnings.filterwarnings("ignore")
 
@@ -92,7 +108,7 @@ def cockpit_window(names):
     return build
 
 
-def configs(k_sketch: int, cockpit: bool):
+def configs(k_sketch: int):
     ALL = (BatchDot, Alpha, InnerTest, OrthoTest)
     rows = [
         ("gradlens BatchDot exact", lens_window(lambda: [BatchDot()])),
@@ -104,14 +120,14 @@ def configs(k_sketch: int, cockpit: bool):
         (f"gradlens all four sketch k={k_sketch}",
          lens_window(lambda: [c("sketch", k=k_sketch) for c in ALL])),
     ]
-    if cockpit:
-        rows += [
-            ("cockpit InnerTest (K=1)", cockpit_window(["InnerTest"])),
-            ("cockpit OrthoTest (K=1)", cockpit_window(["OrthoTest"])),
-            ("cockpit Alpha (K=1, SGD)", cockpit_window(["Alpha"])),
-            ("cockpit InnerTest + OrthoTest + Alpha (K=1)",
-             cockpit_window(["InnerTest", "OrthoTest", "Alpha"])),
-        ]
+    # without cockpit these rows print "failed: ModuleNotFoundError ..." (the script goes on)
+    rows += [
+        ("cockpit InnerTest (K=1)", cockpit_window(["InnerTest"])),
+        ("cockpit OrthoTest (K=1)", cockpit_window(["OrthoTest"])),
+        ("cockpit Alpha (K=1, SGD)", cockpit_window(["Alpha"])),
+        ("cockpit InnerTest + OrthoTest + Alpha (K=1)",
+         cockpit_window(["InnerTest", "OrthoTest", "Alpha"])),
+    ]
     return rows
 
 
@@ -120,34 +136,52 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--models", default="mlp,cnn")
     p.add_argument("--k", type=int, default=256, help="sketch dimension")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cockpit = has_cockpit()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.steps} windows")
+    dev = torch.device(args.device)
+    sync = device_sync(dev)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}"
+          f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''}, "
+          f"median of {args.steps} windows")
+    print(memory_note(dev))
     if not cockpit:
-        print("note: cockpit-for-pytorch not importable: its rows are skipped")
+        print("note: cockpit-for-pytorch not importable (pip install -e .[bench]): its rows print failed")
+    results = {}
     for name in args.models.split(","):
         desc, make, shape, n, k = MODELS[name]
         torch.manual_seed(0)
         base = make()
-        x, y = torch.randn(n, *shape), torch.randint(0, 10, (n,))
+        x, y = torch.randn(n, *shape, device=dev), torch.randint(0, 10, (n,), device=dev)
 
         def fresh():
             m = make()
             m.load_state_dict(base.state_dict())
-            return m
+            return m.to(dev)
 
-        rows = [("plain (K micro-steps + SGD update)", plain_window)] + configs(args.k, cockpit)
-        built = {label: build(fresh(), x, y, k) for label, build in rows}
-        ms = interleaved_ms({label: b[0] for label, b in built.items()}, args.steps)
-        for _, close in built.values():
+        rows = [("plain (K micro-steps + SGD update)", plain_window)] + configs(args.k)
+        steps, closers, failed = build_all(rows, lambda: (fresh(), x, y, k), sync)
+        if rows[0][0] in failed:
+            raise RuntimeError(f"the plain window failed on {dev}: {failed[rows[0][0]]}")
+        ms = interleaved_ms(steps, args.steps, sync=sync)
+        mem = peak_memory_all(steps, dev)  # after the timing: one more window each, not timed
+        for close in closers:
             close()
-        plain = ms[rows[0][0]]
-        print(f"\n{desc}\n{'configuration':<52} {'ms/window':>10} {'x plain':>8}")
+        plain, mem_plain = ms[rows[0][0]], mem[rows[0][0]]
+        print(f"\n{desc}  (plain window {plain:.2f} ms, peak {fmt_mib(mem_plain)} MiB)")
+        print(f"{'configuration':<52} {'ms/window':>10} {'x plain':>8} {'peak MiB':>9} {'x plain':>8}")
         for label, _ in rows:
-            print(f"{label:<52} {ms[label]:>10.2f} {ms[label] / plain:>8.2f}")
+            if label in failed:
+                print(f"{label:<52} failed: {failed[label]}")
+                continue
+            m = mem[label]
+            mr = f"{m / mem_plain:>8.2f}" if mem_plain > 0 and not math.isnan(m) else f"{'n/a':>8}"
+            print(f"{label:<52} {ms[label]:>10.2f} {ms[label] / plain:>8.2f} {fmt_mib(m):>9} {mr}")
+        results[name] = {label: (ms.get(label, math.nan), mem.get(label, math.nan)) for label, _ in rows}
+    return results
 
 
 if __name__ == "__main__":

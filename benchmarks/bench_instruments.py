@@ -1,6 +1,6 @@
 """Step-time ratios of gradlens instruments vs a plain training step, beside the tools it replaces.
 
-Run:  python benchmarks/bench_instruments.py [--steps 20] [--models mlp,cnn] [--device cpu]
+Run:  python benchmarks/bench_instruments.py [--steps 20] [--models mlp,cnn] [--device cpu|cuda]
 
 For each model it times (median over ``--steps`` interleaved rounds after warm-up) one training step — forward,
 backward, SGD update, zero_grad — with nothing attached ("plain"), and with:
@@ -8,14 +8,21 @@ backward, SGD update, zero_grad — with nothing attached ("plain"), and with:
   (b) GradHist1d, (c) GradHist2d, (b+c) both, (b') / (c') the same sampling 1% of the elements,
   an untracked window (a Lens whose schedule skips the step),
   BackPACK's BatchL2Grad / SumGradSquared / BatchGrad alone (references),
-and, when cockpit-for-pytorch is importable (``pip install -e .[bench]``), cockpit's GradHist1d,
-GradHist2d and its "economy" configuration. Ratios are to the plain step of the same process.
+and cockpit-for-pytorch's GradHist1d, GradHist2d and its "economy" configuration (``pip install -e
+.[bench]``). Ratios are to the plain step of the same process.
+
+``--device cuda`` puts the models, the data and every comparison tool on the GPU and synchronises
+the device around every timed step. After the timed rounds one more, untimed step of each
+configuration measures its peak memory (the header line says how, on this device), printed with
+its ratio to the plain step's. A row whose setup or first step fails (a comparison tool not
+installed, or not working on the device) prints ``failed: <reason>``; the other rows still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import warnings
 
 import torch
@@ -33,7 +40,18 @@ from gradlens.instruments import (
     SumGradSquared,
 )
 
-from _common import cnn, cockpit_step, has_cockpit, interleaved_ms, mlp
+from _common import (
+    build_all,
+    cnn,
+    cockpit_step,
+    device_sync,
+    fmt_mib,
+    has_cockpit,
+    interleaved_ms,
+    memory_note,
+    mlp,
+    peak_memory_all,
+)
 
 warnings.filterwarnings("ignore")
 
@@ -106,7 +124,7 @@ ECONOMY = 'cockpit "economy"'
 NORMS = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
 
 
-def configs(cockpit: bool):
+def configs():
     rows = [
         ("gradlens untracked window", lens_step(NORMS, every=lambda s: False)),
         ("gradlens (a) norms: BatchL2+SGS+GradNorm+NormTest+NoiseScale", lens_step(NORMS)),
@@ -119,12 +137,12 @@ def configs(cockpit: bool):
         ("BackPACK SumGradSquared", backpack_step("SumGradSquared")),
         ("BackPACK BatchGrad", backpack_step("BatchGrad")),
     ]
-    if cockpit:
-        rows += [
-            ("cockpit GradHist1d", cockpit_step(["GradHist1d"])),
-            ("cockpit GradHist2d", cockpit_step(["GradHist2d"])),
-            (ECONOMY, cockpit_step("economy")),
-        ]
+    # without cockpit these rows print "failed: ModuleNotFoundError ..." (the script goes on)
+    rows += [
+        ("cockpit GradHist1d", cockpit_step(["GradHist1d"])),
+        ("cockpit GradHist2d", cockpit_step(["GradHist2d"])),
+        (ECONOMY, cockpit_step("economy")),
+    ]
     return rows
 
 
@@ -139,9 +157,11 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     cockpit = has_cockpit()
     dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}; "
+    sync = device_sync(dev)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}"
+          f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''}; "
           f"cockpit {'installed' if cockpit else 'not installed (pip install -e .[bench])'}")
+    print(memory_note(dev))
     results = {}
     for key in args.models.split(","):
         title, make, shape, batch = MODELS[key]
@@ -150,12 +170,10 @@ def main(argv=None):
         x = torch.randn(batch, *shape, device=dev)
         y = torch.randint(0, 10, (batch,), device=dev)
 
-        builds = [("plain step", plain_step)] + configs(cockpit)
-        steps, closers = {}, []
-        for name, build in builds:
-            step, close = build(copy.deepcopy(base), x, y)
-            steps[name] = lambda step=step: (step(), sync())
-            closers.append(close)
+        builds = [("plain step", plain_step)] + configs()
+        steps, closers, failed = build_all(builds, lambda: (copy.deepcopy(base), x, y), sync)
+        if "plain step" in failed:
+            raise RuntimeError(f"the plain step failed on {dev}: {failed['plain step']}")
         slow = {n: s for n, s in steps.items() if "cockpit" in n or n == "BackPACK BatchGrad"}
         fast = {n: s for n, s in steps.items() if n not in slow}
         # the plain step runs twice per round (first and in the middle) so that the position in
@@ -163,21 +181,30 @@ def main(argv=None):
         order = list(fast)
         fast = dict([*[(n, fast[n]) for n in order[: len(order) // 2]], ("plain step #2", steps["plain step"]),
                      *[(n, fast[n]) for n in order[len(order) // 2 :]]])
-        ms = interleaved_ms(fast, args.steps)
-        ms.update(interleaved_ms(slow, max(3, args.steps // 4), warmup=1))
+        ms = interleaved_ms(fast, args.steps, sync=sync)
+        ms.update(interleaved_ms(slow, max(3, args.steps // 4), warmup=1, sync=sync))
+        mem = peak_memory_all(steps, dev)  # after the timing: one more step each, not timed
         for close in closers:
             close()
         ms["plain step"] = plain = (ms["plain step"] + ms.pop("plain step #2")) / 2
-        rows = [(name, ms[name]) for name, _ in builds]
+        mem_plain = mem["plain step"]
+        rows = [(name, ms.get(name, math.nan), mem.get(name, math.nan)) for name, _ in builds]
         results[key] = rows
-        print(f"\n## {title}  (plain step {plain:.2f} ms)")
-        print(f"| {'configuration':<62} | {'ms/step':>9} | {'x plain':>8} |")
-        print(f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|")
-        for name, ms in rows:
-            print(f"| {name:<62} | {ms:9.2f} | {ms / plain:7.2f}x |")
-        by = dict(rows)
-        print(f"\nGradHist2d / GradHist1d: {by['gradlens (c) GradHist2d'] / by['gradlens (b) GradHist1d']:.2f}")
-        if cockpit:
+        print(f"\n## {title}  (plain step {plain:.2f} ms, peak {fmt_mib(mem_plain)} MiB)")
+        print(f"| {'configuration':<62} | {'ms/step':>9} | {'x plain':>8} | {'peak MiB':>9} | {'x plain':>8} |")
+        print(f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|{'-' * 11}|{'-' * 10}|")
+        for name, t, m in rows:
+            if name in failed:
+                print(f"| {name:<62} | failed: {failed[name]}")
+                continue
+            mr = f"{m / mem_plain:7.2f}x" if mem_plain > 0 and not math.isnan(m) else f"{'n/a':>8}"
+            print(f"| {name:<62} | {t:9.2f} | {t / plain:7.2f}x | {fmt_mib(m):>9} | {mr} |")
+        by = {n: t for n, t, _ in rows if n not in failed}
+        if "gradlens (b) GradHist1d" in by and "gradlens (c) GradHist2d" in by:
+            print(f"\nGradHist2d / GradHist1d: {by['gradlens (c) GradHist2d'] / by['gradlens (b) GradHist1d']:.2f}")
+        need = ("cockpit GradHist1d", "gradlens (b) GradHist1d", "cockpit GradHist2d", "gradlens (c) GradHist2d",
+                ECONOMY, "gradlens (a) norms: BatchL2+SGS+GradNorm+NormTest+NoiseScale")
+        if cockpit and all(n in by for n in need):
             norms = by["gradlens (a) norms: BatchL2+SGS+GradNorm+NormTest+NoiseScale"]
             print(
                 f"\ngradlens vs cockpit: GradHist1d "

@@ -17,6 +17,8 @@ to the plain step of the same process:
   torch.func vmap(grad) per-sample gradients + norms.
 Targets (issue 8): norm set <= 2.5x plain; every gradlens row faster than Opacus and vmap.
 A row whose setup or first step fails prints ``failed: <error>`` and the other rows still run.
+After the timed rounds one more, untimed step of each row measures its peak memory (the header
+line says how, on this device), printed with its ratio to the plain step's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import interleaved_ms
+from _common import fmt_mib, interleaved_ms, memory_note, peak_memory_all
 
 warnings.filterwarnings("ignore")
 
@@ -234,6 +236,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}; GPT {LAYERS} pre-norm "
           f"blocks, d_model {D}, {HEADS} heads, T {T}, vocab {VOCAB}, batch {args.batch}, tied embeddings, "
           f"{n_params / 1e6:.2f} M parameters")
+    print(memory_note(dev))
 
     rows = configs()
     if args.only:
@@ -258,20 +261,28 @@ def main(argv=None):
     order = [n for n in steps if n != "plain step"]
     timed = dict([("plain step", steps["plain step"]), *[(n, steps[n]) for n in order[: len(order) // 2]],
                   ("plain step #2", steps["plain step"]), *[(n, steps[n]) for n in order[len(order) // 2:]]])
-    ms = interleaved_ms(timed, args.steps, warmup=1)
+    ms = interleaved_ms(timed, args.steps, warmup=1, sync=sync)
+    mem = peak_memory_all(steps, dev)  # after the timing: one more step each, not timed
+    mem_plain = mem["plain step"]
+
+    def mem_cols(name):
+        m = mem.get(name, math.nan)
+        r = f"{m / mem_plain:7.2f}x" if mem_plain > 0 and not math.isnan(m) else f"{'n/a':>8}"
+        return f" {fmt_mib(m):>9} | {r} |"
+
     for close in closers:
         close()
     plain = (ms.pop("plain step") + ms.pop("plain step #2")) / 2
 
-    print(f"\n## GPT-style transformer  (plain step {plain:.1f} ms)")
-    print(f"| {'configuration':<62} | {'ms/step':>9} | {'x plain':>8} |")
-    print(f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|")
-    print(f"| {'plain step':<62} | {plain:9.1f} | {1.0:7.2f}x |")
+    print(f"\n## GPT-style transformer  (plain step {plain:.1f} ms, peak {fmt_mib(mem_plain)} MiB)")
+    print(f"| {'configuration':<62} | {'ms/step':>9} | {'x plain':>8} | {'peak MiB':>9} | {'x plain':>8} |")
+    print(f"|{'-' * 64}|{'-' * 11}|{'-' * 10}|{'-' * 11}|{'-' * 10}|")
+    print(f"| {'plain step':<62} | {plain:9.1f} | {1.0:7.2f}x |" + mem_cols("plain step"))
     for name, _ in rows:
         if name in failed:
             print(f"| {name:<62} | failed: {failed[name]}")
         else:
-            print(f"| {name:<62} | {ms[name]:9.1f} | {ms[name] / plain:7.2f}x |")
+            print(f"| {name:<62} | {ms[name]:9.1f} | {ms[name] / plain:7.2f}x |" + mem_cols(name))
 
     refs = [ms[n] for n in (OPACUS, VMAP) if n in ms]
     print()
