@@ -80,14 +80,15 @@ def sample_chunks(numel_per_sample: int, batch: int, budget: int = CHUNK_ELEMENT
         yield s, min(batch, s + step)
 
 
-def _chunked_entries(fn: Callable[..., Tensor], *index: Tensor, width: int = 1) -> Tensor:
-    """``fn(*index)`` evaluated over slices of the index tensors so that each slice's
-    ``[m, width]`` gathers stay below :data:`CHUNK_ELEMENTS` (``width`` positions per entry)."""
+def _by_columns(fn: Callable[..., Tensor], *index: Tensor, width: int = 1) -> Tensor:
+    """``fn(*index) -> [B, m]`` evaluated over slices of the ``[m]`` index tensors so that each
+    slice's temporaries (``width`` numbers per column, e.g. B x positions) stay below
+    :data:`CHUNK_ELEMENTS`; the slices are concatenated along the columns."""
     m = index[0].shape[0]
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
     if m <= step:
         return fn(*index)
-    return torch.cat([fn(*(t[s:s + step] for t in index)) for s in range(0, m, step)])
+    return torch.cat([fn(*(t[s:s + step] for t in index)) for s in range(0, m, step)], dim=1)
 
 
 class Kernel:
@@ -105,18 +106,16 @@ class Kernel:
         """``attrs``: only these parameters (default: all trainable); kernels may return more."""
         raise NotImplementedError
 
-    def elements(self, module, a, delta, attr: str, n: Tensor, j: Tensor) -> Tensor:
-        """``[m]`` the entries ``g_n[j]`` of parameter ``attr`` (``j`` a flat index into it) for
-        the pairs ``(n[k], j[k])``: what sampled histograms need, without the ``[B, *param]``
+    def entries(self, module, a, delta, attr: str, j: Tensor) -> Tensor:
+        """``[B, m]``: the entries ``g_n[j]`` of parameter ``attr`` at the flat indices ``j``
+        (``[m]``) for every sample n: what sampled histograms need, without the ``[B, *param]``
         tensor where the layer's maths allows. Default: materialised slices of samples, the
-        entries gathered (no host read)."""
-        out = None
-        for s, e in self._chunks(module, delta.shape[0]):
-            g = self.per_sample(module, a, delta, s, e, attrs=[attr])[attr].reshape(e - s, -1)
-            inside = (n >= s) & (n < e)
-            got = g[(n - s).clamp(0, e - s - 1), j]
-            out = torch.where(inside, got, got.new_zeros(()) if out is None else out)
-        return out
+        columns gathered."""
+        parts = [
+            self.per_sample(module, a, delta, s, e, attrs=[attr])[attr].reshape(e - s, -1)[:, j]
+            for s, e in self._chunks(module, delta.shape[0])
+        ]
+        return torch.cat(parts)
 
     def outer_factors(self, module, a, delta) -> dict[str, tuple[Tensor, Tensor]]:
         """Parameters whose per-sample gradient is the outer product ``delta_n a_n^T``:
@@ -337,18 +336,18 @@ class LinearKernel(Kernel):
                 out["bias"] = d.sum(1)
         return out
 
-    def elements(self, module, a, delta, attr, n, j):
+    def entries(self, module, a, delta, attr, j):
         if delta.dim() == 2:  # no sequence axis: g_n[o, i] = delta_no a_ni
             if attr == "bias":
-                return delta[n, j]
+                return delta[:, j]
             o, i = self._weight_index(module, j)
-            return delta[n, o] * a[n, i]
+            return delta[:, o] * a[:, i]
         x, d = self._flat(module, a, delta)  # [B, T, I], [B, T, O]
+        width = d.shape[0] * d.shape[1]
         if attr == "bias":
-            return _chunked_entries(lambda nk, jk: d[nk, :, jk].sum(1), n, j, width=d.shape[1])
+            return _by_columns(lambda jk: d[:, :, jk].sum(1), j, width=width)
         o, i = self._weight_index(module, j)
-        return _chunked_entries(lambda nk, ok, ik: (d[nk, :, ok] * x[nk, :, ik]).sum(1), n, o, i,
-                                width=d.shape[1])
+        return _by_columns(lambda ok, ik: (d[:, :, ok] * x[:, :, ik]).sum(1), o, i, width=width)
 
     @staticmethod
     def _weight_index(module, j: Tensor) -> tuple[Tensor, Tensor]:
@@ -651,10 +650,11 @@ class Conv2dKernel(_ConvMaths, Kernel):
             out["bias"] = d.sum(2)
         return {n: out[n] for n in self.params(module)}
 
-    def elements(self, module, a, delta, attr, n, j):
+    def entries(self, module, a, delta, attr, j):
         d = delta.flatten(2)  # [B, C_out, L]
+        width = d.shape[0] * d.shape[2]
         if attr == "bias":
-            return _chunked_entries(lambda nk, jk: d[nk, jk].sum(-1), n, j, width=d.shape[2])
+            return d[:, j].sum(-1)
         a, padding = _explicit_padding(module, a)
         if any(padding):
             ph, pw = padding
@@ -669,9 +669,9 @@ class Conv2dKernel(_ConvMaths, Kernel):
         # a view of every input patch: [B, C_in, kh, kw, H_out, W_out], no copy
         patches = a.as_strided((a.shape[0], a.shape[1], kh, kw, ho, wo),
                                (st[0], st[1], st[2] * dh, st[3] * dw, st[2] * sh, st[3] * sw))
-        return _chunked_entries(
-            lambda nk, ck, ik, jk, ok: (patches[nk, ck, ik, jk].flatten(1) * d[nk, ok]).sum(1),
-            n, c_in, ki, kj, co, width=d.shape[2],
+        return _by_columns(
+            lambda ck, ik, jk, ok: (patches[:, ck, ik, jk].flatten(2) * d[:, ok]).sum(-1),
+            c_in, ki, kj, co, width=width,
         )
 
     def seq_factors(self, module, a, delta, attrs):
@@ -756,11 +756,11 @@ class EmbeddingKernel(Kernel):
         out.scatter_add_(1, idx.unsqueeze(-1).expand_as(d), d)
         return {"weight": out}
 
-    def elements(self, module, a, delta, attr, n, j):
+    def entries(self, module, a, delta, attr, j):
         idx, d = self._flat(module, a, delta)  # [B, T], [B, T, D]
         v, k = j // module.embedding_dim, j % module.embedding_dim
-        return _chunked_entries(lambda nk, vk, kk: ((idx[nk] == vk[:, None]) * d[nk, :, kk]).sum(1),
-                                n, v, k, width=idx.shape[1])
+        return _by_columns(lambda vk, kk: ((idx[:, :, None] == vk) * d[:, :, kk]).sum(1),
+                           v, k, width=idx.numel())
 
     def batch_l2(self, module, a, delta):
         # ||g_n||^2 = sum_{t,t'} [idx_t = idx_t'] delta_t . delta_t' (no [V, D] per sample)
@@ -940,8 +940,8 @@ class TransposedLinearKernel(LinearKernel):
             out["weight"] = out["weight"].transpose(-1, -2)
         return out
 
-    def elements(self, module, a, delta, attr, n, j):
-        return super().elements(self._AsLinear(module), a, delta, attr, n, j)
+    def entries(self, module, a, delta, attr, j):
+        return super().entries(self._AsLinear(module), a, delta, attr, j)
 
     @staticmethod
     def _weight_index(module, j: Tensor) -> tuple[Tensor, Tensor]:
@@ -1011,7 +1011,7 @@ class MaterialisedKernel(Kernel):
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         return {module._attr: a[start:stop]}
 
-    def elements(self, module, a, delta, attr, n, j):
-        return a.reshape(a.shape[0], -1)[n, j]
+    def entries(self, module, a, delta, attr, j):
+        return a.reshape(a.shape[0], -1)[:, j]
 
 

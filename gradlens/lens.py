@@ -1018,7 +1018,7 @@ class Lens:
         for inst in self._per_sample_insts:
             if getattr(inst, "sample", None) is not None:
                 for attr, qname in w.params.items():
-                    draw = functools.partial(kernel.elements, module, a, delta, attr)
+                    draw = functools.partial(kernel.entries, module, a, delta, attr)
                     inst.update_sampled(micro.states[id(inst)], qname, self._tap.params[qname], draw,
                                         delta.shape[0])
                     done.add((id(inst), attr))

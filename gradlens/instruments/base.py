@@ -265,10 +265,10 @@ class Instrument:
     #: then calls :meth:`update_sampled` instead of materialising per-sample gradients
     sample: float | None = None
 
-    def update_sampled(self, state: Any, name: str, param: Tensor, elements, batch: int) -> None:
-        """For ``sample`` set: ``elements(n, j)`` returns ``[m]`` entries g_n[j] (``n`` sample
-        indices in ``[0, batch)``, ``j`` flat indices into ``param``) of this use's per-sample
-        gradients, computed from the layer's factors."""
+    def update_sampled(self, state: Any, name: str, param: Tensor, entries, batch: int) -> None:
+        """For ``sample`` set: ``entries(j)`` returns ``[batch, m]``, the entries g_n[j] of this
+        use's per-sample gradients at the flat indices ``j [m]`` into ``param``, computed from
+        the layer's factors."""
         raise NotImplementedError(f"{type(self).__name__} does not sample")
 
     def update_zeros(self, state: Any, name: str, param: Tensor, count: int) -> None:

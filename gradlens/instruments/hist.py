@@ -29,7 +29,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.outer_hist import _affine, bin_of, outer_hist1d, row_extremes
-from gradlens.instruments.sampling import Draws, add_estimate, check_sample
+from gradlens.instruments.sampling import Draws, Moments, check_sample, column_chunks
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 from gradlens.sync import device_paths
@@ -160,21 +160,28 @@ class GradHist1d(Instrument):
             return _Hist1dState(*self.range, **_sampled_counters(self.bins))
         return _Hist1dState(*self.range, torch.zeros(self.bins, dtype=torch.int64))
 
-    def update_sampled(self, state: _Hist1dState, name, param, elements, batch: int) -> None:
-        """Sampled mode: draw entries of this layer's per-sample gradients (``elements(n, j)``
-        gives ``g_n[j]``) and add their scaled counts."""
-        n, j, m, total = self._draws.draw(batch, param.numel(), self.sample, param.device)
-        x = elements(n, j).detach()
-        state.to(x.device)
-        lo, hi = state.lo, state.hi
-        h = torch.zeros(self.bins, dtype=torch.int64, device=x.device)
-        tally(h, bin_of(x, lo, hi, self.bins))
-        add_estimate(state.counts, state.var, h, m, total)
-        state.low += (x < lo).sum() * (total / m)
-        state.high += ((x > hi).sum() + x.isnan().sum()) * (total / m)
-        state.total += total
-        if self.adapt is not None:
-            self._extremes(state, x)
+    def update_sampled(self, state: _Hist1dState, name, param, entries, batch: int) -> None:
+        """Sampled mode: draw coordinates of ``param``, bin the entries of every sample there
+        (``entries(j) -> [B, m]``) and add the scaled counts
+        (:mod:`gradlens.instruments.sampling`)."""
+        numel = param.numel()
+        j = self._draws.coordinates(numel, self.sample, param.device)
+        m = j.numel()
+        lo, hi, bins = state.lo, state.hi, self.bins
+        mom = Moments(bins, param.device)
+        for s, e in column_chunks(m, batch, bins):
+            x = entries(j[s:e]).detach()  # [B, c]
+            state.to(x.device)
+            per = torch.zeros((e - s) * bins, dtype=torch.int64, device=x.device)
+            cols = torch.arange(e - s, device=x.device) * bins
+            tally(per, bin_of(x, lo, hi, bins).add_(cols))  # per-coordinate counts [c, bins]
+            mom.add_table(per.view(e - s, bins))
+            state.low += (x < lo).sum() * (numel / m)
+            state.high += ((x > hi).sum() + x.isnan().sum()) * (numel / m)
+            if self.adapt is not None:
+                self._extremes(state, x)
+        mom.into(state.counts, state.var, m, numel)
+        state.total += batch * numel
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
         x = grad_batch.detach()
@@ -366,20 +373,28 @@ class GradHist2d(Instrument):
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
 
-    def update_sampled(self, state: _Hist2dState, name, param, elements, batch: int) -> None:
-        """Sampled mode: as :meth:`GradHist1d.update_sampled`, each drawn g_n[j] in the cell
-        (bin of theta_j, bin of g_n[j])."""
-        n, j, m, total = self._draws.draw(batch, param.numel(), self.sample, param.device)
-        x = elements(n, j).detach()
-        state.to(x.device)
-        off = self._theta(state, name, param).offsets.reshape(-1)[j]
+    def update_sampled(self, state: _Hist2dState, name, param, entries, batch: int) -> None:
+        """Sampled mode: as :meth:`GradHist1d.update_sampled`; coordinate j's entries go to
+        the row of theta_j's bin."""
+        numel = param.numel()
+        j = self._draws.coordinates(numel, self.sample, param.device)
+        m = j.numel()
         lo, hi = state.grange
-        h = torch.zeros_like(state.counts, dtype=torch.int64)
-        tally(h, bin_of(x, lo, hi, self.bins[1]).add_(off))
-        add_estimate(state.counts, state.var, h, m, total)
-        state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum() * (total / m)
-        if self.adapt is not None:
-            self._grad_extremes(state, *torch.aminmax(x))
+        gbins = self.bins[1]
+        offsets = self._theta(state, name, param).offsets.reshape(-1)
+        mom = Moments(state.counts.numel(), param.device)
+        for s, e in column_chunks(m, batch, gbins):
+            x = entries(j[s:e]).detach()  # [B, c]
+            state.to(x.device)
+            per = torch.zeros((e - s) * gbins, dtype=torch.int64, device=x.device)
+            cols = torch.arange(e - s, device=x.device) * gbins
+            tally(per, bin_of(x, lo, hi, gbins).add_(cols))  # [c, G] per coordinate
+            cell = (offsets[j[s:e], None] + torch.arange(gbins, device=x.device)).reshape(-1)
+            mom.add(per, cell)
+            state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum() * (numel / m)
+            if self.adapt is not None:
+                self._grad_extremes(state, *torch.aminmax(x))
+        mom.into(state.counts, state.var, m, numel)
 
     def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
         """Rank-one layers on the CPU (``delta [B, O]``, ``a [B, I]``, finite): each row (n, o),

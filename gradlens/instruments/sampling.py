@@ -1,24 +1,25 @@
-"""Sampled histograms: counts estimated from a random sample of per-sample gradient entries.
+"""Sampled histograms: counts estimated from a random sample of parameter coordinates.
 
-For every layer and micro-step (a *stratum*: ``B`` samples times the ``D`` entries of one
-parameter, ``T = B * D`` elements), ``m = max(2, ceil(fraction * T))`` pairs ``(n, j)`` are drawn
-uniformly, independently and with replacement, and only those entries ``g_n[j]`` are computed
-(from the layer's factors, see ``Kernel.elements``; no ``[B, *param]`` tensor). If ``h_b`` of the
-``m`` draws fall in bin ``b``, the stratum's count of bin ``b`` is estimated by
+For every layer and micro-step (a *stratum*: the ``B`` samples of a micro-batch times the ``D``
+entries of one parameter), ``m = max(2, ceil(fraction * D))`` coordinates ``j_1..j_m`` are drawn
+uniformly, independently and with replacement, and only the entries ``g_n[j_k]`` of every sample
+n are computed (``[B, m]``, from the layer's factors: ``Kernel.entries``; no ``[B, *param]``
+tensor). So ``fraction * B * D`` elements are binned. With ``y_k`` the number of samples whose
+entry ``j_k`` falls in bin b, the stratum's count of bin b is estimated by
 
-    c_b = T h_b / m,             unbiased: E[h_b] = m p_b with p_b the bin's share of the T,
+    c_b = (D / m) sum_k y_k                       unbiased: E[y_k] = (1 / D) sum_j y(j),
 
-and its variance ``T^2 p_b (1 - p_b) / m`` by the unbiased
+and, the y_k being i.i.d., its variance by the unbiased
 
-    v_b = T^2 h_b (m - h_b) / (m^2 (m - 1)).
+    v_b = (D^2 / m) s_b^2,    s_b^2 = (sum_k y_k^2 - (sum_k y_k)^2 / m) / (m - 1).
 
+(For a 2D cell (p, g), y_k counts only if coordinate j_k's parameter value lies in bin p.)
 Strata are independent, so a window's estimate is the sum of its strata's ``c_b`` and its
 variance the sum of their ``v_b``; the record holds ``counts`` (float64 estimates) and
 ``stderr = sqrt(sum v_b)`` per bin. Entries known to be zero without sampling (a layer that a
-micro-step skipped) are added exactly, with no variance. The cost is ``O(m)`` per stratum for
-Linear, transformers' Conv1D, Conv2d and Embedding weights (times the positions summed over for
-sequence layers and convolutions); other layers materialise their (small) per-sample gradients
-and gather the drawn entries.
+micro-step skipped) are added exactly, with no variance. Drawing coordinates rather than single
+elements keeps the gathers contiguous and the random draws B times fewer; the variance estimate
+accounts for the samples of one coordinate being correlated.
 
 Randomness: a private generator per draw, seeded from ``(seed, draw counter)``; the global
 ``torch`` random state is never touched, and the counter is part of the instrument's state
@@ -32,7 +33,9 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["check_sample", "Draws", "add_estimate"]
+from gradlens.kernels import CHUNK_ELEMENTS
+
+__all__ = ["check_sample", "Draws", "Moments"]
 
 
 def check_sample(sample) -> float | None:
@@ -56,21 +59,45 @@ class Draws:
         self.seed = seed
         self.count = 0
 
-    def draw(self, batch: int, numel: int, fraction: float, device) -> tuple[Tensor, Tensor, int, int]:
-        """``(n [m], j [m], m, T)``: m uniform pairs, sample n in [0, batch), flat entry j in
-        [0, numel), with replacement."""
-        total = batch * numel
-        m = max(2, math.ceil(fraction * total))
+    def coordinates(self, numel: int, fraction: float, device) -> Tensor:
+        """``[m]`` flat coordinates in ``[0, numel)``, uniform with replacement,
+        ``m = max(2, ceil(fraction * numel))``."""
+        m = max(2, math.ceil(fraction * numel))
         gen = torch.Generator(device=device)
         gen.manual_seed((self.seed * 0x9E3779B1 + self.count) % (1 << 63))
         self.count += 1
-        flat = torch.randint(total, (m,), generator=gen, device=device)
-        return flat // numel, flat % numel, m, total
+        return torch.randint(numel, (m,), generator=gen, device=device)
 
 
-def add_estimate(counts: Tensor, var: Tensor, h: Tensor, m: int, total: int) -> None:
-    """Add one stratum's unbiased estimate ``T h / m`` to ``counts`` and its variance estimate
-    ``T^2 h (m - h) / (m^2 (m - 1))`` to ``var`` (float64, in place)."""
-    h = h.to(torch.float64)
-    counts.add_(h, alpha=total / m)
-    var.add_(h * (m - h), alpha=float(total) ** 2 / (float(m) ** 2 * (m - 1)))
+def column_chunks(m: int, batch: int, cells: int):
+    """Slices of the m coordinates whose ``[B, chunk]`` entries and ``[chunk, cells]`` tables
+    stay below :data:`~gradlens.kernels.CHUNK_ELEMENTS`."""
+    step = max(1, CHUNK_ELEMENTS // max(batch, cells, 1))
+    for s in range(0, m, step):
+        yield s, min(m, s + step)
+
+
+class Moments:
+    """Per cell, ``sum_k y_k`` and ``sum_k y_k^2`` over the m coordinates of one stratum."""
+
+    def __init__(self, cells: int, device):
+        self.s1 = torch.zeros(cells, dtype=torch.float64, device=device)
+        self.s2 = torch.zeros(cells, dtype=torch.float64, device=device)
+
+    def add(self, y: Tensor, cell: Tensor) -> None:
+        """``y [c]`` per-coordinate counts going to the cells ``cell [c]`` (int64)."""
+        y = y.to(torch.float64)
+        self.s1.index_add_(0, cell, y)
+        self.s2.index_add_(0, cell, y * y)
+
+    def add_table(self, table: Tensor) -> None:
+        """``table [c, cells]``: per-coordinate counts, one column per cell."""
+        t = table.to(torch.float64)
+        self.s1 += t.sum(0)
+        self.s2 += (t * t).sum(0)
+
+    def into(self, counts: Tensor, var: Tensor, m: int, numel: int) -> None:
+        """Add the stratum's estimate ``(D / m) s1`` and variance ``(D^2 / m) s^2`` (in place)."""
+        counts.add_(self.s1, alpha=numel / m)
+        s2 = (self.s2 - self.s1 * self.s1 / m).clamp_(min=0.0) / (m - 1)
+        var.add_(s2, alpha=float(numel) ** 2 / m)
