@@ -185,7 +185,7 @@ def test_seed_must_be_a_non_negative_int():
 
 
 def test_the_cost_falls_with_the_fraction():
-    """Per stratum, ``max(2, ceil(fraction * D))`` coordinates of every sample are computed."""
+    """Per stratum, fraction x D coordinates (rounded up to a multiple of 32) of every sample."""
     model, x, y = _problem("mlp")
     seen = []
     real = kernels.LinearKernel.entries
@@ -200,7 +200,7 @@ def test_the_cost_falls_with_the_fraction():
         _windows(model, x, y, [GradHist1d(sample=0.01)], 1)
     finally:
         kernels.LinearKernel.entries = real
-    per_stratum = [b * max(2, math.ceil(0.01 * p.numel())) for b in SPLIT for p in model.parameters()]
+    per_stratum = [b * 32 * math.ceil(0.01 * p.numel() / 32) for b in SPLIT for p in model.parameters()]
     assert sorted(seen) == sorted(per_stratum)
 
 

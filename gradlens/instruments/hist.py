@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.instruments.outer_hist import _affine, bin_of, outer_hist1d, row_extremes
-from gradlens.instruments.sampling import Draws, Moments, check_sample, column_chunks
+from gradlens.instruments.outer_hist import _affine, bin_of, bin_or_side, outer_hist1d, row_extremes, tally
+from gradlens.instruments.sampling import Draws, Stratum, check_sample
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 from gradlens.sync import device_paths
@@ -37,7 +37,6 @@ from gradlens.sync import device_paths
 __all__ = ["GradHist1d", "GradHist2d"]
 
 _ADAPT = (None, "abs_max", "min_max")
-_EXACT_FLOAT = 1 << 24  # histc counts in float32: at most this many elements per call
 
 def _check_bins(bins, what: str) -> int:
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
@@ -66,20 +65,6 @@ def _edges(lo: float, hi: float, bins: int) -> Tensor:
     if z is not None:
         edges[int(z)] = 0.0
     return edges
-
-def tally(counts: Tensor, idx: Tensor) -> None:
-    """``counts[k] += #{idx == k}`` for int64 ``idx`` in ``[0, len(counts))``, in place.
-
-    CPU: one ``bincount``. Device paths (:mod:`gradlens.sync`): ``bincount`` reads the largest
-    index back to size its output, so the indices are counted by ``torch.histc`` over their
-    integer values instead (exact: each call stays below 2**24 elements)."""
-    flat = idx.reshape(-1)
-    n = counts.numel()
-    if not device_paths(flat):
-        counts += torch.bincount(flat, minlength=n)
-        return
-    for part in flat.split(_EXACT_FLOAT):
-        counts += torch.histc(part.float(), n, 0, n).to(torch.int64)
 
 def _pick(fn, a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return b if a is None else a if b is None else fn(a, b.to(a.device))
@@ -166,21 +151,17 @@ class GradHist1d(Instrument):
         (:mod:`gradlens.instruments.sampling`)."""
         numel = param.numel()
         j = self._draws.coordinates(numel, self.sample, param.device)
-        m = j.numel()
         lo, hi, bins = state.lo, state.hi, self.bins
-        mom = Moments(bins, param.device)
-        for s, e in column_chunks(m, batch, bins):
+        st = Stratum(j.numel(), numel, 1, bins, param.device)
+        for s, e in st.chunks(batch):
             x = entries(j[s:e]).detach()  # [B, c]
-            state.to(x.device)
-            per = torch.zeros((e - s) * bins, dtype=torch.int64, device=x.device)
-            cols = torch.arange(e - s, device=x.device) * bins
-            tally(per, bin_of(x, lo, hi, bins).add_(cols))  # per-coordinate counts [c, bins]
-            mom.add_table(per.view(e - s, bins))
-            state.low += (x < lo).sum() * (numel / m)
-            state.high += ((x > hi).sum() + x.isnan().sum()) * (numel / m)
             if self.adapt is not None:
                 self._extremes(state, x)
-        mom.into(state.counts, state.var, m, numel)
+            st.add(bin_or_side(x, lo, hi, bins))
+        state.to(st.table.device)
+        low, high = st.into(state.counts, state.var)
+        state.low += low
+        state.high += high
         state.total += batch * numel
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
@@ -378,23 +359,18 @@ class GradHist2d(Instrument):
         the row of theta_j's bin."""
         numel = param.numel()
         j = self._draws.coordinates(numel, self.sample, param.device)
-        m = j.numel()
         lo, hi = state.grange
-        gbins = self.bins[1]
-        offsets = self._theta(state, name, param).offsets.reshape(-1)
-        mom = Moments(state.counts.numel(), param.device)
-        for s, e in column_chunks(m, batch, gbins):
+        pbins, gbins = self.bins
+        rows = self._theta(state, name, param).offsets.reshape(-1)[j] // gbins
+        st = Stratum(j.numel(), numel, pbins, gbins, param.device)
+        for s, e in st.chunks(batch):
             x = entries(j[s:e]).detach()  # [B, c]
-            state.to(x.device)
-            per = torch.zeros((e - s) * gbins, dtype=torch.int64, device=x.device)
-            cols = torch.arange(e - s, device=x.device) * gbins
-            tally(per, bin_of(x, lo, hi, gbins).add_(cols))  # [c, G] per coordinate
-            cell = (offsets[j[s:e], None] + torch.arange(gbins, device=x.device)).reshape(-1)
-            mom.add(per, cell)
-            state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum() * (numel / m)
             if self.adapt is not None:
                 self._grad_extremes(state, *torch.aminmax(x))
-        mom.into(state.counts, state.var, m, numel)
+            st.add(bin_or_side(x, lo, hi, gbins), rows[s:e])
+        state.to(st.table.device)
+        low, high = st.into(state.counts, state.var)
+        state.clamped_grad += low + high
 
     def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
         """Rank-one layers on the CPU (``delta [B, O]``, ``a [B, I]``, finite): each row (n, o),
@@ -447,7 +423,7 @@ class GradHist2d(Instrument):
                     row_counts: Tensor, z: int) -> None:
         """Rows ``zs [B, O]`` whose products lie in bins z - 1 (negative) and z (zero or
         positive): per parameter bin, how many of their products are negative."""
-        f = torch.float64 if delta.shape[0] >= _EXACT_FLOAT else torch.float32
+        f = torch.float64 if delta.shape[0] >= 1 << 24 else torch.float32  # exact counts
         zf = zs.to(f)
         d_pos, d_neg = zf * (delta > 0), zf * (delta < 0)
         neg = d_pos.t() @ (a < 0).to(f) + d_neg.t() @ (a > 0).to(f)  # [O, I] exact counts

@@ -17,7 +17,9 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["bin_of", "outer_hist1d", "row_extremes"]
+from gradlens.sync import device_paths
+
+__all__ = ["bin_of", "bin_or_side", "outer_hist1d", "row_extremes", "tally"]
 
 
 def row_extremes(delta: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,6 +53,32 @@ def bin_of(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
     else:
         idx = torch.floor(x * s).add_(z)
     return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).long()
+
+
+def bin_or_side(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
+    """Like :func:`bin_of` but as float bins in ``[-1, bins]``: -1 below ``lo``, ``bins`` at
+    or above ``hi`` (and NaN); one fewer pass than binning and comparing separately."""
+    s, z = _affine(lo, hi, bins)
+    if z is None:
+        idx = (x - lo).mul_(s).floor_()
+    else:
+        idx = torch.mul(x, s).floor_().add_(z)
+    return idx.nan_to_num_(nan=float(bins)).clamp_(-1, bins)
+
+
+def tally(counts: Tensor, idx: Tensor) -> None:
+    """``counts[k] += #{idx == k}`` for int64 ``idx`` in ``[0, len(counts))``, in place.
+
+    CPU: one ``bincount``. Device paths (:mod:`gradlens.sync`): ``bincount`` reads the largest
+    index back to size its output, so the indices are counted by ``torch.histc`` over their
+    integer values instead (exact: each call stays below 2**24 elements)."""
+    flat = idx.reshape(-1)
+    n = counts.numel()
+    if not device_paths(flat):
+        counts += torch.bincount(flat, minlength=n)
+        return
+    for part in flat.split(1 << 24):  # float32 counts: exact below 2**24 per call
+        counts += torch.histc(part.float(), n, 0, n).to(torch.int64)
 
 
 def _first_false(pred, rows: Tensor, width: int, steps: int, start: Tensor | None = None) -> Tensor:

@@ -1,25 +1,28 @@
 """Sampled histograms: counts estimated from a random sample of parameter coordinates.
 
 For every layer and micro-step (a *stratum*: the ``B`` samples of a micro-batch times the ``D``
-entries of one parameter), ``m = max(2, ceil(fraction * D))`` coordinates ``j_1..j_m`` are drawn
-uniformly, independently and with replacement, and only the entries ``g_n[j_k]`` of every sample
-n are computed (``[B, m]``, from the layer's factors: ``Kernel.entries``; no ``[B, *param]``
-tensor). So ``fraction * B * D`` elements are binned. With ``y_k`` the number of samples whose
-entry ``j_k`` falls in bin b, the stratum's count of bin b is estimated by
+entries of one parameter), ``m`` coordinates (``fraction * D`` rounded up to a multiple of
+``R = 32``) are drawn uniformly, independently and with replacement, and only the entries
+``g_n[j]`` of every sample n at those coordinates are computed (``[B, m]``, from the layer's
+factors: ``Kernel.entries``; no ``[B, *param]`` tensor). So about ``fraction * B * D`` elements
+are binned. The m coordinates are dealt into R groups of ``L = m / R``; with ``Y_r`` the number
+of (sample, coordinate) pairs of group r in bin b, the stratum's count of bin b is estimated by
 
-    c_b = (D / m) sum_k y_k                       unbiased: E[y_k] = (1 / D) sum_j y(j),
+    c_b = (D / m) sum_r Y_r              unbiased (each coordinate is uniform over the D),
 
-and, the y_k being i.i.d., its variance by the unbiased
+and, the ``Y_r`` being i.i.d., its variance by the unbiased (random-groups estimator)
 
-    v_b = (D^2 / m) s_b^2,    s_b^2 = (sum_k y_k^2 - (sum_k y_k)^2 / m) / (m - 1).
+    v_b = (D / m)^2 R s_b^2,   s_b^2 = sum_r (Y_r - mean Y)^2 / (R - 1).
 
-(For a 2D cell (p, g), y_k counts only if coordinate j_k's parameter value lies in bin p.)
-Strata are independent, so a window's estimate is the sum of its strata's ``c_b`` and its
-variance the sum of their ``v_b``; the record holds ``counts`` (float64 estimates) and
-``stderr = sqrt(sum v_b)`` per bin. Entries known to be zero without sampling (a layer that a
-micro-step skipped) are added exactly, with no variance. Drawing coordinates rather than single
-elements keeps the gathers contiguous and the random draws B times fewer; the variance estimate
-accounts for the samples of one coordinate being correlated.
+(For a 2D cell (p, g), only coordinates whose parameter value lies in bin p count.) Grouping
+keeps the variance bookkeeping at ``R x bins`` numbers whatever m, and takes into account that
+the samples of one coordinate are correlated. Strata are independent, so a window's estimate is
+the sum of its strata's ``c_b`` and its variance the sum of their ``v_b``; the record holds
+``counts`` (float64 estimates) and ``stderr = sqrt(sum v_b)`` per bin. Each stratum's ``v_b`` has
+R - 1 = 31 degrees of freedom; summed over layers and micro-steps the window's is steadier.
+Entries known to be zero without sampling (a layer that a micro-step skipped) are added exactly,
+with no variance. Clamped counts are estimated the same way (an element exactly at ``hi``
+counts as clamped there, a difference of measure zero).
 
 Randomness: a private generator per draw, seeded from ``(seed, draw counter)``; the global
 ``torch`` random state is never touched, and the counter is part of the instrument's state
@@ -33,9 +36,13 @@ import math
 import torch
 from torch import Tensor
 
+from gradlens.instruments.outer_hist import tally
 from gradlens.kernels import CHUNK_ELEMENTS
 
-__all__ = ["check_sample", "Draws", "Moments"]
+__all__ = ["GROUPS", "check_sample", "Draws", "Stratum"]
+
+#: random groups per stratum (the degrees of freedom of its variance estimate, plus one)
+GROUPS = 32
 
 
 def check_sample(sample) -> float | None:
@@ -60,44 +67,54 @@ class Draws:
         self.count = 0
 
     def coordinates(self, numel: int, fraction: float, device) -> Tensor:
-        """``[m]`` flat coordinates in ``[0, numel)``, uniform with replacement,
-        ``m = max(2, ceil(fraction * numel))``."""
-        m = max(2, math.ceil(fraction * numel))
+        """``[m]`` flat coordinates in ``[0, numel)``, uniform with replacement; m is
+        ``fraction * numel`` rounded up to a multiple of :data:`GROUPS`."""
+        m = GROUPS * math.ceil(fraction * numel / GROUPS)
         gen = torch.Generator(device=device)
         gen.manual_seed((self.seed * 0x9E3779B1 + self.count) % (1 << 63))
         self.count += 1
         return torch.randint(numel, (m,), generator=gen, device=device)
 
 
-def column_chunks(m: int, batch: int, cells: int):
-    """Slices of the m coordinates whose ``[B, chunk]`` entries and ``[chunk, cells]`` tables
-    stay below :data:`~gradlens.kernels.CHUNK_ELEMENTS`."""
-    step = max(1, CHUNK_ELEMENTS // max(batch, cells, 1))
-    for s in range(0, m, step):
-        yield s, min(m, s + step)
+class Stratum:
+    """Counts of one stratum per random group: ``table [GROUPS, cells, width + 2]`` of
+    (below range, the ``width`` bins, at or above range) for ``cells`` rows (2D: parameter
+    bins; 1D: one row)."""
 
+    def __init__(self, m: int, numel: int, cells: int, width: int, device):
+        self.m, self.numel, self.cells, self.width = m, numel, cells, width
+        self.table = torch.zeros(GROUPS * cells * (width + 2), dtype=torch.int64, device=device)
 
-class Moments:
-    """Per cell, ``sum_k y_k`` and ``sum_k y_k^2`` over the m coordinates of one stratum."""
+    def chunks(self, batch: int):
+        """Column slices whose ``[B, c]`` entries stay below the chunk budget; multiples of
+        :data:`GROUPS` so that column k's group is ``k % GROUPS`` in every slice."""
+        step = max(GROUPS, CHUNK_ELEMENTS // max(batch, 1) // GROUPS * GROUPS)
+        for s in range(0, self.m, step):
+            yield s, min(self.m, s + step)
 
-    def __init__(self, cells: int, device):
-        self.s1 = torch.zeros(cells, dtype=torch.float64, device=device)
-        self.s2 = torch.zeros(cells, dtype=torch.float64, device=device)
+    def add(self, side_bins: Tensor, row: Tensor | None = None) -> None:
+        """``side_bins [B, c]`` float bins in ``[-1, width]`` (:func:`bin_or_side`) of columns
+        ``0..c-1`` of a slice; ``row [c]`` int64 the cell row of each column (2D)."""
+        c = side_bins.shape[1]
+        w2 = self.width + 2
+        group = torch.arange(c, device=side_bins.device) % GROUPS
+        base = group * (self.cells * w2) + 1
+        if row is not None:
+            base = base + row * w2
+        tally(self.table, side_bins.add_(base.to(side_bins.dtype)).long())
 
-    def add(self, y: Tensor, cell: Tensor) -> None:
-        """``y [c]`` per-coordinate counts going to the cells ``cell [c]`` (int64)."""
-        y = y.to(torch.float64)
-        self.s1.index_add_(0, cell, y)
-        self.s2.index_add_(0, cell, y * y)
-
-    def add_table(self, table: Tensor) -> None:
-        """``table [c, cells]``: per-coordinate counts, one column per cell."""
-        t = table.to(torch.float64)
-        self.s1 += t.sum(0)
-        self.s2 += (t * t).sum(0)
-
-    def into(self, counts: Tensor, var: Tensor, m: int, numel: int) -> None:
-        """Add the stratum's estimate ``(D / m) s1`` and variance ``(D^2 / m) s^2`` (in place)."""
-        counts.add_(self.s1, alpha=numel / m)
-        s2 = (self.s2 - self.s1 * self.s1 / m).clamp_(min=0.0) / (m - 1)
-        var.add_(s2, alpha=float(numel) ** 2 / m)
+    def into(self, counts: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the estimate and its variance to ``counts`` / ``var`` (float64 ``[cells *
+        width]``, clamped values in the edge bins); returns the estimated numbers clamped below
+        and above (0-d float64)."""
+        t = self.table.view(GROUPS, self.cells, self.width + 2).to(torch.float64)
+        y = t[:, :, 1:-1].clone()
+        y[:, :, 0] += t[:, :, 0]
+        y[:, :, -1] += t[:, :, -1]
+        y = y.reshape(GROUPS, -1)  # Y_r per cell
+        scale = self.numel / self.m
+        s1 = y.sum(0)
+        counts.add_(s1, alpha=scale)
+        spread = (y - s1 / GROUPS).square_().sum(0) / (GROUPS - 1)
+        var.add_(spread, alpha=scale * scale * GROUPS)
+        return t[:, :, 0].sum() * scale, t[:, :, -1].sum() * scale
