@@ -112,7 +112,7 @@ class Kernel:
         tensor where the layer's maths allows. Default: materialised slices of samples, the
         columns gathered."""
         parts = [
-            self.per_sample(module, a, delta, s, e, attrs=[attr])[attr].reshape(e - s, -1)[:, j]
+            self.per_sample(module, a, delta, s, e, attrs=[attr])[attr].reshape(e - s, -1).index_select(1, j)
             for s, e in self._chunks(module, delta.shape[0])
         ]
         return torch.cat(parts)
@@ -337,17 +337,19 @@ class LinearKernel(Kernel):
         return out
 
     def entries(self, module, a, delta, attr, j):
+        # (index_select: several times faster than advanced indexing for column gathers)
         if delta.dim() == 2:  # no sequence axis: g_n[o, i] = delta_no a_ni
             if attr == "bias":
-                return delta[:, j]
+                return delta.index_select(1, j)
             o, i = self._weight_index(module, j)
-            return delta[:, o] * a[:, i]
+            return delta.index_select(1, o).mul_(a.index_select(1, i))
         x, d = self._flat(module, a, delta)  # [B, T, I], [B, T, O]
         width = d.shape[0] * d.shape[1]
         if attr == "bias":
-            return _by_columns(lambda jk: d[:, :, jk].sum(1), j, width=width)
+            return _by_columns(lambda jk: d.index_select(2, jk).sum(1), j, width=width)
         o, i = self._weight_index(module, j)
-        return _by_columns(lambda ok, ik: (d[:, :, ok] * x[:, :, ik]).sum(1), o, i, width=width)
+        return _by_columns(lambda ok, ik: (d.index_select(2, ok) * x.index_select(2, ik)).sum(1),
+                           o, i, width=width)
 
     @staticmethod
     def _weight_index(module, j: Tensor) -> tuple[Tensor, Tensor]:
@@ -654,7 +656,7 @@ class Conv2dKernel(_ConvMaths, Kernel):
         d = delta.flatten(2)  # [B, C_out, L]
         width = d.shape[0] * d.shape[2]
         if attr == "bias":
-            return d[:, j].sum(-1)
+            return d.index_select(1, j).sum(-1)
         a, padding = _explicit_padding(module, a)
         if any(padding):
             ph, pw = padding
@@ -670,7 +672,7 @@ class Conv2dKernel(_ConvMaths, Kernel):
         patches = a.as_strided((a.shape[0], a.shape[1], kh, kw, ho, wo),
                                (st[0], st[1], st[2] * dh, st[3] * dw, st[2] * sh, st[3] * sw))
         return _by_columns(
-            lambda ck, ik, jk, ok: (patches[:, ck, ik, jk].flatten(2) * d[:, ok]).sum(-1),
+            lambda ck, ik, jk, ok: (patches[:, ck, ik, jk].flatten(2) * d.index_select(1, ok)).sum(-1),
             c_in, ki, kj, co, width=width,
         )
 
@@ -759,7 +761,7 @@ class EmbeddingKernel(Kernel):
     def entries(self, module, a, delta, attr, j):
         idx, d = self._flat(module, a, delta)  # [B, T], [B, T, D]
         v, k = j // module.embedding_dim, j % module.embedding_dim
-        return _by_columns(lambda vk, kk: ((idx[:, :, None] == vk) * d[:, :, kk]).sum(1),
+        return _by_columns(lambda vk, kk: ((idx[:, :, None] == vk) * d.index_select(2, kk)).sum(1),
                            v, k, width=idx.numel())
 
     def batch_l2(self, module, a, delta):
@@ -1012,6 +1014,6 @@ class MaterialisedKernel(Kernel):
         return {module._attr: a[start:stop]}
 
     def entries(self, module, a, delta, attr, j):
-        return a.reshape(a.shape[0], -1)[:, j]
+        return a.reshape(a.shape[0], -1).index_select(1, j)
 
 

@@ -157,7 +157,7 @@ class GradHist1d(Instrument):
             x = entries(j[s:e]).detach()  # [B, c]
             if self.adapt is not None:
                 self._extremes(state, x)
-            st.add(bin_or_side(x, lo, hi, bins))
+            st.add(bin_or_side(x, lo, hi, bins, inplace=True))
         state.to(st.table.device)
         low, high = st.into(state.counts, state.var)
         state.low += low
@@ -168,7 +168,7 @@ class GradHist1d(Instrument):
         x = grad_batch.detach()
         state.to(x.device)
         lo, hi = state.lo, state.hi
-        tally(state.counts, bin_of(x, lo, hi, self.bins))
+        tally(state.counts, bin_of(x, lo, hi, self.bins, torch.int32))
         state.low += (x < lo).sum()
         state.high += (x > hi).sum() + x.isnan().sum()
         state.total += x.numel()
@@ -255,7 +255,7 @@ class _Theta:
     """One parameter's bins for a window (theta is fixed within it): computed on its first
     use, kept on the device (no host read until the window closes)."""
 
-    offsets: Tensor  # [*param] int64: param_bin * grad_bins
+    offsets: Tensor  # [*param] int32: param_bin * grad_bins
     clamped: Tensor  # 0-d int64: entries outside the parameter range (or NaN)
     mn: Tensor  # 0-d: extremes of theta (for adapt)
     mx: Tensor
@@ -337,7 +337,7 @@ class GradHist2d(Instrument):
         if got is None:
             theta = param.detach()
             lo, hi = state.prange
-            off = bin_of(theta, lo, hi, self.bins[0]).mul_(self.bins[1])
+            off = bin_of(theta, lo, hi, self.bins[0], torch.int32).mul_(self.bins[1])
             out = ((theta < lo) | (theta > hi) | theta.isnan()).sum()
             mn, mx = torch.aminmax(theta.reshape(-1)) if theta.numel() else (theta.new_tensor(math.inf),
                                                                              theta.new_tensor(-math.inf))
@@ -349,7 +349,7 @@ class GradHist2d(Instrument):
         state.to(x.device)
         off = self._theta(state, name, param).offsets
         lo, hi = state.grange
-        tally(state.counts, bin_of(x, lo, hi, self.bins[1]).add_(off))
+        tally(state.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(off))
         state.clamped_grad += ((x < lo) | (x > hi) | x.isnan()).sum()
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
@@ -367,7 +367,7 @@ class GradHist2d(Instrument):
             x = entries(j[s:e]).detach()  # [B, c]
             if self.adapt is not None:
                 self._grad_extremes(state, *torch.aminmax(x))
-            st.add(bin_or_side(x, lo, hi, gbins), rows[s:e])
+            st.add(bin_or_side(x, lo, hi, gbins, inplace=True), rows[s:e])
         state.to(st.table.device)
         low, high = st.into(state.counts, state.var)
         state.clamped_grad += low + high

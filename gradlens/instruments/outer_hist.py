@@ -41,8 +41,8 @@ def _affine(lo: float, hi: float, bins: int) -> tuple[float, float | None]:
     return s, None
 
 
-def bin_of(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
-    """int64 bins by the documented rule ``floor((x - lo) * bins / (hi - lo))``, clamped to
+def bin_of(x: Tensor, lo: float, hi: float, bins: int, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Integer (``dtype``) bins by the documented rule ``floor((x - lo) * bins / (hi - lo))``, clamped to
     ``[0, bins - 1]`` (NaN in the last bin). When 0 is an edge it is computed as
     ``z + floor(x * bins / (hi - lo))``, the same number without the rounding of ``x - lo``: the
     sign of x alone decides the side of the zero edge (a tiny negative value is never rounded
@@ -52,22 +52,23 @@ def bin_of(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
         idx = torch.floor((x - lo) * s)
     else:
         idx = torch.floor(x * s).add_(z)
-    return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).long()
+    return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).to(dtype)
 
 
-def bin_or_side(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
+def bin_or_side(x: Tensor, lo: float, hi: float, bins: int, inplace: bool = False) -> Tensor:
     """Like :func:`bin_of` but as float bins in ``[-1, bins]``: -1 below ``lo``, ``bins`` at
-    or above ``hi`` (and NaN); one fewer pass than binning and comparing separately."""
+    or above ``hi`` (and NaN); one fewer pass than binning and comparing separately.
+    ``inplace``: overwrite ``x`` (a temporary of the caller) instead of allocating."""
     s, z = _affine(lo, hi, bins)
     if z is None:
-        idx = (x - lo).mul_(s).floor_()
+        idx = (x.sub_(lo) if inplace else x - lo).mul_(s).floor_()
     else:
-        idx = torch.mul(x, s).floor_().add_(z)
+        idx = (x.mul_(s) if inplace else torch.mul(x, s)).floor_().add_(z)
     return idx.nan_to_num_(nan=float(bins)).clamp_(-1, bins)
 
 
 def tally(counts: Tensor, idx: Tensor) -> None:
-    """``counts[k] += #{idx == k}`` for int64 ``idx`` in ``[0, len(counts))``, in place.
+    """``counts[k] += #{idx == k}`` for integer ``idx`` in ``[0, len(counts))``, in place.
 
     CPU: one ``bincount``. Device paths (:mod:`gradlens.sync`): ``bincount`` reads the largest
     index back to size its output, so the indices are counted by ``torch.histc`` over their

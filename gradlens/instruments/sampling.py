@@ -85,10 +85,11 @@ class Stratum:
         self.m, self.numel, self.cells, self.width = m, numel, cells, width
         self.table = torch.zeros(GROUPS * cells * (width + 2), dtype=torch.int64, device=device)
 
-    def chunks(self, batch: int):
-        """Column slices whose ``[B, c]`` entries stay below the chunk budget; multiples of
-        :data:`GROUPS` so that column k's group is ``k % GROUPS`` in every slice."""
-        step = max(GROUPS, CHUNK_ELEMENTS // max(batch, 1) // GROUPS * GROUPS)
+    def chunks(self, batch: int, budget: int = 1 << 16):
+        """Column slices whose ``[B, c]`` entries stay below ``budget`` elements (cache-sized:
+        the few passes over them stay in cache); multiples of :data:`GROUPS` so that column
+        k's group is ``k % GROUPS`` in every slice."""
+        step = max(GROUPS, min(budget, CHUNK_ELEMENTS) // max(batch, 1) // GROUPS * GROUPS)
         for s in range(0, self.m, step):
             yield s, min(self.m, s + step)
 
@@ -101,7 +102,7 @@ class Stratum:
         base = group * (self.cells * w2) + 1
         if row is not None:
             base = base + row * w2
-        tally(self.table, side_bins.add_(base.to(side_bins.dtype)).long())
+        tally(self.table, side_bins.add_(base.to(side_bins.dtype)).int())
 
     def into(self, counts: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
         """Add the estimate and its variance to ``counts`` / ``var`` (float64 ``[cells *
