@@ -29,7 +29,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.outer_hist import _affine, bin_of, bin_or_side, outer_hist1d, row_extremes, tally
-from gradlens.instruments.sampling import Draws, Stratum, check_sample
+from gradlens.instruments.sampling import Draws, Stratum, check_sample, merge_strata
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 from gradlens.sync import device_paths
@@ -94,6 +94,8 @@ class _Hist1dState:
     mn: Tensor | None = None  # extremes seen (only with adapt), on the gradients' device
     mx: Tensor | None = None
     var: Tensor | None = None  # sampled mode: [bins] float64 variance of the estimated counts
+    #: sampled mode: parameter name -> Stratum, shared by the window's micro-steps
+    strata: dict = field(default_factory=dict)
 
     def to(self, device) -> None:
         """Keep the counters on the gradients' device (no host sync per slice)."""
@@ -101,6 +103,18 @@ class _Hist1dState:
             self.counts, self.low, self.high = (t.to(device) for t in (self.counts, self.low, self.high))
             if self.var is not None:
                 self.var = self.var.to(device)
+
+    def sampled_totals(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Sampled mode: (counts, var, low, high), the exactly known part plus every
+        parameter's estimate."""
+        counts, var, low, high = self.counts.clone(), self.var.clone(), self.low.clone(), self.high.clone()
+        for st in self.strata.values():
+            c, v, lo, hi = st.estimate()
+            counts += c.to(counts.device)
+            var += v.to(var.device)
+            low += lo.to(low.device)
+            high += hi.to(high.device)
+        return counts, var, low, high
 
 
 def _sampled_counters(bins: int) -> dict:
@@ -145,23 +159,24 @@ class GradHist1d(Instrument):
             return _Hist1dState(*self.range, **_sampled_counters(self.bins))
         return _Hist1dState(*self.range, torch.zeros(self.bins, dtype=torch.int64))
 
+    def start_micro(self, window_state: _Hist1dState) -> _Hist1dState:
+        state = self.start_window()
+        state.strata = window_state.strata  # sampled mode: one table per parameter and window
+        return state
+
     def update_sampled(self, state: _Hist1dState, name, param, entries, batch: int) -> None:
         """Sampled mode: draw coordinates of ``param``, bin the entries of every sample there
-        (``entries(j) -> [B, m]``) and add the scaled counts
-        (:mod:`gradlens.instruments.sampling`)."""
+        (``entries(j) -> [B, m]``) into its window table (:mod:`gradlens.instruments.sampling`)."""
         numel = param.numel()
         j = self._draws.coordinates(numel, self.sample, param.device)
-        lo, hi, bins = state.lo, state.hi, self.bins
-        st = Stratum(j.numel(), numel, 1, bins, param.device)
+        st = state.strata.get(name)
+        if st is None:
+            st = state.strata[name] = Stratum(j.numel(), numel, 1, self.bins, param.device)
         for s, e in st.chunks(batch):
             x = entries(j[s:e]).detach()  # [B, c]
             if self.adapt is not None:
                 self._extremes(state, x)
-            st.add(bin_or_side(x, lo, hi, bins, inplace=True))
-        state.to(st.table.device)
-        low, high = st.into(state.counts, state.var)
-        state.low += low
-        state.high += high
+            st.add(bin_or_side(x, state.lo, state.hi, self.bins, inplace=True))
         state.total += batch * numel
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
@@ -222,14 +237,15 @@ class GradHist1d(Instrument):
         return _Hist1dState(
             a.lo, a.hi, a.counts + b.counts.to(dev), a.low + b.low.to(dev), a.high + b.high.to(dev),
             a.total + b.total, _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
-            _pick(torch.add, a.var, b.var),
+            _pick(torch.add, a.var, b.var), merge_strata(a.strata, b.strata),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist1dState) -> Hist1d:
         edges = _edges(state.lo, state.hi, self.bins)
         if state.var is not None:
-            return Hist1d(state.counts.cpu().clone(), edges, float(state.low), float(state.high),
-                          stderr=state.var.sqrt().cpu(), sample=self.sample)
+            counts, var, low, high = state.sampled_totals()
+            return Hist1d(counts.cpu(), edges, float(low), float(high), stderr=var.sqrt().cpu(),
+                          sample=self.sample)
         return Hist1d(state.counts.cpu().clone(), edges, int(state.low), int(state.high))
 
     def end_window(self, state: _Hist1dState) -> None:
@@ -239,9 +255,11 @@ class GradHist1d(Instrument):
     def to_buffers(self, state: _Hist1dState, ctx):
         from gradlens.distributed import DistParts
 
-        sums = [state.counts, state.low, state.high, torch.tensor(state.total, dtype=torch.int64)]
         if state.var is not None:  # independent ranks: estimates and variances add
-            sums.append(state.var)
+            counts, var, low, high = state.sampled_totals()
+            sums = [counts, low, high, torch.tensor(state.total, dtype=torch.int64), var]
+        else:
+            sums = [state.counts, state.low, state.high, torch.tensor(state.total, dtype=torch.int64)]
         per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
         return DistParts(sums=sums, per_rank=per_rank)
 
@@ -272,12 +290,24 @@ class _Hist2dState:
     #: per window (shared by its micro-steps): parameter name -> :class:`_Theta`
     cache: dict = field(default_factory=dict)
     var: Tensor | None = None  # sampled mode: [P * G] float64 variance of the estimates
+    #: sampled mode: parameter name -> Stratum, shared by the window's micro-steps
+    strata: dict = field(default_factory=dict)
 
     def to(self, device) -> None:
         if self.counts.device != device:
             self.counts, self.clamped_grad = self.counts.to(device), self.clamped_grad.to(device)
             if self.var is not None:
                 self.var = self.var.to(device)
+
+    def sampled_totals(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Sampled mode: (counts, var, clamped_grad) with every parameter's estimate."""
+        counts, var, clamped = self.counts.clone(), self.var.clone(), self.clamped_grad.clone()
+        for st in self.strata.values():
+            c, v, lo, hi = st.estimate()
+            counts += c.to(counts.device)
+            var += v.to(var.device)
+            clamped += (lo + hi).to(clamped.device)
+        return counts, var, clamped
 
 class GradHist2d(Instrument):
     """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
@@ -330,6 +360,7 @@ class GradHist2d(Instrument):
     def start_micro(self, window_state: _Hist2dState) -> _Hist2dState:
         state = self.start_window()
         state.cache = window_state.cache  # theta is fixed within a window: bin it once
+        state.strata = window_state.strata  # sampled mode: one table per parameter and window
         return state
 
     def _theta(self, state: _Hist2dState, name: str, param: Tensor) -> _Theta:
@@ -359,18 +390,17 @@ class GradHist2d(Instrument):
         the row of theta_j's bin."""
         numel = param.numel()
         j = self._draws.coordinates(numel, self.sample, param.device)
-        lo, hi = state.grange
         pbins, gbins = self.bins
         rows = self._theta(state, name, param).offsets.reshape(-1)[j] // gbins
-        st = Stratum(j.numel(), numel, pbins, gbins, param.device)
+        st = state.strata.get(name)
+        if st is None:
+            st = state.strata[name] = Stratum(j.numel(), numel, pbins, gbins, param.device)
+        lo, hi = state.grange
         for s, e in st.chunks(batch):
             x = entries(j[s:e]).detach()  # [B, c]
             if self.adapt is not None:
                 self._grad_extremes(state, *torch.aminmax(x))
             st.add(bin_or_side(x, lo, hi, gbins, inplace=True), rows[s:e])
-        state.to(st.table.device)
-        low, high = st.into(state.counts, state.var)
-        state.clamped_grad += low + high
 
     def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
         """Rank-one layers on the CPU (``delta [B, O]``, ``a [B, I]``, finite): each row (n, o),
@@ -472,19 +502,23 @@ class GradHist2d(Instrument):
             a.prange, a.grange, a.counts + b.counts.to(a.counts.device),
             a.clamped_grad + b.clamped_grad.to(a.clamped_grad.device),
             _pick(torch.minimum, a.gmn, b.gmn), _pick(torch.maximum, a.gmx, b.gmx),
-            cache=a.cache, var=_pick(torch.add, a.var, b.var),
+            cache=a.cache, var=_pick(torch.add, a.var, b.var), strata=merge_strata(a.strata, b.strata),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
         pb, gb = self.bins
         sampled = state.var is not None
+        if sampled:
+            counts, var, clamped = state.sampled_totals()
+        else:
+            counts, var, clamped = state.counts, None, state.clamped_grad
         return Hist2d(
-            counts=state.counts.view(pb, gb).cpu().clone(),
+            counts=counts.view(pb, gb).cpu().clone(),
             param_edges=_edges(*state.prange, pb),
             grad_edges=_edges(*state.grange, gb),
             clamped_param=sum(int(t.clamped) for t in state.cache.values()) * stats.num_samples,
-            clamped_grad=float(state.clamped_grad) if sampled else int(state.clamped_grad),
-            stderr=state.var.sqrt().view(pb, gb).cpu() if sampled else None,
+            clamped_grad=float(clamped) if sampled else int(clamped),
+            stderr=var.sqrt().view(pb, gb).cpu() if sampled else None,
             sample=self.sample,
         )
 
@@ -503,7 +537,11 @@ class GradHist2d(Instrument):
         from gradlens.distributed import DistParts
 
         per_rank = [_extremes_row(state.gmn, state.gmx)] if self.adapt is not None else []
-        sums = [state.counts, state.clamped_grad] + ([state.var] if state.var is not None else [])
+        if state.var is not None:  # independent ranks: estimates and variances add
+            counts, var, clamped = state.sampled_totals()
+            sums = [counts, clamped, var]
+        else:
+            sums = [state.counts, state.clamped_grad]
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist2dState, ctx, sums, per_rank, pieces) -> _Hist2dState:

@@ -39,7 +39,7 @@ from torch import Tensor
 from gradlens.instruments.outer_hist import tally
 from gradlens.kernels import CHUNK_ELEMENTS
 
-__all__ = ["GROUPS", "check_sample", "Draws", "Stratum"]
+__all__ = ["GROUPS", "check_sample", "Draws", "Stratum", "merge_strata"]
 
 #: random groups per stratum (the degrees of freedom of its variance estimate, plus one)
 GROUPS = 32
@@ -77,9 +77,11 @@ class Draws:
 
 
 class Stratum:
-    """Counts of one stratum per random group: ``table [GROUPS, cells, width + 2]`` of
-    (below range, the ``width`` bins, at or above range) for ``cells`` rows (2D: parameter
-    bins; 1D: one row)."""
+    """The counts of one parameter over a window, per random group: ``table [GROUPS, cells,
+    width + 2]`` of (below range, the ``width`` bins, at or above range) for ``cells`` rows
+    (2D: parameter bins; 1D: one row). Every micro-step draws the same number m of
+    coordinates of this parameter, so its strata share the scale D / m and their group counts
+    add: one table per parameter and window, turned into estimates when the window closes."""
 
     def __init__(self, m: int, numel: int, cells: int, width: int, device):
         self.m, self.numel, self.cells, self.width = m, numel, cells, width
@@ -95,7 +97,7 @@ class Stratum:
 
     def add(self, side_bins: Tensor, row: Tensor | None = None) -> None:
         """``side_bins [B, c]`` float bins in ``[-1, width]`` (:func:`bin_or_side`) of columns
-        ``0..c-1`` of a slice; ``row [c]`` int64 the cell row of each column (2D)."""
+        ``0..c-1`` of a slice; ``row [c]`` the cell row of each column (2D)."""
         c = side_bins.shape[1]
         w2 = self.width + 2
         group = torch.arange(c, device=side_bins.device) % GROUPS
@@ -104,10 +106,14 @@ class Stratum:
             base = base + row * w2
         tally(self.table, side_bins.add_(base.to(side_bins.dtype)).int())
 
-    def into(self, counts: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
-        """Add the estimate and its variance to ``counts`` / ``var`` (float64 ``[cells *
-        width]``, clamped values in the edge bins); returns the estimated numbers clamped below
-        and above (0-d float64)."""
+    def merged(self, other: "Stratum") -> "Stratum":
+        out = Stratum(self.m, self.numel, self.cells, self.width, self.table.device)
+        out.table = self.table + other.table.to(self.table.device)
+        return out
+
+    def estimate(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(counts, var, low, high)``: float64 estimates ``[cells * width]`` (clamped values
+        in the edge bins), their variance, and the estimated numbers below / above the range."""
         t = self.table.view(GROUPS, self.cells, self.width + 2).to(torch.float64)
         y = t[:, :, 1:-1].clone()
         y[:, :, 0] += t[:, :, 0]
@@ -115,7 +121,16 @@ class Stratum:
         y = y.reshape(GROUPS, -1)  # Y_r per cell
         scale = self.numel / self.m
         s1 = y.sum(0)
-        counts.add_(s1, alpha=scale)
         spread = (y - s1 / GROUPS).square_().sum(0) / (GROUPS - 1)
-        var.add_(spread, alpha=scale * scale * GROUPS)
-        return t[:, :, 0].sum() * scale, t[:, :, -1].sum() * scale
+        return (s1 * scale, spread * (scale * scale * GROUPS), t[:, :, 0].sum() * scale,
+                t[:, :, -1].sum() * scale)
+
+
+def merge_strata(a: dict, b: dict) -> dict:
+    """Union of two name -> :class:`Stratum` maps (tables of a common name add)."""
+    if a is b:
+        return a
+    out = dict(a)
+    for name, st in b.items():
+        out[name] = out[name].merged(st) if name in out else st
+    return out
