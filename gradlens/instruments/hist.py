@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.instruments.outer_hist import _affine, bin_of, bin_or_side, outer_hist1d, row_extremes, tally
-from gradlens.instruments.sampling import Draws, Stratum, check_sample, merge_strata
+from gradlens.instruments.outer_hist import _affine, bin_of, outer_hist1d, row_extremes, tally
+from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 from gradlens.sync import device_paths
@@ -108,12 +108,10 @@ class _Hist1dState:
         """Sampled mode: (counts, var, low, high), the exactly known part plus every
         parameter's estimate."""
         counts, var, low, high = self.counts.clone(), self.var.clone(), self.low.clone(), self.high.clone()
-        for st in self.strata.values():
-            c, v, lo, hi = st.estimate()
-            counts += c.to(counts.device)
-            var += v.to(var.device)
-            low += lo.to(low.device)
-            high += hi.to(high.device)
+        if self.strata:
+            c, v, lo, hi = estimate(list(self.strata.values()))
+            counts, var = counts.to(c.device) + c, var.to(c.device) + v
+            low, high = low.to(c.device) + lo, high.to(c.device) + hi
         return counts, var, low, high
 
 
@@ -176,7 +174,7 @@ class GradHist1d(Instrument):
             x = entries(j[s:e]).detach()  # [B, c]
             if self.adapt is not None:
                 self._extremes(state, x)
-            st.add(bin_or_side(x, state.lo, state.hi, self.bins, inplace=True))
+            st.add(x, state.lo, state.hi)
         state.total += batch * numel
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
@@ -302,11 +300,10 @@ class _Hist2dState:
     def sampled_totals(self) -> tuple[Tensor, Tensor, Tensor]:
         """Sampled mode: (counts, var, clamped_grad) with every parameter's estimate."""
         counts, var, clamped = self.counts.clone(), self.var.clone(), self.clamped_grad.clone()
-        for st in self.strata.values():
-            c, v, lo, hi = st.estimate()
-            counts += c.to(counts.device)
-            var += v.to(var.device)
-            clamped += (lo + hi).to(clamped.device)
+        if self.strata:
+            c, v, lo, hi = estimate(list(self.strata.values()))
+            counts, var = counts.to(c.device) + c, var.to(c.device) + v
+            clamped = clamped.to(c.device) + lo + hi
         return counts, var, clamped
 
 class GradHist2d(Instrument):
@@ -400,7 +397,7 @@ class GradHist2d(Instrument):
             x = entries(j[s:e]).detach()  # [B, c]
             if self.adapt is not None:
                 self._grad_extremes(state, *torch.aminmax(x))
-            st.add(bin_or_side(x, lo, hi, gbins, inplace=True), rows[s:e])
+            st.add(x, lo, hi, rows[s:e])
 
     def update_outer(self, state: _Hist2dState, name, param, delta, a) -> bool:
         """Rank-one layers on the CPU (``delta [B, O]``, ``a [B, I]``, finite): each row (n, o),

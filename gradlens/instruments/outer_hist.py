@@ -19,7 +19,7 @@ from torch import Tensor
 
 from gradlens.sync import device_paths
 
-__all__ = ["bin_of", "bin_or_side", "outer_hist1d", "row_extremes", "tally"]
+__all__ = ["bin_of", "outer_hist1d", "row_extremes", "tally"]
 
 
 def row_extremes(delta: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
@@ -53,18 +53,6 @@ def bin_of(x: Tensor, lo: float, hi: float, bins: int, dtype: torch.dtype = torc
     else:
         idx = torch.floor(x * s).add_(z)
     return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).to(dtype)
-
-
-def bin_or_side(x: Tensor, lo: float, hi: float, bins: int, inplace: bool = False) -> Tensor:
-    """Like :func:`bin_of` but as float bins in ``[-1, bins]``: -1 below ``lo``, ``bins`` at
-    or above ``hi`` (and NaN); one fewer pass than binning and comparing separately.
-    ``inplace``: overwrite ``x`` (a temporary of the caller) instead of allocating."""
-    s, z = _affine(lo, hi, bins)
-    if z is None:
-        idx = (x.sub_(lo) if inplace else x - lo).mul_(s).floor_()
-    else:
-        idx = (x.mul_(s) if inplace else torch.mul(x, s)).floor_().add_(z)
-    return idx.nan_to_num_(nan=float(bins)).clamp_(-1, bins)
 
 
 def tally(counts: Tensor, idx: Tensor) -> None:

@@ -36,10 +36,10 @@ import math
 import torch
 from torch import Tensor
 
-from gradlens.instruments.outer_hist import tally
+from gradlens.instruments.outer_hist import _affine, tally
 from gradlens.kernels import CHUNK_ELEMENTS
 
-__all__ = ["GROUPS", "check_sample", "Draws", "Stratum", "merge_strata"]
+__all__ = ["GROUPS", "check_sample", "Draws", "Stratum", "estimate", "merge_strata"]
 
 #: random groups per stratum (the degrees of freedom of its variance estimate, plus one)
 GROUPS = 32
@@ -87,7 +87,7 @@ class Stratum:
         self.m, self.numel, self.cells, self.width = m, numel, cells, width
         self.table = torch.zeros(GROUPS * cells * (width + 2), dtype=torch.int64, device=device)
 
-    def chunks(self, batch: int, budget: int = 1 << 16):
+    def chunks(self, batch: int, budget: int = 1 << 20):
         """Column slices whose ``[B, c]`` entries stay below ``budget`` elements (cache-sized:
         the few passes over them stay in cache); multiples of :data:`GROUPS` so that column
         k's group is ``k % GROUPS`` in every slice."""
@@ -95,35 +95,52 @@ class Stratum:
         for s in range(0, self.m, step):
             yield s, min(self.m, s + step)
 
-    def add(self, side_bins: Tensor, row: Tensor | None = None) -> None:
-        """``side_bins [B, c]`` float bins in ``[-1, width]`` (:func:`bin_or_side`) of columns
-        ``0..c-1`` of a slice; ``row [c]`` the cell row of each column (2D)."""
-        c = side_bins.shape[1]
-        w2 = self.width + 2
-        group = torch.arange(c, device=side_bins.device) % GROUPS
-        base = group * (self.cells * w2) + 1
+    def add(self, x: Tensor, lo: float, hi: float, row: Tensor | None = None) -> None:
+        """Count ``x [B, c]`` (the entries of columns ``0..c-1`` of a slice; overwritten) into
+        the table: bin ``floor((x - lo) * width / (hi - lo))`` as :func:`bin_of` (the sign
+        decides at a zero edge), below ``lo`` and at or above ``hi`` (and NaN) apart; ``row
+        [c]`` the cell row of each column (2D). Binning, clamping and the cell offset take four
+        in-place passes."""
+        c = x.shape[1]
+        w = self.width
+        s, z = _affine(lo, hi, w)
+        shift = 0.0 if z is None else z  # bins are floor(x * s) + shift
+        if z is None:
+            x.sub_(lo)
+        x.mul_(s).floor_().nan_to_num_(nan=w - shift).clamp_(-1 - shift, w - shift)
+        group = torch.arange(c, device=x.device) % GROUPS
+        base = group * (self.cells * (w + 2)) + (1 + int(shift))
         if row is not None:
-            base = base + row * w2
-        tally(self.table, side_bins.add_(base.to(side_bins.dtype)).int())
+            base = base + row * (w + 2)
+        tally(self.table, x.add_(base.to(x.dtype)).int())
 
     def merged(self, other: "Stratum") -> "Stratum":
         out = Stratum(self.m, self.numel, self.cells, self.width, self.table.device)
         out.table = self.table + other.table.to(self.table.device)
         return out
 
-    def estimate(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(counts, var, low, high)``: float64 estimates ``[cells * width]`` (clamped values
-        in the edge bins), their variance, and the estimated numbers below / above the range."""
-        t = self.table.view(GROUPS, self.cells, self.width + 2).to(torch.float64)
-        y = t[:, :, 1:-1].clone()
-        y[:, :, 0] += t[:, :, 0]
-        y[:, :, -1] += t[:, :, -1]
-        y = y.reshape(GROUPS, -1)  # Y_r per cell
-        scale = self.numel / self.m
-        s1 = y.sum(0)
-        spread = (y - s1 / GROUPS).square_().sum(0) / (GROUPS - 1)
-        return (s1 * scale, spread * (scale * scale * GROUPS), t[:, :, 0].sum() * scale,
-                t[:, :, -1].sum() * scale)
+
+
+def estimate(strata: list[Stratum]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sum over parameters (strata of one instrument: tables of one shape) of ``(counts, var,
+    low, high)``: float64 estimates ``[cells * width]`` (clamped values in the edge bins),
+    their variance, and the estimated numbers below / above the range. One vectorised pass."""
+    first = strata[0]
+    dev = first.table.device
+    t = torch.stack([st.table.to(dev) for st in strata]).to(torch.float64)
+    t = t.view(len(strata), GROUPS, first.cells, first.width + 2)
+    scale = torch.tensor([st.numel / st.m for st in strata], dtype=torch.float64, device=dev)
+    y = t[..., 1:-1].clone()
+    y[..., 0] += t[..., 0]
+    y[..., -1] += t[..., -1]
+    y = y.reshape(len(strata), GROUPS, -1)  # Y_r per parameter and cell
+    s1 = y.sum(1)  # [S, cells * width]
+    spread = (y - s1[:, None] / GROUPS).square_().sum(1) / (GROUPS - 1)
+    counts = scale @ s1
+    var = (scale * scale * GROUPS) @ spread
+    low = scale @ t[..., 0].sum((1, 2))
+    high = scale @ t[..., -1].sum((1, 2))
+    return counts, var, low, high
 
 
 def merge_strata(a: dict, b: dict) -> dict:
