@@ -1,6 +1,6 @@
 """Step-time ratios of gradlens under DistributedDataParallel (gloo, CPU processes).
 
-Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1]
+Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1] [--repeats 1]
 
 Every rank trains the 784-512-512-10 MLP of bench_instruments.py on its own batch (``--batch``
 samples per rank); one step is forward, backward (DDP all-reduces the gradient), SGD update,
@@ -14,6 +14,13 @@ reports), as ratios to the plain DDP step:
   untracked window (a Lens whose schedule skips the step);
 and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
 all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
+With ``--repeats n`` the whole interleaved timing runs n times and every column is the median
+over the n runs (ratios: the median of the per-run ratios, with their range), which steadies
+the ratios on a loaded machine.
+
+Under DDP with equal batch sizes the Lens reads the global gradient sum from DDP's all-reduced
+``p.grad`` (see :class:`gradlens.distributed.DDPGradRoute`), so the merge all-reduces only the
+other sums (the norm set: ``sum_grad_squared``; the two-batch noise scale: a few scalars).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
 import warnings
 from datetime import timedelta
@@ -118,12 +126,28 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             "accum_monitor": build_accum(True),
             "accum_again": build_accum(False),
         }
-        ms = interleaved_ms(steps, args.steps, warmup=3)
-        if rank == 0:
+        runs = []
+        for rep in range(args.repeats):
+            ms = interleaved_ms(steps, args.steps, warmup=3 if rep == 0 else 1)
             base = 0.5 * (ms["plain"] + ms["plain_again"])
+            acc = 0.5 * (ms["accum"] + ms["accum_again"])
+            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "untracked")}
+            ratios["accum_monitor"] = ms["accum_monitor"] / acc
+            runs.append((ms, base, acc, ratios))
+        if rank == 0:
+            med = statistics.median
+            ms = {k: med(r[0][k] for r in runs) for k in runs[0][0]}
+            base, acc = med(r[1] for r in runs), med(r[2] for r in runs)
+
+            def ratio(key):
+                vals = [r[3][key] for r in runs]
+                spread = f" (runs {min(vals):.2f}-{max(vals):.2f})" if len(vals) > 1 else ""
+                return f"{med(vals):.2f}x{spread}"
+
             print(f"DDP {world} gloo processes x {args.threads} thread(s), MLP 784-512-512-10, "
                   f"batch {args.batch} per rank, torch {torch.__version__}; plain step {base:.2f} ms "
-                  f"(two plain timings: {ms['plain']:.2f}, {ms['plain_again']:.2f} ms)")
+                  f"(two plain timings: {ms['plain']:.2f}, {ms['plain_again']:.2f} ms)"
+                  + (f"; median of {args.repeats} runs" if args.repeats > 1 else ""))
             print("| configuration | ms | ratio to plain DDP step |")
             print("|---|---|---|")
             for key, label in (
@@ -131,11 +155,10 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 ("two_batch", "NoiseScaleTwoBatch (rank-local vs global)"),
                 ("untracked", "untracked window"),
             ):
-                print(f"| {label} | {ms[key]:.2f} | {ms[key] / base:.2f}x |")
-            acc = 0.5 * (ms["accum"] + ms["accum_again"])
+                print(f"| {label} | {ms[key]:.2f} | {ratio(key)} |")
             print(f"| DDP + GradientAccumulateOptimizer (2 x {args.batch // 2}) plain | {acc:.2f} | 1.00x |")
             print(f"| same + NoiseScaleMonitor (micro-batch of all ranks vs window) | "
-                  f"{ms['accum_monitor']:.2f} | {ms['accum_monitor'] / acc:.2f}x |")
+                  f"{ms['accum_monitor']:.2f} | {ratio('accum_monitor')} |")
     finally:
         dist.destroy_process_group()
 
@@ -146,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="timing runs; medians over them")
     args = parser.parse_args()
     mp.start_processes(_worker, args=(args.world, _free_port(), args), nprocs=args.world, start_method="spawn")
 

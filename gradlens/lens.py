@@ -332,6 +332,7 @@ class Lens:
         # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
         self._ddp_route = DDPGradRoute(self._group) if self._group is not None and "grad_sum" in self._needs else None
         self._ddp_probe = None
+        self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
         self._grad_sq_hooks = None
         if "micro_grad_sq" in self._needs:
             from gradlens.instruments.noise import ParamGradSquares
@@ -418,7 +419,7 @@ class Lens:
         if self._group is None or self._window is None or self._merged:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
-        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route)
+        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo)
         self._window, self._states = merge_window(
             self._window, self.instruments, self._states, self._group, ctx
         )

@@ -37,6 +37,7 @@ PLAN = [
     ([6], "clip"),  # p.grad clipped after backward: second all_reduce with grad_sum
     ([3, 3], None),  # grad_sum travels again (the last verdict was negative); verdict positive
     ([4, 2], None),  # unequal micro-batches: second all_reduce
+    ([5], None),  # fewer samples: the inline gather's prediction fails, batch_l2 is gathered
 ]
 
 
@@ -57,6 +58,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             return original(tensor, *a, **k)
 
         dist.all_reduce = counting
+        gathers = []
+        gather_fns = {fn: getattr(dist, fn) for fn in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, fn)}
+        for fn, orig in gather_fns.items():
+            setattr(dist, fn, lambda *a, _orig=orig, **k: (gathers.append(1), _orig(*a, **k))[1])
         model0, data = _windows()
         model = gradlens.extend(copy.deepcopy(model0))
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -70,7 +75,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             n = sum(micro_sizes)
             mine = slice(rank * n, (rank + 1) * n)
             xs, ys = x[mine].split(micro_sizes), y[mine].split(micro_sizes)
-            before = len(sizes)
+            before, gathered_before = len(sizes), len(gathers)
             for k, (xb, yb) in enumerate(zip(xs, ys)):
                 with ddp.no_sync() if k < len(xs) - 1 else contextlib.nullcontext():
                     loss = loss_fn(ddp(xb), yb)
@@ -80,11 +85,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
             opt.step()
             opt.zero_grad()
-            calls.append(sizes[before:])
+            calls.append((sizes[before:], len(gathers) - gathered_before))
             fast.append(lens._ddp_route.fast)
             thetas.append(copy.deepcopy(model.state_dict()))
         lens.close()
         dist.all_reduce = original
+        for fn, orig in gather_fns.items():
+            setattr(dist, fn, orig)
         records = [(r.num_samples, r.micro_steps, dict(r.values)) for r in lens.records]
         torch.save((records, thetas, calls, fast), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -100,12 +107,16 @@ def test_global_grad_sum_from_ddp_grad_equals_oracle():
     tracked = sum(p.numel() for p in model0.parameters())
     n_params = len(list(model0.parameters()))
     # the all_reduce carries grad_sum only where the route cannot be used
-    assert fast == [True, True, True, False, True, False]
-    assert [len(c) for c in calls] == [1, 1, 1, 2, 1, 2]
-    full = calls[0][0]
-    assert calls[1][0] == calls[2][0] == full - tracked - n_params  # grad_sum and its presence flags left out
-    assert calls[3][1] >= tracked and calls[5][1] >= tracked  # the fallback sends it
-    assert calls[4][0] == full
+    assert fast == [True, True, True, False, True, False, True]
+    assert [len(c) for c, _ in calls] == [1, 1, 1, 2, 1, 2, 1]
+    # batch_l2 is gathered when its shapes are new; otherwise it travels inside the all_reduce
+    # (12 float64 slots)
+    assert [g for _, g in calls] == [1, 0, 0, 0, 0, 0, 1]
+    full = calls[4][0][0]
+    assert calls[0][0][0] == full - 12
+    for t in (1, 2, 3):  # grad_sum and its presence flags left out
+        assert calls[t][0][0] == full - tracked - n_params
+    assert calls[3][0][1] >= tracked and calls[5][0][1] >= tracked  # the fallback sends it
     for t, ((micro_sizes, _), (x, y)) in enumerate(zip(PLAN, data)):
         n_rank = sum(micro_sizes)
         m = copy.deepcopy(model0)
