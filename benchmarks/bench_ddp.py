@@ -12,6 +12,8 @@ reports), as ratios to the plain DDP step:
   two-batch noise scale: NoiseScaleTwoBatch (rank-local vs global gradients: the sums it needs
       are merged by one all_reduce);
   untracked window (a Lens whose schedule skips the step);
+  a Lens with no instrument (capture hooks + the window's merge of its counts: the floor under
+      every Lens row, a diagnostic added beside the rows above);
 and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
 all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
 With ``--repeats n`` the whole interleaved timing runs n times and every column is the median
@@ -121,6 +123,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             "norm_set": build(norm_set),
             "two_batch": build(lambda: [NoiseScaleTwoBatch()]),
             "untracked": build(norm_set, every=lambda s: False),
+            "lens_floor": build(lambda: []),
             "plain_again": build(),
             "accum": build_accum(False),
             "accum_monitor": build_accum(True),
@@ -131,7 +134,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             ms = interleaved_ms(steps, args.steps, warmup=3 if rep == 0 else 1)
             base = 0.5 * (ms["plain"] + ms["plain_again"])
             acc = 0.5 * (ms["accum"] + ms["accum_again"])
-            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "untracked")}
+            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "untracked", "lens_floor")}
             ratios["accum_monitor"] = ms["accum_monitor"] / acc
             runs.append((ms, base, acc, ratios))
         if rank == 0:
@@ -154,6 +157,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 ("norm_set", "(a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale"),
                 ("two_batch", "NoiseScaleTwoBatch (rank-local vs global)"),
                 ("untracked", "untracked window"),
+                ("lens_floor", "Lens with no instrument (capture + merge floor)"),
             ):
                 print(f"| {label} | {ms[key]:.2f} | {ratio(key)} |")
             print(f"| DDP + GradientAccumulateOptimizer (2 x {args.batch // 2}) plain | {acc:.2f} | 1.00x |")
