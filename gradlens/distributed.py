@@ -463,7 +463,8 @@ def _merge(window, instruments, states: dict[int, Any], group: Any, ctx: MergeCo
     if route is not None:
         scale = route.agreed(got[-1][1][0])
         if fast and scale is not None:
-            merged.grad_sum = route.global_grad_sum(window, ctx.params, scale * ctx.world)
+            # this rank's own scale (float64; equal to every rank's, as the wire just showed)
+            merged.grad_sum = route.global_grad_sum(window, ctx.params, float(route.cmin) * ctx.world)
         elif fast:  # the verdict fell through: grad_sum travels after all (exact)
             gctx = dataclasses.replace(ctx, needs=frozenset({"grad_sum"}))
             merged.grad_sum = window.from_buffers(gctx, *exchange([window.to_buffers(gctx)], group)[0]).grad_sum
