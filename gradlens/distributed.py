@@ -164,34 +164,6 @@ INLINE_GATHER_MAX = 1 << 16
 def exchange(
     parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
 ):
-    """:func:`start_exchange` and wait for it: the merged ``(sums, per_rank, pieces)`` triples."""
-    return start_exchange(parts, group, device, memo)()
-
-
-def start_exchange(
-    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
-):
-    """Launch :func:`_exchange`'s all_reduce (asynchronous) and return ``finish()``, which waits
-    for it and returns the merged triples (the parts' tensors must not change in between)."""
-    return _finish_later(_exchange(parts, group, device, memo))
-
-
-def _finish_later(gen):
-    next(gen)
-
-    def finish():
-        try:
-            gen.send(None)
-        except StopIteration as stop:
-            return stop.value
-        raise RuntimeError("gradlens.distributed: a merge step yielded twice")  # pragma: no cover
-
-    return finish
-
-
-def _exchange(
-    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
-):
     """All-reduce every ``sums``, share every ``per_rank``, gather every ``pieces``.
 
     Returns one ``(sums, per_rank, pieces)`` triple per participant, in the same order: summed
@@ -273,9 +245,7 @@ def _exchange(
         if _slots(flat, wire) == hi - lo:
             buf[lo:hi] = _encode(flat, wire)
         # else: this rank's shapes differ from the prediction; seen by every rank below
-    work = dist.all_reduce(buf, group=group, async_op=True)
-    yield
-    work.wait()
+    dist.all_reduce(buf, group=group)
 
     meta_end = sum_len + world * meta_len
     meta = buf[sum_len:meta_end].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
@@ -430,18 +400,6 @@ def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: M
     ``id(instrument)`` to its window state. Every rank must call this for the same windows with
     the same instruments. Returns ``(window, states)`` merged (new objects; rank-major order).
     """
-    return start_merge(window, instruments, states, group, ctx)()
-
-
-def start_merge(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
-    """:func:`merge_window` in two halves: this call sends (the all_reduce runs in the
-    background); the returned ``finish()`` waits and returns ``(window, states)``. In between,
-    the window, the states and the tracked ``p.grad`` must not change (the Lens lets only the
-    optimizer's update of a built-in ``torch.optim`` optimizer run there)."""
-    return _finish_later(_merge(window, instruments, states, group, ctx))
-
-
-def _merge(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
     dist = _dist()
     ctx.world = dist.get_world_size(group)
     ctx.rank = dist.get_rank(group)
@@ -453,9 +411,7 @@ def _merge(window, instruments, states: dict[int, Any], group: Any, ctx: MergeCo
         parts.append(inst.to_buffers(states[id(inst)], ctx))
     if route is not None:
         parts.append(DistParts(per_rank=[route.verdict(window, ctx.params)]))
-    finish = start_exchange(parts, group, memo=ctx.memo)
-    yield
-    got = finish()
+    got = exchange(parts, group, memo=ctx.memo)
     merged = window.from_buffers(wctx, *got[0])
     new_states = dict(states)
     for inst, g in zip(instruments, got[1 : 1 + len(instruments)]):
@@ -500,7 +456,6 @@ class DDPGradRoute:
         self.cmax: Any = None
         self._ddp_of_window: Any = None
         self.last_synced = False
-        self.sent: list | None = None  # p.grad versions when the verdict was sent
 
     # ---- the Lens's calls ---------------------------------------------------------------
     def on_forward(self) -> None:
@@ -586,7 +541,6 @@ class DDPGradRoute:
                 if acc is None or p.grad is None or p.grad.dtype != acc.dtype or p.grad.is_sparse:
                     ok = False
                     break
-        self.sent = self._versions(params) if ok else None
         if not ok:
             return torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)
         return torch.stack([self.cmin.new_ones(()), self.cmin, self.cmax])
@@ -600,14 +554,10 @@ class DDPGradRoute:
         lo, hi = float(rows[:, 1].min()), float(rows[:, 2].max())
         return lo if lo == hi and lo > 0 else None
 
-    def global_grad_sum(self, window: Any, params: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
+    @staticmethod
+    def global_grad_sum(window: Any, params: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
         """sum_n g_n of all ranks = factor * p.grad, written over this rank's own sums (their
         buffers; this rank's values are no longer needed)."""
-        if self._versions(params) != self.sent:
-            raise RuntimeError(
-                "gradlens: p.grad of a tracked parameter changed while the window was being merged "
-                "across ranks (during optimizer.step); the merge reads DDP's all-reduced p.grad"
-            )
         out = type(window.grad_sum)(getattr(window.grad_sum, "pool", None))
         with torch.no_grad():
             for q, p in params.items():

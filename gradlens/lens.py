@@ -30,7 +30,7 @@ from gradlens.capture import (
     model_exclusions,
     tracked_parameters,
 )
-from gradlens.distributed import DDPGradRoute, MergeContext, check_not_sharded, is_writer, resolve_group, start_merge
+from gradlens.distributed import DDPGradRoute, MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
 from gradlens.instruments.base import QUANTITIES, Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
@@ -333,7 +333,6 @@ class Lens:
         self._ddp_route = DDPGradRoute(self._group) if self._group is not None and "grad_sum" in self._needs else None
         self._ddp_probe = None
         self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
-        self._pending_merge = None  # a merge sent before the update, finished after it
         self._grad_sq_hooks = None
         if "micro_grad_sq" in self._needs:
             from gradlens.instruments.noise import ParamGradSquares
@@ -412,40 +411,19 @@ class Lens:
             self._remove_compile_probe()
             self._remove_ddp_probe()
         self._merged = False
-        self._pending_merge = None
 
-    def _merge_ranks(self, defer: bool = False) -> None:
+    def _merge_ranks(self) -> None:
         """Under torch.distributed: replace this rank's window statistics and instrument states
         by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
-        kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise.
-        ``defer``: send now, finish at the next call (the optimizer's update runs meanwhile)."""
-        pending = self._pending_merge
-        if pending is not None:
-            if not defer:
-                self._pending_merge = None
-                self._window, self._states = pending()
-            return
+        kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
         if self._group is None or self._window is None or self._merged:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
         ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo)
-        finish = start_merge(self._window, self.instruments, self._states, self._group, ctx)
+        self._window, self._states = merge_window(
+            self._window, self.instruments, self._states, self._group, ctx
+        )
         self._merged = True
-        if defer:
-            self._pending_merge = finish
-        else:
-            self._window, self._states = finish()
-
-    def _merge_can_wait(self) -> bool:
-        """Whether the merge may finish after the optimizer's update: no instrument reads merged
-        states before it, and the update is a built-in torch.optim step (it reads p.grad and
-        leaves it as it is)."""
-        opt = self.optimizer
-        if opt is None or self.grad_scaler is not None or not type(opt).__module__.startswith("torch.optim."):
-            return False
-        if any(g.get("fused") for g in opt.param_groups):
-            return False
-        return all(type(i).before_update is Instrument.before_update for i in self.instruments)
 
     def _on_grad_sq(self, sq: Tensor) -> None:
         micro = self._micro
@@ -533,13 +511,12 @@ class Lens:
 
     def _before_update(self) -> None:
         if self._window is not None:
-            self._merge_ranks(defer=self._group is not None and self._merge_can_wait())
+            self._merge_ranks()
             for i in self.instruments:
                 i.before_update(self._states[id(i)])
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
-            self._merge_ranks()  # finishes a merge sent before the update
             for i in self.instruments:
                 i.after_update(self._states[id(i)])
         self._close_window()
