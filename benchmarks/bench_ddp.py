@@ -1,6 +1,6 @@
 """Step-time ratios of gradlens under DistributedDataParallel (gloo, CPU processes).
 
-Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1]
+Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1] [--repeats 1]
 
 Every rank trains the 784-512-512-10 MLP of bench_instruments.py on its own batch (``--batch``
 samples per rank); one step is forward, backward (DDP all-reduces the gradient), SGD update,
@@ -12,11 +12,20 @@ reports), as ratios to the plain DDP step:
   two-batch noise scale: NoiseScaleTwoBatch (rank-local vs global gradients: the sums it needs
       are merged by one all_reduce);
   untracked window (a Lens whose schedule skips the step);
+  a Lens with no instrument (capture hooks + the window's merge of its counts: the floor under
+      every Lens row, a diagnostic added beside the rows above);
 and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
 all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
 
 CPU only: the ranks are gloo processes on this machine's cores; ``--device`` other than ``cpu``
 is refused with a message (the GPU benchmarks are the other scripts' ``--device cuda``).
+With ``--repeats n`` the whole interleaved timing runs n times and every column is the median
+over the n runs (ratios: the median of the per-run ratios, with their range), which steadies
+the ratios on a loaded machine.
+
+Under DDP with equal batch sizes the Lens reads the global gradient sum from DDP's all-reduced
+``p.grad`` (see :class:`gradlens.distributed.DDPGradRoute`), so the merge all-reduces only the
+other sums (the norm set: ``sum_grad_squared``; the two-batch noise scale: a few scalars).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
 import warnings
 from datetime import timedelta
@@ -116,29 +126,46 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             "norm_set": build(norm_set),
             "two_batch": build(lambda: [NoiseScaleTwoBatch()]),
             "untracked": build(norm_set, every=lambda s: False),
+            "lens_floor": build(lambda: []),
             "plain_again": build(),
             "accum": build_accum(False),
             "accum_monitor": build_accum(True),
             "accum_again": build_accum(False),
         }
-        ms = interleaved_ms(steps, args.steps, warmup=3)
-        if rank == 0:
+        runs = []
+        for rep in range(args.repeats):
+            ms = interleaved_ms(steps, args.steps, warmup=3 if rep == 0 else 1)
             base = 0.5 * (ms["plain"] + ms["plain_again"])
+            acc = 0.5 * (ms["accum"] + ms["accum_again"])
+            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "untracked", "lens_floor")}
+            ratios["accum_monitor"] = ms["accum_monitor"] / acc
+            runs.append((ms, base, acc, ratios))
+        if rank == 0:
+            med = statistics.median
+            ms = {k: med(r[0][k] for r in runs) for k in runs[0][0]}
+            base, acc = med(r[1] for r in runs), med(r[2] for r in runs)
+
+            def ratio(key):
+                vals = [r[3][key] for r in runs]
+                spread = f" (runs {min(vals):.2f}-{max(vals):.2f})" if len(vals) > 1 else ""
+                return f"{med(vals):.2f}x{spread}"
+
             print(f"DDP {world} gloo processes x {args.threads} thread(s), MLP 784-512-512-10, "
                   f"batch {args.batch} per rank, torch {torch.__version__}; plain step {base:.2f} ms "
-                  f"(two plain timings: {ms['plain']:.2f}, {ms['plain_again']:.2f} ms)")
+                  f"(two plain timings: {ms['plain']:.2f}, {ms['plain_again']:.2f} ms)"
+                  + (f"; median of {args.repeats} runs" if args.repeats > 1 else ""))
             print("| configuration | ms | ratio to plain DDP step |")
             print("|---|---|---|")
             for key, label in (
                 ("norm_set", "(a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale"),
                 ("two_batch", "NoiseScaleTwoBatch (rank-local vs global)"),
                 ("untracked", "untracked window"),
+                ("lens_floor", "Lens with no instrument (capture + merge floor)"),
             ):
-                print(f"| {label} | {ms[key]:.2f} | {ms[key] / base:.2f}x |")
-            acc = 0.5 * (ms["accum"] + ms["accum_again"])
+                print(f"| {label} | {ms[key]:.2f} | {ratio(key)} |")
             print(f"| DDP + GradientAccumulateOptimizer (2 x {args.batch // 2}) plain | {acc:.2f} | 1.00x |")
             print(f"| same + NoiseScaleMonitor (micro-batch of all ranks vs window) | "
-                  f"{ms['accum_monitor']:.2f} | {ms['accum_monitor'] / acc:.2f}x |")
+                  f"{ms['accum_monitor']:.2f} | {ratio('accum_monitor')} |")
     finally:
         dist.destroy_process_group()
 
@@ -150,6 +177,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="only 'cpu': this benchmark runs gloo processes on CPU")
+    parser.add_argument("--repeats", type=int, default=1, help="timing runs; medians over them")
     args = parser.parse_args()
     if torch.device(args.device).type != "cpu":
         parser.error(f"--device {args.device}: bench_ddp.py is CPU-only (gloo processes on CPU cores, no "

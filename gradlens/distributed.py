@@ -23,6 +23,20 @@ What travels (one window, R ranks):
 Untracked windows call nothing. Without ``torch.distributed`` initialised (or with
 ``Lens(process_group=False)``) nothing of this runs.
 
+**The global gradient sum from DDP** (:class:`DDPGradRoute`). ``grad_sum`` (D floats) need not
+travel when DistributedDataParallel has already all-reduced the gradient: after its backward,
+``p.grad = (1/R) sum_r U_r`` with U_r rank r's own dL/dp, and when every micro-step of every
+rank has the same per-sample scale c (g_n = c * dL_n/dp: equal micro-batch sizes, the same
+loss multiplier), the global ``sum_n g_n = c * R * p.grad`` exactly (up to rounding). The Lens
+checks, on every rank, everything this needs (the tracked model ran inside a plain DDP over the
+same ranks: no comm hook, no mixed precision, no ignored parameter, no join; the window's last
+backward was synchronised; ``p.grad`` was None when the window's first backward started and
+nothing but the captured backwards changed it: tensor versions; floating dtype of the sums) and
+sends a verdict and its scale range with the other per-rank values. A window merged this way
+drops ``grad_sum`` from the all_reduce, which is decided from the previous window's verdict (the
+same on every rank); if this window's verdict is negative, ``grad_sum`` follows in a second
+all_reduce (exact, once), and the next window goes back to sending it.
+
 Per-sample units. Each rank rescales its output gradients with its own micro-batch size (its
 loss is a mean over its own B_{r,k} samples), so every g_n is the gradient of sample n's own
 loss whatever the rank; sums then add, and the window gradient of a mean objective is
@@ -33,13 +47,15 @@ of samples: the records describe the global batch of per-sample gradients, not D
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["DistParts", "resolve_group", "check_not_sharded", "merge_window", "is_writer"]
+__all__ = ["DistParts", "DDPGradRoute", "resolve_group", "check_not_sharded", "merge_window", "is_writer"]
 
 #: dimensions of a gathered piece described in the per-rank block (shapes with more dims refused)
 _MAX_DIMS = 6
@@ -141,13 +157,26 @@ def _device(parts: Sequence[DistParts], default: torch.device) -> torch.device:
     return default
 
 
-def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None = None):
+#: largest inline gather block (elements, all ranks together) carried inside the all_reduce
+INLINE_GATHER_MAX = 1 << 16
+
+
+def exchange(
+    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
+):
     """All-reduce every ``sums``, share every ``per_rank``, gather every ``pieces``.
 
     Returns one ``(sums, per_rank, pieces)`` triple per participant, in the same order: summed
     tensors (original shapes and dtypes), ``[R, *shape]`` per-rank tensors (float64), and per
     piece a list of R tensors (original dtype; rank order). At most two collectives: one
     ``all_reduce`` always, one ``all_gather_into_tensor`` only if any piece exists.
+
+    ``memo`` (a dict kept by the caller across calls with the same participants): the shapes
+    every rank gathered last time. When they predict this call's (the usual case: the same
+    batch sizes window after window) and the pieces are small (at most
+    :data:`INLINE_GATHER_MAX` elements over all ranks), the pieces travel inside the all_reduce
+    instead (every rank writes its own rows of a zeroed block, float64 values exactly), and the
+    all_gather is skipped; a wrong prediction (seen in the shared shapes) falls back to it.
     """
     dist = _dist()
     world = dist.get_world_size(group)
@@ -166,7 +195,25 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
     wire = torch.float32 if big and all(t.element_size() <= 4 for t in big) else f64
     sum_len = sum(_slots(t, wire) for p in parts for t in p.sums)
     meta_len = _meta_len(parts)
-    buf = torch.zeros(sum_len + world * meta_len, dtype=wire, device=device)
+    # pieces inside the all_reduce, where last call's shapes predict them
+    structure = tuple(len(p.pieces) for p in parts)
+    predicted = memo.get("shapes") if memo is not None and memo.get("structure") == structure else None
+    inline_len, inline_at = 0, []
+    if predicted is not None:
+        unique_pred = _unique_flags(parts)
+        per_rank_len = [
+            sum(_numel(s[r]) for sp, fl in zip(predicted, unique_pred) for s, u in zip(sp, fl) if u)
+            for r in range(world)
+        ]
+        f64_slots = 1 if wire == torch.float64 else 2
+        if sum(per_rank_len) * f64_slots <= INLINE_GATHER_MAX:
+            inline_at = [0]
+            for n in per_rank_len:
+                inline_at.append(inline_at[-1] + n * f64_slots)
+            inline_len = inline_at[-1]
+        else:
+            predicted = None
+    buf = torch.zeros(sum_len + world * meta_len + inline_len, dtype=wire, device=device)
     off = 0
     for p in parts:
         for t in p.sums:
@@ -188,9 +235,20 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
             row[moff] = t.dim()
             row[moff + 1 : moff + 1 + t.dim()] = torch.tensor(t.shape, dtype=f64)
             moff += 1 + _MAX_DIMS
+    if inline_len:
+        mine = [
+            t.detach().reshape(-1).to(device=device, dtype=f64)
+            for p, fl in zip(parts, _unique_flags(parts)) for t, u in zip(p.pieces, fl) if u
+        ]
+        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=f64, device=device)
+        lo, hi = sum_len + world * meta_len + inline_at[rank], sum_len + world * meta_len + inline_at[rank + 1]
+        if _slots(flat, wire) == hi - lo:
+            buf[lo:hi] = _encode(flat, wire)
+        # else: this rank's shapes differ from the prediction; seen by every rank below
     dist.all_reduce(buf, group=group)
 
-    meta = buf[sum_len:].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
+    meta_end = sum_len + world * meta_len
+    meta = buf[sum_len:meta_end].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
     # shapes of every rank's pieces, and the flat gather layout
     shapes: list[list[list[tuple[int, ...]]]] = []  # participant -> piece -> rank -> shape
     moff = 0
@@ -206,20 +264,21 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
             moff += 1 + _MAX_DIMS
         shapes.append(mine)
     # a tensor given by several participants (factors shared by instruments) travels once
-    seen: set[int] = set()
-    unique = []
-    for p, sp in zip(parts, shapes):
-        flags = []
-        for t, per in zip(p.pieces, sp):
-            flags.append(id(t) not in seen)
-            seen.add(id(t))
-        unique.append(flags)
+    unique = _unique_flags(parts)
     lengths = [
         sum(_numel(s[r]) for sp, fl in zip(shapes, unique) for s, u in zip(sp, fl) if u)
         for r in range(world)
     ]
+    if memo is not None:
+        memo["structure"], memo["shapes"] = structure, shapes
     gathered = None
-    if any(p.pieces for p in parts):
+    if predicted is not None and shapes == predicted:  # the pieces came with the all_reduce
+        gathered = torch.zeros(world, max(lengths, default=0), dtype=f64, device=device)
+        for r in range(world):
+            chunk = buf[meta_end + inline_at[r] : meta_end + inline_at[r + 1]]
+            like = torch.empty(lengths[r], dtype=f64)
+            gathered[r, : lengths[r]] = _decode(chunk, like, wire).to(device)
+    elif any(p.pieces for p in parts):
         longest = max(lengths)
         send = torch.zeros(longest, dtype=f64, device=device)
         goff = 0
@@ -262,6 +321,20 @@ def exchange(parts: Sequence[DistParts], group: Any, device: torch.device | None
             pieces.append(got)
         out.append((sums, per_rank, pieces))
     return out
+
+
+def _unique_flags(parts: Sequence[DistParts]) -> list[list[bool]]:
+    """Per participant and piece: whether it is the first occurrence of that tensor (a tensor
+    given by several participants, e.g. factors shared by instruments, travels once)."""
+    seen: set[int] = set()
+    unique = []
+    for p in parts:
+        flags = []
+        for t in p.pieces:
+            flags.append(id(t) not in seen)
+            seen.add(id(t))
+        unique.append(flags)
+    return unique
 
 
 _LIMBS = 4  # 16-bit limbs of an int64 count in a float32 buffer
@@ -314,6 +387,10 @@ class MergeContext:
     world: int = 1
     rank: int = 0
     cache: dict = field(default_factory=dict)  # per merge: shared concatenations
+    #: the DDP route of ``grad_sum`` (:class:`DDPGradRoute`), or None
+    route: Any = None
+    #: kept by the Lens across windows: last window's gathered shapes (see :func:`exchange`)
+    memo: dict | None = None
 
 
 def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
@@ -326,12 +403,164 @@ def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: M
     dist = _dist()
     ctx.world = dist.get_world_size(group)
     ctx.rank = dist.get_rank(group)
-    parts = [window.to_buffers(ctx)]
+    route = ctx.route if "grad_sum" in ctx.needs else None
+    fast = route is not None and route.fast
+    wctx = dataclasses.replace(ctx, needs=ctx.needs - {"grad_sum"}) if fast else ctx
+    parts = [window.to_buffers(wctx)]
     for inst in instruments:
         parts.append(inst.to_buffers(states[id(inst)], ctx))
-    got = exchange(parts, group)
-    merged = window.from_buffers(ctx, *got[0])
+    if route is not None:
+        parts.append(DistParts(per_rank=[route.verdict(window, ctx.params)]))
+    got = exchange(parts, group, memo=ctx.memo)
+    merged = window.from_buffers(wctx, *got[0])
     new_states = dict(states)
-    for inst, g in zip(instruments, got[1:]):
+    for inst, g in zip(instruments, got[1 : 1 + len(instruments)]):
         new_states[id(inst)] = inst.from_buffers(states[id(inst)], ctx, *g)
+    if route is not None:
+        scale = route.agreed(got[-1][1][0])
+        if fast and scale is not None:
+            # this rank's own scale (float64; equal to every rank's, as the wire just showed)
+            merged.grad_sum = route.global_grad_sum(window, ctx.params, float(route.cmin) * ctx.world)
+        elif fast:  # the verdict fell through: grad_sum travels after all (exact)
+            gctx = dataclasses.replace(ctx, needs=frozenset({"grad_sum"}))
+            merged.grad_sum = window.from_buffers(gctx, *exchange([window.to_buffers(gctx)], group)[0]).grad_sum
+        route.fast = scale is not None
     return merged, new_states
+
+
+class DDPGradRoute:
+    """Whether the global ``grad_sum`` of a window can be read from DDP's all-reduced
+    ``p.grad`` (module docstring), for one Lens. The Lens calls :meth:`on_forward` (a forward
+    pre-hook of the tracked model), :meth:`start_micro` / :meth:`end_micro` around each captured
+    backward, :meth:`reset` when a window opens; :func:`merge_window` the rest.
+
+    Attributes:
+        fast: the next merge leaves ``grad_sum`` out of the all_reduce (the previous window's
+            verdict, the same on every rank).
+    """
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.fast = False
+        self._plain: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self.reset()
+
+    def reset(self) -> None:
+        self.ok = True
+        self.ddp: Any = None  # weakref of the DDP that ran the last forward (None: not under DDP)
+        self.synced = False  # that forward prepares DDP's all-reduce of the backward that follows
+        self.micro_ddp: Any = None
+        self.micro_synced = False
+        self.versions: list | None = None  # (id, version) of every p.grad after the last capture
+        self.cmin: Any = None
+        self.cmax: Any = None
+        self._ddp_of_window: Any = None
+        self.last_synced = False
+
+    # ---- the Lens's calls ---------------------------------------------------------------
+    def on_forward(self) -> None:
+        """In a forward pre-hook of the tracked model: note the DDP module running it."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP._active_ddp_module
+        if ddp is None or not torch.is_grad_enabled():
+            self.ddp, self.synced = None, False
+            return
+        self.ddp = weakref.ref(ddp)
+        self.synced = bool(ddp.require_backward_grad_sync)
+
+    @staticmethod
+    def _versions(params: dict[str, Tensor]) -> list:
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in params.values()]
+
+    def start_micro(self, params: dict[str, Tensor]) -> None:
+        """Before a captured backward: ``p.grad`` must be None (the window's first) or as the
+        previous captured backward left it."""
+        if not self.ok:
+            return
+        if self.versions is None:
+            self.ok = all(p.grad is None for p in params.values())
+        else:
+            self.ok = self.versions == self._versions(params)
+        self.micro_ddp, self.micro_synced = self.ddp, self.synced
+
+    def end_micro(self, params: dict[str, Tensor], scale: float | Tensor) -> None:
+        """After a captured backward (all of DDP's work done) with per-sample scale ``scale``."""
+        if not self.ok:
+            return
+        if self.micro_ddp is None or (self.versions is not None and self.micro_ddp() is not self._last()):
+            self.ok = False
+            return
+        self._ddp_of_window = self.micro_ddp
+        self.last_synced = self.micro_synced
+        self.versions = self._versions(params)
+        c = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), dtype=torch.float64)
+        c = c.detach().reshape(()).double()
+        self.cmin = c if self.cmin is None else torch.minimum(self.cmin, c)
+        self.cmax = c if self.cmax is None else torch.maximum(self.cmax, c)
+
+    def _last(self):
+        ref = self._ddp_of_window
+        return None if ref is None else ref()
+
+    # ---- merge ----------------------------------------------------------------------------
+    def _is_plain(self, ddp: Any, params: dict[str, Tensor]) -> bool:
+        """A DDP that averages every tracked parameter's gradient over the Lens's ranks and
+        nothing else (cached per DDP module; join is checked each time)."""
+        known = self._plain.get(ddp)
+        if known is None:
+            dist = _dist()
+            try:
+                hook = ddp._get_ddp_logging_data().get("comm_hook", "")
+            except Exception:  # pragma: no cover - private API moved
+                hook = "unknown"
+            owned = {id(p) for p in ddp.module.parameters()}
+            known = (
+                not getattr(ddp, "_comm_hooks", [None])
+                and not hook
+                and getattr(ddp, "mixed_precision", None) is None
+                and not getattr(ddp, "_use_python_reducer", True)
+                and not getattr(ddp, "parameters_to_ignore", [None])
+                and not getattr(ddp, "_delay_all_reduce_params", [None])
+                and dist.get_process_group_ranks(ddp.process_group) == dist.get_process_group_ranks(self.group)
+                and all(id(p) in owned for p in params.values())
+            )
+            self._plain[ddp] = known
+        join = getattr(ddp, "_join_config", None)
+        return known and not (join is not None and join.enable)
+
+    def verdict(self, window: Any, params: dict[str, Tensor]) -> Tensor:
+        """``[3]`` float64 (ok, smallest and largest per-sample scale) of this rank's window."""
+        ok = self.ok and self.versions is not None and self.last_synced
+        ok = ok and self.versions == self._versions(params)
+        ddp = self._last() if ok else None
+        ok = ddp is not None and self._is_plain(ddp, params)
+        if ok:
+            for q, p in params.items():
+                acc = window.grad_sum.get(q)
+                if acc is None or p.grad is None or p.grad.dtype != acc.dtype or p.grad.is_sparse:
+                    ok = False
+                    break
+        if not ok:
+            return torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)
+        return torch.stack([self.cmin.new_ones(()), self.cmin, self.cmax])
+
+    @staticmethod
+    def agreed(rows: Tensor) -> float | None:
+        """From every rank's verdict ``[R, 3]``: the common per-sample scale c if every rank
+        may read the global gradient from ``p.grad`` and all scales are equal, else None."""
+        if not bool((rows[:, 0] == 1).all()):
+            return None
+        lo, hi = float(rows[:, 1].min()), float(rows[:, 2].max())
+        return lo if lo == hi and lo > 0 else None
+
+    @staticmethod
+    def global_grad_sum(window: Any, params: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
+        """sum_n g_n of all ranks = factor * p.grad, written over this rank's own sums (their
+        buffers; this rank's values are no longer needed)."""
+        out = type(window.grad_sum)(getattr(window.grad_sum, "pool", None))
+        with torch.no_grad():
+            for q, p in params.items():
+                acc = window.grad_sum[q]
+                out[q] = torch.mul(p.grad.detach(), factor, out=acc)
+        return out

@@ -31,7 +31,7 @@ from gradlens.capture import (
     model_exclusions,
     tracked_parameters,
 )
-from gradlens.distributed import MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
+from gradlens.distributed import DDPGradRoute, MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
 from gradlens.instruments.base import QUANTITIES, Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
@@ -134,6 +134,16 @@ def _compile_probe(lens: "Lens"):
             owner = ref()
             if owner is not None:
                 owner._compiled_seen = True  # an attribute write: traced without a graph break
+
+    return probe
+
+
+def _ddp_probe(route: DDPGradRoute):
+    """A forward pre-hook of tracked windows under torch.distributed: notes the DDP module that
+    runs the forward (see :class:`gradlens.distributed.DDPGradRoute`)."""
+
+    def probe(module, args) -> None:
+        route.on_forward()
 
     return probe
 
@@ -320,6 +330,10 @@ class Lens:
 
         self._group = resolve_group(process_group)
         self._merged = False
+        # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
+        self._ddp_route = DDPGradRoute(self._group) if self._group is not None and "grad_sum" in self._needs else None
+        self._ddp_probe = None
+        self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
         self._grad_sq_hooks = None
         if "micro_grad_sq" in self._needs:
             from gradlens.instruments.noise import ParamGradSquares
@@ -383,6 +397,10 @@ class Lens:
                 self._grad_sq_hooks.install()
             if self._compile_probe is None:
                 self._compile_probe = self.model.register_forward_pre_hook(_compile_probe(self))
+            if self._ddp_route is not None:
+                self._ddp_route.reset()
+                if self._ddp_probe is None:
+                    self._ddp_probe = self.model.register_forward_pre_hook(_ddp_probe(self._ddp_route))
             if self.grad_scaler is not None:
                 self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
@@ -392,6 +410,7 @@ class Lens:
             if self._grad_sq_hooks is not None:
                 self._grad_sq_hooks.remove()
             self._remove_compile_probe()
+            self._remove_ddp_probe()
         self._merged = False
 
     def _merge_ranks(self) -> None:
@@ -401,7 +420,7 @@ class Lens:
         if self._group is None or self._window is None or self._merged:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
-        ctx = MergeContext(dict(self._tap.params), sites, self._needs)
+        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo)
         self._window, self._states = merge_window(
             self._window, self.instruments, self._states, self._group, ctx
         )
@@ -570,6 +589,11 @@ class Lens:
             self.skipped_windows += 1
             self._open_window()
 
+    def _remove_ddp_probe(self) -> None:
+        if self._ddp_probe is not None:
+            self._ddp_probe.remove()
+            self._ddp_probe = None
+
     def _remove_compile_probe(self) -> None:
         if self._compile_probe is not None:
             self._compile_probe.remove()
@@ -735,6 +759,8 @@ class Lens:
         micro.factor = multiplier
         if self._tap.tainted:
             self._check_undefined()
+        if self._ddp_route is not None:
+            self._ddp_route.start_micro(self._tap.params)
         self._micro = micro
         try:
             yield
@@ -814,6 +840,8 @@ class Lens:
         note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
         if note is not None:
             note(b)  # its step(num_samples=...) must agree
+        if self._ddp_route is not None:
+            self._ddp_route.end_micro(self._tap.params, micro.scale())
 
     def _on_weight_grad(self, w: Site, grad: Tensor | None) -> None:
         """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
@@ -1215,6 +1243,7 @@ class Lens:
         if self._grad_sq_hooks is not None:
             self._grad_sq_hooks.remove()
         self._remove_compile_probe()
+        self._remove_ddp_probe()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -30,7 +30,9 @@ Two routes produce S, Q, T:
 * :class:`NoiseScaleTwoBatch`, an instrument of the :class:`~gradlens.Lens`: hooks on the
   tracked parameters see each micro-step's gradient before it is added to ``p.grad`` (and, under
   DDP, before it is all-reduced), so the small batches are the micro-batches of every rank;
-  T comes from the window's ``grad_sum``.
+  T comes from the window's ``grad_sum`` (under DDP with equal batch sizes, read from DDP's
+  all-reduced ``p.grad``, so the merge sends only a few scalars:
+  :class:`gradlens.distributed.DDPGradRoute`).
 * :class:`NoiseScaleMonitor`, on a :class:`~gradlens.GradientAccumulateOptimizer`: reads
   ``p.grad`` at every micro-step and the running window sum (a few dot products per micro-step,
   no extra memory, one host sync per window); works for any model, no Lens needed.
