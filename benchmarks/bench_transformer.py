@@ -14,7 +14,8 @@ to the plain step of the same process:
   gradlens norm set (BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale),
   gradlens GradHist1d, gradlens BatchDot, a gradlens untracked window,
   and for each gradlens configuration the same statistic built by hand from the per-sample
-  gradients of Opacus GradSampleModule and of torch.func vmap(grad): per-sample norms (norm set),
+  gradients of Opacus GradSampleModule and of torch.func vmap(grad): per-sample norms and the
+  per-parameter sum of squares over samples (norm set),
   ``torch.histc`` of every element with GradHist1d's bins and range (GradHist1d), the [B, B] Gram
   matrix of the flattened per-sample gradients (BatchDot).
 Targets (issue 8): norm set <= 2.5x plain; every gradlens row faster than Opacus and vmap on the
@@ -131,8 +132,15 @@ def lens_step(instruments, every=1):
 
 
 def _stat_norms(gs):
-    """``[B]`` per-sample gradient norms from per-sample gradients ``gs`` (``[B, *param]`` each)."""
-    return sum(g.flatten(1).square().sum(1) for g in gs).sqrt()
+    """What the norm set records beyond the batch gradient (which ``.grad`` holds): the ``[B]``
+    per-sample gradient norms (BatchL2, GradNorm, NormTest, NoiseScale) and each parameter's
+    sum over samples of g_n * g_n (SumGradSquared), from one square per parameter."""
+    l2, sgs = 0, []
+    for g in gs:
+        sq = g.square()
+        l2 = l2 + sq.flatten(1).sum(1)
+        sgs.append(sq.sum(0))
+    return l2.sqrt(), sgs
 
 
 def _stat_hist(gs):
@@ -243,10 +251,10 @@ NORMS = "gradlens norm set: BatchL2+SGS+GradNorm+NormTest+NoiseScale"
 HIST = "gradlens GradHist1d"
 DOT = "gradlens BatchDot"
 UNTRACKED = "gradlens untracked window"
-OPACUS = {"norms": "Opacus GradSampleModule + per-sample norms",
+OPACUS = {"norms": "Opacus GradSampleModule + norms, sum of squares",
           "hist": "Opacus GradSampleModule + histc of all elements",
           "gram": "Opacus GradSampleModule + [B, B] Gram"}
-VMAP = {"norms": "torch.func vmap(grad) + per-sample norms",
+VMAP = {"norms": "torch.func vmap(grad) + norms, sum of squares",
         "hist": "torch.func vmap(grad) + histc of all elements",
         "gram": "torch.func vmap(grad) + [B, B] Gram"}
 #: each gradlens row and the statistic its baselines compute
