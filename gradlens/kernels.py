@@ -27,8 +27,9 @@ everything from materialised slices, chunked by :func:`sample_chunks`):
   pixels); 1 for a plain Linear and for layers without a factor form.
 - ``seq_factors(module, a, delta, attrs)``: ``(X [B, T, d_in (+1)], Dl [B, T, d_out])`` with
   g_n = sum_t Dl_nt X_nt^T (a column of ones for the bias), or None.
-- ``use_tgram(module, a, delta)``: whether the Gram is cheaper from ``T x T`` products of the
-  factors (``2 T^2 <= d_in d_out``) than from materialised gradients.
+- ``use_tgram(module, a, delta, n=None)``: whether the Gram of ``n`` samples is cheaper from
+  ``T x T`` products of the factors than from materialised gradients (:func:`tgram_cheaper`;
+  ``n=None``: for every window size, what a memory budget must assume).
 - ``flat_per_sample(module, a, delta, start, stop, attrs)``: ``[stop - start, D_l]``.
 - ``directional(module, a, delta, direction, attrs)``: ``[B]``, ``<D, g_n>`` for ``direction``
   attribute -> ``[*param]`` (Linear, Conv, eval BatchNorm: one forward of the layer along D).
@@ -70,6 +71,18 @@ __all__ = ["Kernel", "CHUNK_ELEMENTS", "sample_chunks"]
 #: elements of one transient block: a materialised ``[b, *param]`` slice, a ``T x T`` Gram
 #: chunk, a chunk of the per-operation vjp (:mod:`gradlens.ops`), a histogram product block
 CHUNK_ELEMENTS = 1 << 22
+
+
+def tgram_cheaper(d_out: int, d_in: int, t: int, n: int | None = None) -> bool:
+    """Whether the ``[n, n]`` Gram of a layer with g_n = sum_t Dl_nt X_nt^T (``Dl [n, T, d_out]``,
+    ``X [n, T, d_in]``) costs fewer multiply-adds from ``T x T`` factor products,
+    ``(n T)^2 (d_in + d_out)``, than from the materialised ``[n, d_out d_in]`` gradients,
+    ``n T d_in d_out`` (forming them) ``+ n^2 d_in d_out`` (their Gram), i.e. whether
+    ``n T^2 (d_in + d_out) < d_in d_out (T + n)``. The left side grows faster in n: ``n=None``
+    asks for every n (the limit ``T^2 (d_in + d_out) < d_in d_out``)."""
+    if n is None:
+        return t * t * (d_in + d_out) < d_in * d_out
+    return n * t * t * (d_in + d_out) < d_in * d_out * (t + n)
 
 
 def sample_chunks(numel_per_sample: int, batch: int, budget: int = CHUNK_ELEMENTS):
@@ -168,7 +181,7 @@ class Kernel:
     def seq_factors(self, module, a: Tensor, delta: Tensor, attrs) -> tuple[Tensor, Tensor] | None:
         return None
 
-    def use_tgram(self, module, a: Tensor, delta: Tensor) -> bool:
+    def use_tgram(self, module, a: Tensor, delta: Tensor, n: int | None = None) -> bool:
         return False
 
     @staticmethod
@@ -179,7 +192,7 @@ class Kernel:
     def flat_per_sample(self, module, a: Tensor, delta: Tensor, start: int, stop: int, attrs) -> Tensor:
         """``[stop - start, D_l]``: per-sample gradients of ``attrs``, flattened in that order."""
         got = self.per_sample(module, a, delta, start, stop)
-        return torch.cat([got[attr].flatten(1) for attr in attrs], dim=1)
+        return _cat([got[attr].flatten(1) for attr in attrs], dim=1)
 
     def directional(self, module, a: Tensor, delta: Tensor, direction: dict[str, Tensor], attrs) -> Tensor:
         """``[B]``: ``<D, g_n>``, ``D`` = ``direction`` (attribute -> ``[*param]``; untracked
@@ -193,7 +206,7 @@ class Kernel:
         delta)`` per micro-step, concatenated in order): sums of ``T x T`` factor products where
         :meth:`use_tgram`, else the materialised ``[n, D_l]`` times its transpose."""
         a0, d0 = pieces[0]
-        if self.use_tgram(module, a0, d0):
+        if self.use_tgram(module, a0, d0, sum(d.shape[0] for _, d in pieces)):
             facs = [self.seq_factors(module, a, d, attrs) for a, d in pieces]
             X = torch.cat([f[0] for f in facs])
             Dl = torch.cat([f[1] for f in facs])
@@ -205,7 +218,7 @@ class Kernel:
                 out.append(blk.view(e - s, t, n, t).sum((1, 3)))
             return torch.cat(out)
         numel = self.numel(module, attrs)
-        G = torch.cat(
+        G = _cat(
             [
                 self.flat_per_sample(module, a, d, s, e, attrs)
                 for a, d in pieces
@@ -286,6 +299,11 @@ class Kernel:
             u, v = pair(attr, mat.shape[0], mat.shape[1])
             out = out + ((u @ mat) * v).sum(1)
         return out
+
+
+def _cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
+    """``torch.cat`` without the copy when there is one tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
 def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
@@ -475,12 +493,11 @@ class LinearKernel(Kernel):
         x, d = self._flat(module, a, delta)
         return _with_bias_column(x, attrs), d
 
-    def use_tgram(self, module, a, delta):
+    def use_tgram(self, module, a, delta, n=None):
         if self.kind != "linear":
-            return super().use_tgram(module, a, delta)
+            return super().use_tgram(module, a, delta, n)
         d_out, d_in = self.matrix_dims(module)
-        t = self.positions(module, a, delta)
-        return 2 * t * t <= d_out * d_in
+        return tgram_cheaper(d_out, d_in, self.positions(module, a, delta), n)
 
     def directional(self, module, a, delta, direction, attrs):
         if self.kind != "linear":
@@ -497,9 +514,16 @@ class LinearKernel(Kernel):
         return out
 
     def gram(self, module, pieces, attrs):
-        """Without a sequence axis: ``(A A^T + 1[bias]) * (Delta Delta^T)``."""
-        if self.kind != "linear" or pieces[0][1].dim() != 2:
+        """Without a sequence axis: ``(A A^T + 1[bias]) * (Delta Delta^T)``. With one: ``T x T``
+        factor products where :func:`tgram_cheaper`, else :meth:`_gram_row_blocks`."""
+        if self.kind != "linear":
             return super().gram(module, pieces, attrs)
+        if pieces[0][1].dim() != 2:
+            n = sum(d.shape[0] for _, d in pieces)
+            same_t = len({self.positions(module, a, d) for a, d in pieces}) == 1
+            if same_t and self.use_tgram(module, pieces[0][0], pieces[0][1], n):
+                return super().gram(module, pieces, attrs)
+            return self._gram_row_blocks(module, pieces, attrs)
         A = torch.cat([p[0] for p in pieces])
         Dl = torch.cat([p[1] for p in pieces])
         k = Dl @ Dl.T
@@ -508,9 +532,37 @@ class LinearKernel(Kernel):
             k = k * (ka + 1) if "bias" in attrs else k * ka
         return k
 
+    def _gram_row_blocks(self, module, pieces, attrs):
+        """``[n, n]`` Gram of a sequence Linear from materialised per-sample gradients, one block
+        of weight rows at a time: ``K = sum_blocks G_r G_r^T + Db Db^T`` with ``G_r [n, rows,
+        d_in]`` the rows ``r`` of every g_n (``Dl_n[:, r]^T X_n``, written into one reused
+        buffer of at most :data:`CHUNK_ELEMENTS` elements, or one row when ``n d_in`` is more)
+        and ``Db [n, d_out]`` the bias gradients. Memory stays bounded: nothing of size
+        ``[n, D_l]`` is formed."""
+        flats = [self._flat(module, a, d) for a, d in pieces]  # (X [b, T, d_in], Dl [b, T, d_out])
+        n = sum(d.shape[0] for _, d in flats)
+        d_out, d_in = self.matrix_dims(module)
+        K = None
+        if "weight" in attrs:
+            rows = max(1, min(d_out, CHUNK_ELEMENTS // max(n * d_in, 1)))
+            buf = flats[0][1].new_empty(n * rows * d_in)
+            for r0 in range(0, d_out, rows):
+                r1 = min(d_out, r0 + rows)
+                blk = buf[: n * (r1 - r0) * d_in].view(n, r1 - r0, d_in)
+                s = 0
+                for x, d in flats:
+                    torch.bmm(d[:, :, r0:r1].transpose(1, 2), x, out=blk[s : s + d.shape[0]])
+                    s += d.shape[0]
+                f = blk.view(n, -1)
+                K = f @ f.T if K is None else K.addmm_(f, f.T)
+        if "bias" in attrs:
+            db = _cat([d.sum(1) for _, d in flats])
+            K = db @ db.T if K is None else K.addmm_(db, db.T)
+        return K
+
     def gram_materialises(self, module, a, delta):
-        if self.kind == "linear" and delta.dim() == 2:
-            return False
+        if self.kind == "linear":
+            return False  # factor forms, T x T blocks or bounded row blocks: never [n, D_l]
         return super().gram_materialises(module, a, delta)
 
     def mean_via_gram(self, module, a, delta, n):
@@ -683,12 +735,11 @@ class Conv2dKernel(_ConvMaths, Kernel):
         x = F.unfold(a, module.kernel_size, module.dilation, padding, module.stride)
         return _with_bias_column(x.transpose(1, 2), attrs), delta.flatten(2).transpose(1, 2)
 
-    def use_tgram(self, module, a, delta):
+    def use_tgram(self, module, a, delta, n=None):
         dims = self.matrix_dims(module)
         if dims is None:
             return False
-        t = self.positions(module, a, delta)
-        return 2 * t * t <= dims[0] * dims[1]
+        return tgram_cheaper(dims[0], dims[1], self.positions(module, a, delta), n)
 
     def grad_sum(self, module, a, delta):
         d = delta

@@ -210,6 +210,59 @@ def test_sequence_linear_uses_tgram_and_matches_oracle():
     _close(rec["alpha"], o["alpha"], rtol=1e-7)
 
 
+@pytest.mark.parametrize("route", ["tgram", "row_blocks", "row_blocks_chunked"])
+def test_sequence_linear_gram_routes_match_per_sample_oracle(route, monkeypatch):
+    """LinearKernel.gram on [b, T, d] factors of several micro-steps, each route the cost rule
+    can take (T x T products; materialised weight rows in one block, or in blocks of 3 rows),
+    equals the Gram of float64 torch.func per-sample gradients of the layer."""
+    from torch.func import grad, vmap
+
+    from gradlens import kernels
+    from gradlens.kernels import LinearKernel, tgram_cheaper
+
+    torch.manual_seed(0)
+    d_in, d_out, t = (16, 12, 2) if route == "tgram" else (4, 6, 7)
+    lin = nn.Linear(d_in, d_out).double()
+    sizes = [3, 1, 4]
+    pieces = [(torch.randn(b, t, d_in, dtype=torch.float64), torch.randn(b, t, d_out, dtype=torch.float64))
+              for b in sizes]
+    n = sum(sizes)
+    assert tgram_cheaper(d_out, d_in, t, n) == (route == "tgram")
+    if route == "row_blocks_chunked":
+        monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 3 * n * d_in)  # 3 rows per block: 2 blocks
+    K = LinearKernel().gram(lin, pieces, ["weight", "bias"])
+
+    def contribution(params, x, d):
+        return (d * F.linear(x, params["weight"], params["bias"])).sum()
+
+    params = {"weight": lin.weight.detach(), "bias": lin.bias.detach()}
+    A = torch.cat([a for a, _ in pieces])
+    D = torch.cat([d for _, d in pieces])
+    g = vmap(grad(contribution), in_dims=(None, 0, 0))(params, A, D)
+    G = torch.cat([g["weight"].flatten(1), g["bias"]], dim=1)
+    torch.testing.assert_close(K, G @ G.T, rtol=1e-12, atol=1e-12)
+
+
+def test_sequence_linear_gram_row_blocks_with_unequal_lengths():
+    """Micro-steps whose sequences differ in length (T = 3 and 5) still give the exact Gram
+    (weight only), against float64 per-sample gradients formed sample by sample."""
+    from gradlens.kernels import LinearKernel
+
+    torch.manual_seed(1)
+    lin = nn.Linear(5, 4, bias=False).double()
+    pieces = [(torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)),
+              (torch.randn(3, 5, 5, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    K = LinearKernel().gram(lin, pieces, ["weight"])
+    gs = []
+    for a, d in pieces:
+        for i in range(a.shape[0]):
+            w = lin.weight.detach().clone().requires_grad_(True)
+            (d[i] * F.linear(a[i], w)).sum().backward()
+            gs.append(w.grad.flatten())
+    G = torch.stack(gs)
+    torch.testing.assert_close(K, G @ G.T, rtol=1e-12, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------ sketch mode
 SEEDS = range(24)
 

@@ -18,10 +18,12 @@ instruments of one Lens share them). When the window-end vector is known it eval
   replaced by D (``F.linear``, ``conv``, the eval BatchNorm affine map); nothing of size
   ``[N, *param]`` is formed (other layers: materialised slices);
 * Gram blocks ``g_n . g_m`` from the factor identities of docs/cross_microstep.md: Linear (no sequence axis)
-  ``(A A^T + 1[bias]) * (Delta Delta^T)``; Linear with a sequence axis and Conv2d (unfold) with
-  ``2 T^2 <= d_in d_out``: sums of ``T x T`` products; otherwise that layer's ``[N, *param]``
-  per-sample gradients are materialised once at window end (one layer at a time) and reduced
-  with one matmul.
+  ``(A A^T + 1[bias]) * (Delta Delta^T)``; Linear with a sequence axis and Conv2d (unfold): sums
+  of ``T x T`` products where they cost fewer multiply-adds than materialising
+  (:func:`gradlens.kernels.tgram_cheaper`: ``N T^2 (d_in + d_out) < d_in d_out (T + N)``);
+  otherwise a sequence Linear materialises its per-sample gradients one block of weight rows at
+  a time (bounded memory), and other layers their ``[N, *param]`` once at window end (one layer
+  at a time), each reduced with one matmul.
 
 The memory kept is bounded by ``max_bytes`` (default 1 GiB); exceeding it raises a
 ``RuntimeError`` that names the bounded-memory mode. Inputs and output gradients are kept by
