@@ -61,6 +61,7 @@ def test_hist2d_factor_path_equals_materialised(b, o, i, seed, grad_width, ties)
         a, delta = a.round(), (delta * 4).round() / 4
     rng = ((-1.0, 1.0), (-grad_width / 2, grad_width))
     fast, slow = GradHist2d(bins=(5, 7), range=rng), GradHist2d(bins=(5, 7), range=rng)
+    fast.max_rows_one_by_one = 1.0  # always the factor path, however many rows go one by one
     s_fast, s_slow = fast.start_window(), slow.start_window()
     assert fast.update_outer(s_fast, "w", param, delta, a)
     slow.update(s_slow, "w", param, torch.einsum("no,ni->noi", delta, a))

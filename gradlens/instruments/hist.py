@@ -321,6 +321,7 @@ class GradHist2d(Instrument):
 
     key = "grad_hist_2d"
     needs = frozenset({"per_sample"})
+    max_rows_one_by_one = 0.25  # see update_outer
 
     def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None,
                  sample: float | None = None, seed: int = 0):
@@ -378,7 +379,8 @@ class GradHist2d(Instrument):
         off = self._theta(state, name, param).offsets
         lo, hi = state.grange
         tally(state.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(off))
-        state.clamped_grad += torch.count_nonzero((x < lo) | (x > hi) | x.isnan())
+        state.clamped_grad += (torch.count_nonzero(x < lo) + torch.count_nonzero(x > hi)
+                               + torch.count_nonzero(x.isnan()))
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
 
@@ -409,33 +411,39 @@ class GradHist2d(Instrument):
           decides, so per parameter entry (o, i) the number of samples with a negative product is
           ``[delta > 0]^T [a < 0] + [delta < 0]^T [a > 0]`` over those rows (two matmuls);
         * any other row: its products binned one by one.
+
+        Returns False (the caller materialises, as for 1D) when more than
+        ``max_rows_one_by_one`` (a quarter) of the rows would be binned one by one: gathering
+        their products costs more than the dense pass.
         """
         if device_paths(delta):
             return False
         pbins, gbins = self.bins
         lo, hi = state.grange
         o, width = param.shape
-        state.to(delta.device)
-        theta = self._theta(state, name, param)
-        off = theta.offsets  # [O, I] p_bin * G
-        row_counts = self._row_counts(theta)  # [O, P]
         vmin, vmax = row_extremes(delta, a)
         first, last = bin_of(vmin, lo, hi, gbins), bin_of(vmax, lo, hi, gbins)
         inside = (vmin >= lo) & (vmax <= hi)
         single = (first == last) & inside
+        z = _affine(lo, hi, gbins)[1]
+        zs = None
+        if z is not None and 0 < z < gbins:
+            zs = ((first == int(z) - 1) & (last == int(z)) & inside).view_as(delta)
+        done = single if zs is None else single | zs.reshape(-1)
+        if int(done.numel() - done.sum()) > self.max_rows_one_by_one * done.numel():
+            return False
+        state.to(delta.device)
+        theta = self._theta(state, name, param)
+        off = theta.offsets  # [O, I] p_bin * G
+        row_counts = self._row_counts(theta)  # [O, P]
         rows = torch.arange(delta.numel(), device=delta.device)
         row_i = rows % o
         s_rows = rows[single]
         per_col = torch.bincount(row_i[s_rows] * gbins + first[s_rows], minlength=o * gbins)
         joint = row_counts.t().double() @ per_col.view(o, gbins).double()  # [P, G], exact ints
         state.counts += joint.round().long().view(-1)
-        done = single
-        z = _affine(lo, hi, gbins)[1]
-        if z is not None and 0 < z < gbins:
-            zs = ((first == int(z) - 1) & (last == int(z)) & inside).view_as(delta)
-            if bool(zs.any()):
-                self._zero_split(state, zs, delta, a, off, row_counts, int(z))
-                done = done | zs.reshape(-1)
+        if zs is not None and bool(zs.any()):
+            self._zero_split(state, zs, delta, a, off, row_counts, int(z))
         multi = rows[~done]
         for s, e in sample_chunks(width, multi.numel()):  # [R, I] products per block
             c = multi[s:e]
