@@ -271,7 +271,7 @@ class _Theta:
     """One parameter's bins for a window (theta is fixed within it): computed on its first
     use, kept on the device (no host read until the window closes)."""
 
-    offsets: Tensor  # [*param] int32: param_bin * grad_bins
+    offsets: Tensor | None  # [*param] int32: param_bin * grad_bins (None: not needed yet)
     clamped: Tensor  # 0-d int64: entries outside the parameter range (or NaN)
     mn: Tensor  # 0-d: extremes of theta (for adapt)
     mx: Tensor
@@ -361,15 +361,19 @@ class GradHist2d(Instrument):
         state.strata = window_state.strata  # sampled mode: one table per parameter and window
         return state
 
-    def _theta(self, state: _Hist2dState, name: str, param: Tensor) -> _Theta:
+    def _theta(self, state: _Hist2dState, name: str, param: Tensor, binned: bool = True) -> _Theta:
+        """Theta's window facts; ``binned=False`` (sampled mode) skips the per-entry bins."""
         got = state.cache.get(name)
-        if got is None:
+        if got is None or (binned and got.offsets is None):
             theta = param.detach()
             lo, hi = state.prange
-            off = bin_of(theta, lo, hi, self.bins[0], torch.int32).mul_(self.bins[1])
-            out = ((theta < lo) | (theta > hi) | theta.isnan()).sum()
-            mn, mx = torch.aminmax(theta.reshape(-1)) if theta.numel() else (theta.new_tensor(math.inf),
-                                                                             theta.new_tensor(-math.inf))
+            off = bin_of(theta, lo, hi, self.bins[0], torch.int32).mul_(self.bins[1]) if binned else None
+            out = (torch.count_nonzero(theta < lo) + torch.count_nonzero(theta > hi)
+                   + torch.count_nonzero(theta.isnan()))
+            if self.adapt is not None and theta.numel():
+                mn, mx = torch.aminmax(theta.reshape(-1))
+            else:
+                mn, mx = theta.new_tensor(math.inf), theta.new_tensor(-math.inf)
             got = state.cache[name] = _Theta(off, out, mn, mx)
         return got
 
@@ -390,7 +394,9 @@ class GradHist2d(Instrument):
         numel = param.numel()
         j = self._draws.coordinates(numel, self.sample, param.device)
         pbins, gbins = self.bins
-        rows = self._theta(state, name, param).offsets.reshape(-1)[j] // gbins
+        self._theta(state, name, param, binned=False)  # clamped theta, extremes
+        lo_p, hi_p = state.prange
+        rows = bin_of(param.detach().reshape(-1)[j], lo_p, hi_p, pbins)
         st = state.strata.get(name)
         if st is None:
             st = state.strata[name] = Stratum(j.numel(), numel, pbins, gbins, param.device)
