@@ -159,9 +159,36 @@ def per_sample_wrt(
 
 def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor | None]:
     """Per-sample gradients of the parameters that ``t`` was computed from (parameters only):
-    ``g`` ``[B, *t.shape]`` taken back through that graph with one batched VJP."""
+    ``g`` ``[B, *t.shape]`` taken back through that graph with one batched VJP. A lookup
+    ``t = F.embedding(ids, weight)`` of ids that are not data (position ids, e.g.
+    ``wpe(arange(T))``) is taken back in closed form instead: row ``ids[k]`` of sample n's
+    gradient gathers ``g[n, k]`` (one ``index_add``; what the batched VJP computes, without
+    its per-sample loop)."""
+    direct = _embedding_lookup(t, params, g)
+    if direct is not None:
+        return [direct]
     return list(
         torch.autograd.grad(
             t, params, grad_outputs=g, is_grads_batched=True, retain_graph=True, allow_unused=True
         )
     )
+
+
+def _embedding_lookup(t: Tensor, params: list[Tensor], g: Tensor) -> Tensor | None:
+    """``[B, V, D]`` per-sample gradient of the table if ``t`` is an embedding lookup of the
+    one parameter, straight from its AccumulateGrad (else None)."""
+    fn = t.grad_fn
+    if len(params) != 1 or type(fn).__name__ != "EmbeddingBackward0":
+        return None
+    weight = params[0]
+    leaf = fn.next_functions[0][0] if fn.next_functions else None
+    if getattr(leaf, "variable", None) is not weight or fn._saved_scale_grad_by_freq or weight.dim() != 2:
+        return None
+    b = g.shape[0]
+    ids = fn._saved_indices.reshape(-1)
+    out = g.new_zeros(b, *weight.shape)
+    out.index_add_(1, ids, g.reshape(b, ids.numel(), weight.shape[1]))
+    pad = fn._saved_padding_idx
+    if 0 <= pad < weight.shape[0]:
+        out[:, pad] = 0  # autograd gives the padding row no gradient
+    return out

@@ -209,3 +209,55 @@ def test_a_layer_skipped_by_a_micro_step_counts_its_zero_elements():
     joint = torch.bincount((pidx[None, :] * 8 + gidx).reshape(-1), minlength=32).view(4, 8)
     torch.testing.assert_close(rec["grad_hist_2d"].counts, joint, rtol=0, atol=0)
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+
+
+class _PosEmb(nn.Module):
+    def __init__(self, batched_ids: bool, padding_idx):
+        super().__init__()
+        self.tok = nn.Embedding(9, 4)
+        self.pos = nn.Embedding(5, 4, padding_idx=padding_idx)
+        self.head = nn.Linear(4, 4)
+        self.batched_ids = batched_ids
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        pos = torch.arange(t)[None] if self.batched_ids else torch.arange(t)
+        return self.head(torch.tanh(self.tok(ids) + self.pos(pos))).mean(1)
+
+
+@pytest.mark.parametrize("batched_ids", [True, False])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_position_embeddings_of_non_data_ids_are_exact_in_closed_form(batched_ids, padding_idx, monkeypatch):
+    """wpe(arange(T)) meets the batch at an add: its per-sample gradient is the lookup's
+    closed form (no batched VJP), equal to the float64 per-sample loop."""
+    from gradlens import ops
+    from gradlens.instruments import GradHist1d
+
+    from oracle import hist_oracle
+
+    torch.manual_seed(0)
+    model = _PosEmb(batched_ids, padding_idx).double()
+    ids, y = torch.randint(0, 9, (B, 5)), torch.randint(0, 4, (B,))
+    ref = copy.deepcopy(model)
+    params = list(ref.parameters())
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(ids[n:n + 1]), y[n:n + 1]), params)])
+        for n in range(B)
+    ])
+    used = []
+    real = ops._embedding_lookup
+    monkeypatch.setattr(ops, "_embedding_lookup", lambda *a: used.append(1) or real(*a))
+    m = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(m, [BatchL2(), SumGradSquared(), GradHist1d(bins=9, range=(-0.3, 0.3))])
+    for sl in (slice(0, 2), slice(2, B)):
+        loss = loss_fn(m(ids[sl]), y[sl])
+        with lens.capture():
+            loss.backward()
+    rec = lens.flush()
+    assert used and lens.coverage == 1.0
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
+    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
+    counts, low, high = hist_oracle(G, -0.3, 0.3, 9)
+    assert torch.equal(rec["grad_hist_1d"].counts, counts)
