@@ -211,3 +211,19 @@ def test_exact_mode_is_unchanged_by_the_option():
     counts, low, high = hist_oracle(G, *G_RANGE, G_BINS)
     assert rec.stderr is None and rec.sample is None
     assert torch.equal(rec.counts, counts) and (rec.clamped_low, rec.clamped_high) == (low, high)
+
+
+def test_ranks_draw_independent_coordinates(monkeypatch):
+    """Under torch.distributed each rank draws its own coordinates (same seed, other rank):
+    the ranks' estimates are independent, as the summed variance assumes."""
+    from gradlens.instruments import sampling
+
+    draws = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(sampling, "_rank", lambda rank=rank: rank)
+        d = sampling.Draws(seed=3)
+        draws[rank] = [d.coordinates(10_000, 0.01, "cpu") for _ in range(2)]
+    assert not torch.equal(draws[0][0], draws[1][0])
+    assert not torch.equal(draws[0][0], draws[0][1])  # and every draw afresh
+    again = sampling.Draws(seed=3)
+    assert torch.equal(again.coordinates(10_000, 0.01, "cpu"), draws[1][0])  # reproducible

@@ -24,7 +24,8 @@ Entries known to be zero without sampling (a layer that a micro-step skipped) ar
 with no variance. Clamped counts are estimated the same way (an element exactly at ``hi``
 counts as clamped there, a difference of measure zero).
 
-Randomness: a private generator per draw, seeded from ``(seed, draw counter)``; the global
+Randomness: a private generator per draw, seeded from ``(seed, rank, draw counter)`` (ranks
+under torch.distributed draw independently, so their estimates and variances add); the global
 ``torch`` random state is never touched, and the counter is part of the instrument's state
 (:meth:`gradlens.Lens.state_dict`), so a resumed run continues the same stream.
 """
@@ -71,9 +72,16 @@ class Draws:
         ``fraction * numel`` rounded up to a multiple of :data:`GROUPS`."""
         m = GROUPS * math.ceil(fraction * numel / GROUPS)
         gen = torch.Generator(device=device)
-        gen.manual_seed((self.seed * 0x9E3779B1 + self.count) % (1 << 63))
+        gen.manual_seed((self.seed * 0x9E3779B1 + _rank() * 0x85EBCA6B + self.count) % (1 << 63))
         self.count += 1
         return torch.randint(numel, (m,), generator=gen, device=device)
+
+
+def _rank() -> int:
+    """This process's rank under torch.distributed (0 otherwise): ranks draw independent
+    coordinates, so their estimates are independent and their variances add."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Stratum:
