@@ -14,7 +14,6 @@ optimizer step) may sync and is not counted.
 from __future__ import annotations
 
 import collections
-import copy
 import traceback
 
 import pytest
