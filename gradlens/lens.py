@@ -316,6 +316,9 @@ class Lens:
             raise ValueError("the model has no trainable parameters left to track after exclusions")
         self._needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
         self._per_sample_insts = [i for i in instruments if "per_sample" in i.needs]
+        # sampled histograms take entries from the factors; the rest see g_n (or its factors)
+        self._sampled_insts = [i for i in self._per_sample_insts if i.sample is not None]
+        self._exact_insts = [i for i in self._per_sample_insts if i.sample is None]
         self._layer_insts = [i for i in instruments if "layer" in i.needs]
         self._micro_insts = self._per_sample_insts + [
             i for i in self._layer_insts if i not in self._per_sample_insts
@@ -1043,22 +1046,18 @@ class Lens:
             return
         done: set[tuple[int, str]] = set()
         # Sampled histograms draw their entries from the layer's factors: no materialisation.
-        for inst in self._per_sample_insts:
-            if getattr(inst, "sample", None) is not None:
-                for attr, qname in w.params.items():
-                    draw = functools.partial(kernel.entries, module, a, delta, attr)
-                    inst.update_sampled(micro.states[id(inst)], qname, self._tap.params[qname], draw,
-                                        delta.shape[0])
-                    done.add((id(inst), attr))
+        for inst in self._sampled_insts:
+            for attr, qname in w.params.items():
+                draw = functools.partial(kernel.entries, module, a, delta, attr)
+                inst.update_sampled(micro.states[id(inst)], qname, self._tap.params[qname], draw,
+                                    delta.shape[0])
+                done.add((id(inst), attr))
         # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
-        exact = [i for i in self._per_sample_insts if getattr(i, "sample", None) is None]
-        factors = kernel.outer_factors(module, a, delta) if exact else {}
+        factors = kernel.outer_factors(module, a, delta) if self._exact_insts else {}
         for attr, (d2, a2) in factors.items():
             if attr in w.params:
                 qname = w.params[attr]
-                for inst in self._per_sample_insts:
-                    if (id(inst), attr) in done:
-                        continue
+                for inst in self._exact_insts:
                     if inst.update_outer(micro.states[id(inst)], qname, self._tap.params[qname], d2, a2):
                         done.add((id(inst), attr))
         attrs = [

@@ -34,14 +34,18 @@ from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
 from gradlens.sync import device_paths
 
+
 __all__ = ["GradHist1d", "GradHist2d"]
 
+
 _ADAPT = (None, "abs_max", "min_max")
+
 
 def _check_bins(bins, what: str) -> int:
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"{what} must be a positive int, got {bins!r}")
     return bins
+
 
 def _check_range(rng, what: str) -> tuple[float, float]:
     try:
@@ -52,25 +56,30 @@ def _check_range(rng, what: str) -> tuple[float, float]:
         raise ValueError(f"{what} must satisfy lo < hi (finite), got {rng!r}: the range is empty")
     return lo, hi
 
+
 def _check_adapt(adapt):
     if adapt not in _ADAPT:
         raise ValueError(f"adapt must be one of {_ADAPT}, got {adapt!r}")
     return adapt
 
+
 def _edges(lo: float, hi: float, bins: int) -> Tensor:
     """``[bins + 1]`` float64 edges lo + (hi - lo) * i / bins (0 exact on symmetric ranges)."""
     edges = lo + (hi - lo) * torch.arange(bins + 1, dtype=torch.float64) / bins
     edges[-1] = hi
-    s, z = _affine(lo, hi, bins)
+    z = _affine(lo, hi, bins)[1]
     if z is not None:
         edges[int(z)] = 0.0
     return edges
 
+
 def _pick(fn, a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return b if a is None else a if b is None else fn(a, b.to(a.device))
 
+
 def _num(t: Tensor | None, default: float) -> float:
     return default if t is None else float(t)
+
 
 def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[float, float]:
     if adapt == "abs_max":
@@ -80,8 +89,6 @@ def _adapted(lo_hi: tuple[float, float], mn: float, mx: float, adapt) -> tuple[f
         return (mn, mx) if math.isfinite(mn) and math.isfinite(mx) and mn < mx else lo_hi
     return lo_hi
 
-def _zeros_like_counter(device) -> Tensor:
-    return torch.zeros((), dtype=torch.int64, device=device)
 
 @dataclass
 class _Hist1dState:
@@ -90,7 +97,6 @@ class _Hist1dState:
     counts: Tensor  # [bins] int64, clamped values included
     low: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
     high: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
-    total: int = 0
     mn: Tensor | None = None  # extremes seen (only with adapt), on the gradients' device
     mx: Tensor | None = None
     var: Tensor | None = None  # sampled mode: [bins] float64 variance of the estimated counts
@@ -119,6 +125,7 @@ def _sampled_counters(bins: int) -> dict:
     """Float64 counters of the sampled mode (estimates, their variance, clamped estimates)."""
     z = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
     return {"counts": z(bins), "var": z(bins), "low": z(), "high": z()}
+
 
 class GradHist1d(Instrument):
     """``record["grad_hist_1d"]``: :class:`~gradlens.records.Hist1d` of every element of every
@@ -175,7 +182,6 @@ class GradHist1d(Instrument):
             if self.adapt is not None:
                 self._extremes(state, x)
             st.add(x, state.lo, state.hi)
-        state.total += batch * numel
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
         x = grad_batch.detach()
@@ -184,7 +190,6 @@ class GradHist1d(Instrument):
         tally(state.counts, bin_of(x, lo, hi, self.bins, torch.int32))
         state.low += torch.count_nonzero(x < lo)  # (faster than a bool sum)
         state.high += torch.count_nonzero(x > hi) + torch.count_nonzero(x.isnan())
-        state.total += x.numel()
         if self.adapt is not None:
             self._extremes(state, x)
 
@@ -202,7 +207,6 @@ class GradHist1d(Instrument):
         state.counts += counts
         state.low += low
         state.high += high
-        state.total += delta.shape[0] * delta.shape[1] * a.shape[1]
         if self.adapt is not None:
             ext = torch.stack([delta.amin(1) * a.amin(1), delta.amin(1) * a.amax(1),
                                delta.amax(1) * a.amin(1), delta.amax(1) * a.amax(1)])
@@ -220,7 +224,6 @@ class GradHist1d(Instrument):
             state.low += n
         elif 0.0 > state.hi:
             state.high += n
-        state.total += n
         if self.adapt is not None:
             self._extremes(state, zero)
 
@@ -234,7 +237,7 @@ class GradHist1d(Instrument):
         dev = a.counts.device
         return _Hist1dState(
             a.lo, a.hi, a.counts + b.counts.to(dev), a.low + b.low.to(dev), a.high + b.high.to(dev),
-            a.total + b.total, _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
+            _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
             _pick(torch.add, a.var, b.var), merge_strata(a.strata, b.strata),
         )
 
@@ -255,16 +258,17 @@ class GradHist1d(Instrument):
 
         if state.var is not None:  # independent ranks: estimates and variances add
             counts, var, low, high = state.sampled_totals()
-            sums = [counts, low, high, torch.tensor(state.total, dtype=torch.int64), var]
+            sums = [counts, low, high, var]
         else:
-            sums = [state.counts, state.low, state.high, torch.tensor(state.total, dtype=torch.int64)]
+            sums = [state.counts, state.low, state.high]
         per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist1dState, ctx, sums, per_rank, pieces) -> _Hist1dState:
         mn, mx = _merged_extremes(per_rank)
-        var = sums[4] if len(sums) > 4 else None
-        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], int(sums[3]), mn, mx, var)
+        var = sums[3] if len(sums) > 3 else None
+        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], mn, mx, var)
+
 
 @dataclass
 class _Theta:
@@ -276,6 +280,7 @@ class _Theta:
     mn: Tensor  # 0-d: extremes of theta (for adapt)
     mx: Tensor
     rows: Tensor | None = None  # [O, P] parameter-bin counts per row (2-D parameters, CPU)
+
 
 @dataclass
 class _Hist2dState:
@@ -305,6 +310,7 @@ class _Hist2dState:
             counts, var = counts.to(c.device) + c, var.to(c.device) + v
             clamped = clamped.to(c.device) + lo + hi
         return counts, var, clamped
+
 
 class GradHist2d(Instrument):
     """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
@@ -560,11 +566,13 @@ class GradHist2d(Instrument):
         var = sums[2] if len(sums) > 2 else None
         return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache, var=var)
 
+
 def _extremes_row(mn: Tensor | None, mx: Tensor | None) -> Tensor:
     """``[2]`` float64 (min, max) of this rank's window (+inf, -inf when it saw nothing)."""
     lo = torch.tensor(math.inf, dtype=torch.float64) if mn is None else mn.detach().double().cpu()
     hi = torch.tensor(-math.inf, dtype=torch.float64) if mx is None else mx.detach().double().cpu()
     return torch.stack([lo.reshape(()), hi.reshape(())])
+
 
 def _merged_extremes(per_rank) -> tuple[Tensor | None, Tensor | None]:
     if not per_rank:
