@@ -15,7 +15,8 @@ reports), as ratios to the plain DDP step:
   a Lens with no instrument (capture hooks + the window's merge of its counts: the floor under
       every Lens row, a diagnostic added beside the rows above);
 and the optimizer route: DDP + GradientAccumulateOptimizer (2 micro-batches per rank, each
-all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step.
+all-reduced by DDP) with NoiseScaleMonitor(ranks=R), as a ratio to the same accumulating step
+and to that step written in plain torch (no gradlens at all).
 
 CPU only: the ranks are gloo processes on this machine's cores; ``--device`` other than ``cpu``
 is refused with a message (the GPU benchmarks are the other scripts' ``--device cuda``).
@@ -120,6 +121,23 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
             return step
 
+        def build_accum_torch():
+            """The same accumulating DDP step in plain torch: 2 micro-batches of batch/2, each
+            all-reduced by DDP, the loss weighted by its share of the batch; no gradlens."""
+            torch.manual_seed(0)
+            ddp = nn.parallel.DistributedDataParallel(mlp())
+            loss_fn = nn.CrossEntropyLoss()
+            opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            parts = list(zip(x.chunk(2), y.chunk(2)))
+
+            def step():
+                for xb, yb in parts:
+                    (loss_fn(ddp(xb), yb) * (len(xb) / len(x))).backward()
+                opt.step()
+                opt.zero_grad()
+
+            return step
+
         norm_set = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
         steps = {
             "plain": build(),
@@ -131,6 +149,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             "accum": build_accum(False),
             "accum_monitor": build_accum(True),
             "accum_again": build_accum(False),
+            "accum_torch": build_accum_torch(),
         }
         runs = []
         for rep in range(args.repeats):
@@ -139,6 +158,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             acc = 0.5 * (ms["accum"] + ms["accum_again"])
             ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "untracked", "lens_floor")}
             ratios["accum_monitor"] = ms["accum_monitor"] / acc
+            ratios["accum_monitor_torch"] = ms["accum_monitor"] / ms["accum_torch"]
+            ratios["accum_plain_torch"] = acc / ms["accum_torch"]
             runs.append((ms, base, acc, ratios))
         if rank == 0:
             med = statistics.median
@@ -163,9 +184,14 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 ("lens_floor", "Lens with no instrument (capture + merge floor)"),
             ):
                 print(f"| {label} | {ms[key]:.2f} | {ratio(key)} |")
-            print(f"| DDP + GradientAccumulateOptimizer (2 x {args.batch // 2}) plain | {acc:.2f} | 1.00x |")
+            print()
+            print(f"Accumulating DDP step, 2 micro-batches of {args.batch // 2} per rank (each all-reduced):")
+            print("| configuration | ms | ratio to the GradientAccumulateOptimizer step | ratio to the plain-torch step |")
+            print("|---|---|---|---|")
+            print(f"| plain torch (loss weighted by B_k / B, one update) | {ms['accum_torch']:.2f} | | 1.00x |")
+            print(f"| DDP + GradientAccumulateOptimizer | {acc:.2f} | 1.00x | {ratio('accum_plain_torch')} |")
             print(f"| same + NoiseScaleMonitor (micro-batch of all ranks vs window) | "
-                  f"{ms['accum_monitor']:.2f} | {ratio('accum_monitor')} |")
+                  f"{ms['accum_monitor']:.2f} | {ratio('accum_monitor')} | {ratio('accum_monitor_torch')} |")
     finally:
         dist.destroy_process_group()
 

@@ -43,7 +43,7 @@ from gradlens import ops
 from gradlens.kernels import Kernel, LinearKernel, OpLinear
 from gradlens.registry import forward_for, kernel_for
 
-__all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "Site", "tracked_parameters"]
+__all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters"]
 
 _EXTENDED = "_gradlens_extended"
 _EXCLUDE = "_gradlens_exclude"
@@ -779,6 +779,114 @@ def _note_functional_loss(func, kwargs, out, batch) -> None:
     if reduction == "mean" and kwargs.get("weight") is not None:
         return  # divides by the sum of class weights: no per-sample split
     _note_loss(LossCall(reduction=reduction, batch_size=batch, output=out, module_name=f"F.{func.__name__}"))
+
+
+
+class _LossMode(TorchFunctionMode):
+    """The only thing a :class:`ParamTap` watches inside a forward: loss functions called there
+    (``model(x, labels=y).loss``), reported like an extended loss module."""
+
+    def __init__(self, tap: "ParamTap"):
+        super().__init__()
+        self.tap = tap
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _LOSS_FUNCTIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
+            _note_functional_loss(func, kwargs, out, self.tap.batch)
+        return out
+
+
+class ParamTap:
+    """The hooks of a tracked window whose instruments need no per-sample gradient, only the
+    window's gradient sum and each micro-step's gradient norm (``GradNorm``,
+    ``NoiseScaleTwoBatch``): no layer is looked at, so every model works as it is, layers
+    without a kernel and train-mode BatchNorm included.
+
+    * a forward pre-hook on the model: the micro-batch size (the model's first input, as the
+      :class:`Tap` reads it) and a small ``TorchFunctionMode`` that notes loss functions called
+      inside the forward;
+    * one tensor hook per tracked parameter: ``on_grad(name, grad)`` with the ``dL/dp`` of each
+      backward, before it is added to ``p.grad`` (and before DDP all-reduces it).
+
+    Same surface as :class:`Tap` where the Lens reads it (``params``, ``uses``, ``received``,
+    ``tainted``, ``forward_id``, ``batch``, ``install``/``remove``/``set_params``/``reset_micro``).
+    """
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], on_grad: Callable[[str, Tensor], None]):
+        self.model = model
+        self.on_grad = on_grad
+        self._handles: list = []
+        self._hint = _hints(model)
+        self._mode = _LossMode(self)
+        self._depth = 0
+        self.batch: int | None = None
+        self.forward_id = 0
+        self.set_params(params)
+        self.reset_micro()
+
+    def set_params(self, params: dict[str, nn.Parameter]) -> None:
+        was = self.installed
+        self.remove()
+        self.params = dict(params)
+        if was:
+            self.install()
+
+    def reset_micro(self) -> None:
+        self.uses: Counter = Counter()
+        self.received: set[str] = set()
+        self.tainted: dict[str, str] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        if self._handles:
+            return
+        tap = self
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(lambda m, a, k: tap._pre(m, a, k), with_kwargs=True))
+        self._handles.append(root.register_forward_hook(lambda m, a, o: tap._post(), always_call=True))
+        for q, p in self.params.items():
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._grad_hook(q)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        while self._depth:
+            self._depth -= 1
+            self._mode.__exit__(None, None, None)
+
+    def _grad_hook(self, q: str):
+        on_grad = self.on_grad
+
+        def hook(grad: Tensor) -> None:
+            on_grad(q, grad)
+
+        return hook
+
+    def _pre(self, module, args, kwargs):
+        if not torch.is_grad_enabled() or _in_functorch():
+            return None
+        if self._depth == 0:
+            hint = self._hint.get(id(module), 0)
+            first = next((x for _, x in _tensors(tuple(args) + tuple(kwargs.values())) if x.dim() > 0), None)
+            if first is not None:
+                self.batch = int(first.shape[hint if first.dim() > hint else 0])
+            self.forward_id += 1
+            self._mode.__enter__()
+        self._depth += 1
+        return None
+
+    def _post(self) -> None:
+        if self._depth:
+            self._depth -= 1
+            if self._depth == 0:
+                self._mode.__exit__(None, None, None)
 
 
 def _in_functorch() -> bool:

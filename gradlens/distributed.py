@@ -55,6 +55,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from gradlens.instruments.base import LIGHT_QUANTITIES
+
 __all__ = ["DistParts", "DDPGradRoute", "resolve_group", "check_not_sharded", "merge_window", "is_writer"]
 
 #: dimensions of a gathered piece described in the per-rank block (shapes with more dims refused)
@@ -420,7 +422,11 @@ def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: M
         scale = route.agreed(got[-1][1][0])
         if fast and scale is not None:
             # this rank's own scale (float64; equal to every rank's, as the wire just showed)
-            merged.grad_sum = route.global_grad_sum(window, ctx.params, float(route.cmin) * ctx.world)
+            factor = float(route.cmin) * ctx.world
+            if ctx.needs <= LIGHT_QUANTITIES:  # the instruments read ||sum g_n||^2 only
+                merged.grad_sum_sq = route.global_grad_sq(ctx.params, factor)
+            else:
+                merged.grad_sum = route.global_grad_sum(window, ctx.params, factor)
         elif fast:  # the verdict fell through: grad_sum travels after all (exact)
             gctx = dataclasses.replace(ctx, needs=frozenset({"grad_sum"}))
             merged.grad_sum = window.from_buffers(gctx, *exchange([window.to_buffers(gctx)], group)[0]).grad_sum
@@ -553,6 +559,16 @@ class DDPGradRoute:
             return None
         lo, hi = float(rows[:, 1].min()), float(rows[:, 2].max())
         return lo if lo == hi and lo > 0 else None
+
+    @staticmethod
+    def global_grad_sq(params: dict[str, Tensor], factor: float) -> Tensor:
+        """||sum_n g_n||^2 of all ranks = factor^2 ||p.grad||^2 (0-d float64; nothing copied)."""
+        with torch.no_grad():
+            total = torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device)
+            for p in params.values():
+                g = p.grad.detach().reshape(-1)
+                total = total + torch.dot(g, g).double()
+        return total * (factor * factor)
 
     @staticmethod
     def global_grad_sum(window: Any, params: dict[str, Tensor], factor: float) -> dict[str, Tensor]:

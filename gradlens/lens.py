@@ -24,6 +24,7 @@ from gradlens import ops
 from gradlens.capture import (
     LossCall,
     OpUse,
+    ParamTap,
     Site,
     Tap,
     is_extended,
@@ -32,7 +33,7 @@ from gradlens.capture import (
     tracked_parameters,
 )
 from gradlens.distributed import DDPGradRoute, MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
-from gradlens.instruments.base import QUANTITIES, Accumulators, Instrument, WindowStats
+from gradlens.instruments.base import LIGHT_QUANTITIES, QUANTITIES, Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
 
@@ -323,13 +324,19 @@ class Lens:
         self._micro_insts = self._per_sample_insts + [
             i for i in self._layer_insts if i not in self._per_sample_insts
         ]
-        self._tap = Tap(
-            model,
-            params,
-            self._on_use,
-            self._on_op_use,
-            on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
-        )
+        # instruments of the window gradient only (GradNorm, NoiseScaleTwoBatch): parameter
+        # hooks, no per-sample capture, any model
+        self._light = not (self._needs - LIGHT_QUANTITIES)
+        if self._light:
+            self._tap = ParamTap(model, params, self._on_param_grad)
+        else:
+            self._tap = Tap(
+                model,
+                params,
+                self._on_use,
+                self._on_op_use,
+                on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
+            )
 
         self._group = resolve_group(process_group)
         self._merged = False
@@ -338,7 +345,7 @@ class Lens:
         self._ddp_probe = None
         self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
         self._grad_sq_hooks = None
-        if "micro_grad_sq" in self._needs:
+        if "micro_grad_sq" in self._needs and not self._light:
             from gradlens.instruments.noise import ParamGradSquares
 
             self._grad_sq_hooks = ParamGradSquares(list(self._tap.params.values()), self._on_grad_sq)
@@ -855,8 +862,11 @@ class Lens:
         key = w.params.get("weight")
         if key is None or key not in self._tap.params or self._tap.uses[key] > 1:
             return
+        self._add_grad_sum(key, grad, micro.scale())
+
+    def _add_grad_sum(self, key: str, grad: Tensor, scale: float | Tensor) -> None:
+        """``grad_sum[key] += scale * grad`` (a buffer of the pool on the first add)."""
         with torch.no_grad():
-            scale = micro.scale()
             acc = self._window.grad_sum
             if key in acc:
                 if isinstance(scale, Tensor):
@@ -867,6 +877,53 @@ class Lens:
             dtype = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32
             out = acc.buffer(key, tuple(grad.shape), grad.to(dtype) if dtype != grad.dtype else grad)
             acc[key] = torch.mul(grad, scale, out=out)
+
+    def _on_param_grad(self, q: str, grad: Tensor) -> None:
+        """Light capture (:class:`~gradlens.capture.ParamTap`): dL/dp of parameter ``q`` in this
+        backward, before it reaches ``p.grad``: the micro-step's squared norm and the window's
+        gradient sum, in per-sample units."""
+        micro = self._micro
+        if self._window is None:
+            return
+        if micro is None:
+            raise RuntimeError(
+                f"backward reached {q!r} outside lens.capture() during a tracked window; wrap "
+                "the backward: with lens.capture(): loss.backward()"
+            )
+        if micro.backward_done:
+            raise RuntimeError(
+                "a second backward() inside one lens.capture(): each micro-step's backward needs "
+                "its own capture (with lens.capture(): loss.backward())"
+            )
+        if not micro.seen:  # the first gradient of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(micro, "backward_done", True))
+            micro.resolve()
+            if micro.batch_size is None:
+                micro.batch_size = self._tap.batch
+            if micro.batch_size is None:
+                raise RuntimeError(
+                    "gradlens found no batch size for this micro-step: neither an extended loss "
+                    "module nor the model's forward saw the input; compute the loss with "
+                    "gradlens.extend(loss_fn), or run the forward through the watched model"
+                )
+            if micro.reduction is not None:
+                self._check_reduction(micro.reduction)
+            if micro.batch_size == 0:
+                micro.empty = True
+        micro.seen.add(q)
+        if micro.empty:
+            return
+        g = grad.detach()
+        if g.is_sparse:
+            g = g.to_dense()
+        if "micro_grad_sq" in self._needs:
+            flat = g.reshape(-1)
+            if flat.dtype not in (torch.float32, torch.float64):
+                flat = flat.float()
+            sq = torch.dot(flat, flat).double()
+            micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
+        if "grad_sum" in self._needs:
+            self._add_grad_sum(q, g, micro.scale())
 
     def _begin_use(self, what: str, batch: int, forward: int) -> _MicroStep | None:
         """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
@@ -1009,6 +1066,8 @@ class Lens:
             for q, g in micro.shared.items():
                 self._measure_materialised(f"{q}#uses", q, g, micro)
         micro.linear_uses, micro.shared = [], {}
+        if self._light:
+            return
         tap = self._tap
         missing = sorted(q for q in tap.received if q in tap.params and q not in micro.seen)
         if missing:

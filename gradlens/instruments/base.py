@@ -28,11 +28,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES"]
+__all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES"]
 
 QUANTITIES = frozenset(
     {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq"}
 )
+#: what parameter hooks alone provide (no per-sample capture): a Lens whose instruments need
+#: nothing else runs in light mode (:class:`gradlens.capture.ParamTap`), on any model
+LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq"})
 
 
 def _storage_users(t: Tensor) -> int | None:
@@ -110,6 +113,9 @@ class WindowStats:
     micro_grad_sq: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     #: sum over the micro-steps whose ||s_k||^2 is in ``micro_grad_sq`` of B_k^2
     micro_size_sq: float = 0.0
+    #: ||sum_n g_n||^2 when it is known without ``grad_sum`` (the global gradient read from
+    #: DDP's ``p.grad`` for instruments that need only this norm), else None
+    grad_sum_sq: Tensor | None = None
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
@@ -138,6 +144,8 @@ class WindowStats:
     def grad_sum_sq_norm(self) -> Tensor:
         """||sum_n g_n||^2 over the tracked parameters (0-d float64; computed once, in the
         accumulation dtype, float32 or wider)."""
+        if self.grad_sum_sq is not None:
+            return self.grad_sum_sq
         memo = self.__dict__.setdefault("_memo", {})
         if "grad_sum_sq" not in memo:
             memo["grad_sum_sq"] = sum(
