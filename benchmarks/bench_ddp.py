@@ -10,7 +10,8 @@ reports), as ratios to the plain DDP step:
   (a) the norm set BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale, merged across
       ranks (one all_reduce of the sums, one all_gather of batch_l2 per step);
   two-batch noise scale: NoiseScaleTwoBatch (rank-local vs global gradients: the sums it needs
-      are merged by one all_reduce);
+      are merged by one all_reduce), with the default merge and with Lens(merge="deferred"),
+      whose all_reduce runs in the background during the next step;
   untracked window (a Lens whose schedule skips the step);
   a Lens with no instrument (capture hooks + the window's merge of its counts: the floor under
       every Lens row, a diagnostic added beside the rows above);
@@ -73,7 +74,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         x = torch.randn(args.batch, 1, 28, 28)
         y = torch.randint(0, 10, (args.batch,))
 
-        def build(instruments=None, every=1):
+        def build(instruments=None, every=1, merge="sync"):
             torch.manual_seed(0)
             model = mlp()
             if instruments is not None:
@@ -85,7 +86,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
             lens = None
             if instruments is not None:
-                lens = Lens(model, instruments(), optimizer=opt, every=every, keep_records=False)
+                lens = Lens(model, instruments(), optimizer=opt, every=every, keep_records=False, merge=merge)
 
             def step():
                 loss = loss_fn(ddp(x), y)
@@ -143,6 +144,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             "plain": build(),
             "norm_set": build(norm_set),
             "two_batch": build(lambda: [NoiseScaleTwoBatch()]),
+            "two_batch_deferred": build(lambda: [NoiseScaleTwoBatch()], merge="deferred"),
             "untracked": build(norm_set, every=lambda s: False),
             "lens_floor": build(lambda: []),
             "plain_again": build(),
@@ -156,7 +158,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             ms = interleaved_ms(steps, args.steps, warmup=3 if rep == 0 else 1)
             base = 0.5 * (ms["plain"] + ms["plain_again"])
             acc = 0.5 * (ms["accum"] + ms["accum_again"])
-            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "untracked", "lens_floor")}
+            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "two_batch_deferred", "untracked", "lens_floor")}
             ratios["accum_monitor"] = ms["accum_monitor"] / acc
             ratios["accum_monitor_torch"] = ms["accum_monitor"] / ms["accum_torch"]
             ratios["accum_plain_torch"] = acc / ms["accum_torch"]
@@ -180,6 +182,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             for key, label in (
                 ("norm_set", "(a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale"),
                 ("two_batch", "NoiseScaleTwoBatch (rank-local vs global)"),
+                ("two_batch_deferred", "same, Lens(merge='deferred') (the collective overlaps the next step)"),
                 ("untracked", "untracked window"),
                 ("lens_floor", "Lens with no instrument (capture + merge floor)"),
             ):

@@ -57,7 +57,10 @@ from torch import Tensor
 
 from gradlens.instruments.base import LIGHT_QUANTITIES
 
-__all__ = ["DistParts", "DDPGradRoute", "resolve_group", "check_not_sharded", "merge_window", "is_writer"]
+__all__ = [
+    "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
+    "merge_window_start", "exchange", "exchange_start", "is_writer",
+]
 
 #: dimensions of a gathered piece described in the per-rank block (shapes with more dims refused)
 _MAX_DIMS = 6
@@ -166,6 +169,47 @@ INLINE_GATHER_MAX = 1 << 16
 def exchange(
     parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
 ):
+    """:func:`exchange_start` and, at once, its ``finish()`` (the results below)."""
+    return exchange_start(parts, group, device, memo).finish()
+
+
+class Pending:
+    """A collective in flight: ``finish()`` waits for it and returns the result (once)."""
+
+    def __init__(self, steps):
+        self._steps = steps
+        self._done = False
+        self._value: Any = None
+
+    def finish(self) -> Any:
+        if not self._done:
+            try:
+                next(self._steps)
+            except StopIteration as stop:
+                self._value = stop.value
+            else:  # pragma: no cover - each generator below yields once
+                raise RuntimeError("a gradlens collective yielded twice")
+            self._done = True
+            self._steps = None
+        return self._value
+
+
+def _started(steps) -> Pending:
+    next(steps)  # runs up to the issued collective
+    return Pending(steps)
+
+
+def exchange_start(
+    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
+) -> Pending:
+    """Issue :func:`exchange`'s all_reduce without waiting (the buffers are built now; the
+    collective runs in the background); ``.finish()`` completes it."""
+    return _started(_exchange(parts, group, device, memo))
+
+
+def _exchange(
+    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
+):
     """All-reduce every ``sums``, share every ``per_rank``, gather every ``pieces``.
 
     Returns one ``(sums, per_rank, pieces)`` triple per participant, in the same order: summed
@@ -247,7 +291,9 @@ def exchange(
         if _slots(flat, wire) == hi - lo:
             buf[lo:hi] = _encode(flat, wire)
         # else: this rank's shapes differ from the prediction; seen by every rank below
-    dist.all_reduce(buf, group=group)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    yield
+    work.wait()
 
     meta_end = sum_len + world * meta_len
     meta = buf[sum_len:meta_end].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
@@ -402,6 +448,17 @@ def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: M
     ``id(instrument)`` to its window state. Every rank must call this for the same windows with
     the same instruments. Returns ``(window, states)`` merged (new objects; rank-major order).
     """
+    return merge_window_start(window, instruments, states, group, ctx).finish()
+
+
+def merge_window_start(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext) -> Pending:
+    """:func:`merge_window` with its all_reduce issued and not waited for: what depends on the
+    gradients (``p.grad`` under DDP) is read now, before the update; ``.finish()`` returns
+    ``(window, states)``. Collectives of one group run in the order they were issued."""
+    return _started(_merge_window(window, instruments, states, group, ctx))
+
+
+def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
     dist = _dist()
     ctx.world = dist.get_world_size(group)
     ctx.rank = dist.get_rank(group)
@@ -411,9 +468,17 @@ def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: M
     parts = [window.to_buffers(wctx)]
     for inst in instruments:
         parts.append(inst.to_buffers(states[id(inst)], ctx))
+    light_sq = None
     if route is not None:
-        parts.append(DistParts(per_rank=[route.verdict(window, ctx.params)]))
-    got = exchange(parts, group, memo=ctx.memo)
+        verdict = route.verdict(window, ctx.params)
+        parts.append(DistParts(per_rank=[verdict]))
+        if fast and ctx.needs <= LIGHT_QUANTITIES and route.local_ok:
+            # the instruments read ||sum g_n||^2 only: ||p.grad||^2 now, before the update
+            light_sq = route.global_grad_sq(ctx.params, 1.0)
+    own_scale = route.cmin if route is not None else None  # the route moves on to the next window
+    pending = exchange_start(parts, group, memo=ctx.memo)
+    yield
+    got = pending.finish()
     merged = window.from_buffers(wctx, *got[0])
     new_states = dict(states)
     for inst, g in zip(instruments, got[1 : 1 + len(instruments)]):
@@ -422,9 +487,9 @@ def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: M
         scale = route.agreed(got[-1][1][0])
         if fast and scale is not None:
             # this rank's own scale (float64; equal to every rank's, as the wire just showed)
-            factor = float(route.cmin) * ctx.world
-            if ctx.needs <= LIGHT_QUANTITIES:  # the instruments read ||sum g_n||^2 only
-                merged.grad_sum_sq = route.global_grad_sq(ctx.params, factor)
+            factor = float(own_scale) * ctx.world
+            if light_sq is not None:
+                merged.grad_sum_sq = light_sq * (factor * factor)
             else:
                 merged.grad_sum = route.global_grad_sum(window, ctx.params, factor)
         elif fast:  # the verdict fell through: grad_sum travels after all (exact)
@@ -462,6 +527,7 @@ class DDPGradRoute:
         self.cmax: Any = None
         self._ddp_of_window: Any = None
         self.last_synced = False
+        self.local_ok = False  # this rank's part of the last verdict
 
     # ---- the Lens's calls ---------------------------------------------------------------
     def on_forward(self) -> None:
@@ -547,6 +613,7 @@ class DDPGradRoute:
                 if acc is None or p.grad is None or p.grad.dtype != acc.dtype or p.grad.is_sparse:
                     ok = False
                     break
+        self.local_ok = ok
         if not ok:
             return torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)
         return torch.stack([self.cmin.new_ones(()), self.cmin, self.cmax])

@@ -32,7 +32,15 @@ from gradlens.capture import (
     model_exclusions,
     tracked_parameters,
 )
-from gradlens.distributed import DDPGradRoute, MergeContext, check_not_sharded, is_writer, merge_window, resolve_group
+from gradlens.distributed import (
+    DDPGradRoute,
+    MergeContext,
+    check_not_sharded,
+    is_writer,
+    merge_window,
+    merge_window_start,
+    resolve_group,
+)
 from gradlens.instruments.base import LIGHT_QUANTITIES, QUANTITIES, Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
@@ -201,6 +209,13 @@ class Lens:
             records. Merged records describe the global batch of all ranks (samples rank-major),
             are kept on every rank, and are written to the sinks (``log``, ``tensorboard``) by
             rank 0 of the group only. See docs/distributed.md.
+        merge: under ``torch.distributed``, when a tracked window's collective runs:
+            ``"sync"`` (default) at the update that closes the window, whose record is then
+            complete; ``"deferred"`` issues it at that update and lets it run in the background
+            during the next window: the record comes one window later (when the next window
+            closes, or at :meth:`flush` / :meth:`close` / :meth:`state_dict`), and the step pays
+            no rendezvous. Only for instruments of the window gradient (``GradNorm``,
+            ``NoiseScaleTwoBatch``), whose next window does not depend on the merged one.
         sinks: more places for the records (after ``log`` and ``tensorboard``): any objects
             with ``write(record)`` and ``close()``. ``write`` is called once per record, in the
             order records become final (a record waiting for the next window, e.g. for
@@ -235,6 +250,7 @@ class Lens:
         log_mode: str = "resume",
         grad_scaler: Any = None,
         sinks: Iterable[Any] = (),
+        merge: str = "sync",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -340,6 +356,18 @@ class Lens:
 
         self._group = resolve_group(process_group)
         self._merged = False
+        if merge not in ("sync", "deferred"):
+            raise ValueError(f"merge must be 'sync' or 'deferred', got {merge!r}")
+        if merge == "deferred" and not self._light:
+            heavy = sorted({type(i).__name__ for i in instruments if set(i.needs) - LIGHT_QUANTITIES})
+            raise ValueError(
+                f"Lens(merge='deferred') is for instruments of the window gradient only (GradNorm, "
+                f"NoiseScaleTwoBatch); {heavy} need per-sample statistics whose next window depends "
+                "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
+            )
+        self.merge = merge
+        self._merge_pending = None  # the current window's collective, issued and not finished
+        self._inflight: tuple | None = None  # (step, window, states, empty micro-steps, merge)
         # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
         self._ddp_route = DDPGradRoute(self._group) if self._group is not None and "grad_sum" in self._needs else None
         self._ddp_probe = None
@@ -394,6 +422,9 @@ class Lens:
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
     def _open_window(self) -> None:
+        if self._merge_pending is not None:  # issued for a window dropped since: every rank waits
+            self._merge_pending.finish()
+            self._merge_pending = None
         if self.is_tracked():
             self._refresh_params()
             self._window = WindowStats(
@@ -423,7 +454,7 @@ class Lens:
             self._remove_ddp_probe()
         self._merged = False
 
-    def _merge_ranks(self) -> None:
+    def _merge_ranks(self, defer_off: bool = False) -> None:
         """Under torch.distributed: replace this rank's window statistics and instrument states
         by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
         kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
@@ -431,9 +462,13 @@ class Lens:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
         ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo)
-        self._window, self._states = merge_window(
-            self._window, self.instruments, self._states, self._group, ctx
-        )
+        if self.merge == "deferred" and not defer_off:
+            self._finish_inflight()  # the previous window's collective came first: finish it first
+            self._merge_pending = merge_window_start(self._window, self.instruments, self._states, self._group, ctx)
+        else:
+            self._window, self._states = merge_window(
+                self._window, self.instruments, self._states, self._group, ctx
+            )
         self._merged = True
 
     def _on_grad_sq(self, sq: Tensor) -> None:
@@ -536,39 +571,66 @@ class Lens:
         """Close the current window as if the optimizer had updated: emit its record (if it is
         tracked and captured anything) and start the next window. Returns the record."""
         self._check_open()
-        return self._close_window()
+        return self._close_window(sync=True)
 
-    def _close_window(self) -> Record | None:
+    def _close_window(self, sync: bool = False) -> Record | None:
+        if sync:
+            self._finish_inflight()
+        self._merge_ranks(defer_off=sync)
+        if self._merge_pending is not None:  # merge="deferred": the record comes with the next window
+            self._inflight = (self.step, self._window, self._states, self._empty_micro_steps, self._merge_pending)
+            self._merge_pending = None
+            self.step += 1
+            self._empty_micro_steps = 0
+            self._open_window()
+            return None
+        record = self._emit(self.step, self._window, self._states, self._empty_micro_steps)
+        self.step += 1
+        self._empty_micro_steps = 0
+        self._open_window()
+        return record
+
+    def _finish_inflight(self) -> Record | None:
+        """merge="deferred": wait for the previous window's collective and emit its record."""
+        if self._inflight is None:
+            return None
+        step, window, states, empty, pending = self._inflight
+        self._inflight = None
+        window, states = pending.finish()
+        return self._emit(step, window, states, empty)
+
+    def _emit(self, step: int, window: WindowStats | None, states: dict[int, Any], empty: int) -> Record | None:
+        """The record of a closed window (merged across ranks when distributed), to
+        :attr:`records` and the sinks; None if it was not tracked or captured nothing."""
         record = None
-        self._merge_ranks()
-        window = self._window
         captured = window is not None and bool(window.micro_steps)
         self._settle_pending(
-            None if captured else f"window {self.step} (the next one) was not tracked or captured nothing"
+            None if captured else f"window {step} (the next one) was not tracked or captured nothing",
+            states,
         )
         if captured:
-            values = {i.key: i.finalize(window, self._states[id(i)]) for i in self.instruments}
+            values = {i.key: i.finalize(window, states[id(i)]) for i in self.instruments}
             loss_value = window.window_loss()
             values["loss"] = None if math.isnan(loss_value) else loss_value
-            record = Record(self.step, window.num_samples, window.micro_steps, values)
+            record = Record(step, window.num_samples, window.micro_steps, values)
             record.meta["coverage"] = self.coverage
             if values["loss"] is None:
                 record.meta["loss"] = (
                     "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
                 )
-            if self._empty_micro_steps:
-                record.meta["empty_micro_steps"] = self._empty_micro_steps
+            if empty:
+                record.meta["empty_micro_steps"] = empty
             record.meta["units"] = (
                 "g_n = B_k * d(micro-step objective)_n (mean objective)"
                 if window.reduction == "mean"
                 else "g_n = d(micro-step objective)_n (sum objective)"
             )
             for i in self.instruments:
-                record.meta.update(i.meta(self._states[id(i)]))
+                record.meta.update(i.meta(states[id(i)]))
             self._warn_nonfinite(record)
-            deferring = {id(i): self._states[id(i)] for i in self.instruments if i.defers(self._states[id(i)])}
+            deferring = {id(i): states[id(i)] for i in self.instruments if i.defers(states[id(i)])}
             for i in self.instruments:
-                i.end_window(self._states[id(i)])
+                i.end_window(states[id(i)])
             if self.keep_records is True or self.keep_records > 0:
                 self.records.append(record)
                 if self.keep_records is not True and len(self.records) > self.keep_records:
@@ -578,9 +640,6 @@ class Lens:
             else:
                 for sink in self._sinks:
                     sink.write(record)
-        self.step += 1
-        self._empty_micro_steps = 0
-        self._open_window()
         return record
 
     def discard_window(self) -> None:
@@ -664,16 +723,17 @@ class Lens:
         )
         self._open_window()  # as for a window a GradientAccumulateOptimizer skipped
 
-    def _settle_pending(self, reason: str | None) -> None:
-        """Complete the pending record from the window now closing (``reason is None``) or
-        mark what it lacks, then write it to the sinks."""
+    def _settle_pending(self, reason: str | None, closing: dict[int, Any] | None = None) -> None:
+        """Complete the pending record from the window now closing (its states ``closing``,
+        used when ``reason is None``) or mark what it lacks, then write it to the sinks."""
         if self._pending is None:
             return
         record, states = self._pending
         self._pending = None
+        closing = self._states if closing is None else closing
         for i in self.instruments:
             if id(i) in states:
-                i.settle(record, states[id(i)], None if reason else self._states[id(i)], reason)
+                i.settle(record, states[id(i)], None if reason else closing[id(i)], reason)
         for sink in self._sinks:
             sink.write(record)
 
@@ -1175,6 +1235,7 @@ class Lens:
         import io
         import pickle
 
+        self._finish_inflight()  # merge="deferred": the window in flight gets its record first
         ids = self._object_ids()
         payload = {
             "instruments": [
@@ -1291,6 +1352,7 @@ class Lens:
         run that a Lens will resume from :meth:`state_dict`, which holds it)."""
         if self._closed:
             return
+        self._finish_inflight()
         if write_pending:
             self._settle_pending("the Lens was closed before the next window closed")
         self._pending = None

@@ -138,3 +138,74 @@ def test_global_grad_sum_from_ddp_grad_equals_oracle():
     for other in results[1:]:  # every rank holds the same records
         for (n0, m0, v0), (n1, m1, v1) in zip(records, other[0]):
             assert (n0, m0) == (n1, m1) and v0["grad_norm"] == v1["grad_norm"]
+
+
+def _light_worker(rank: int, world: int, port: int, out_dir: str, merge: str) -> None:
+    """A Lens of the window gradient only (light capture) over the same PLAN: sync or deferred."""
+    _init(rank, world, port)
+    try:
+        model0, data = _windows()
+        model = gradlens.extend(copy.deepcopy(model0))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        lens = Lens(model, [GradNorm(), NoiseScaleTwoBatch()], optimizer=opt, merge=merge)
+        thetas = [copy.deepcopy(model0).state_dict()]
+        seen = []  # records present after each update
+        for (micro_sizes, event), (x, y) in zip(PLAN, data):
+            n = sum(micro_sizes)
+            mine = slice(rank * n, (rank + 1) * n)
+            xs, ys = x[mine].split(micro_sizes), y[mine].split(micro_sizes)
+            for k, (xb, yb) in enumerate(zip(xs, ys)):
+                with ddp.no_sync() if k < len(xs) - 1 else contextlib.nullcontext():
+                    loss = loss_fn(ddp(xb), yb)
+                    with lens.capture():
+                        loss.backward()
+            if event == "clip":
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
+            opt.step()
+            opt.zero_grad()
+            seen.append(len(lens.records))
+            thetas.append(copy.deepcopy(model.state_dict()))
+        lens.close()
+        records = [(r.step, r.num_samples, dict(r.values)) for r in lens.records]
+        torch.save((records, thetas, seen), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("merge", ["sync", "deferred"])
+def test_light_lens_under_ddp_equals_oracle(merge):
+    """GradNorm + NoiseScaleTwoBatch hook only the parameters (light capture); under DDP the
+    global gradient norm comes from p.grad (or, after clipping / unequal micro-batches, from the
+    window's own sums): exact in both merge modes; "deferred" gives each record one window
+    later and close() completes the last."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_light_worker, WORLD, out_dir, merge)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    model0, data = _windows()
+    records, thetas, seen = results[0]
+    lag = 1 if merge == "deferred" else 0
+    assert seen == [t + 1 - lag for t in range(len(PLAN))]
+    assert [r[0] for r in records] == list(range(len(PLAN)))
+    for t, ((micro_sizes, _), (x, y)) in enumerate(zip(PLAN, data)):
+        n_rank = sum(micro_sizes)
+        m = copy.deepcopy(model0)
+        m.load_state_dict(thetas[t])
+        G = flat(per_sample_grads(m, x[: WORLD * n_rank], y[: WORLD * n_rank]))
+        _, n, vals = records[t]
+        assert n == G.shape[0]
+        _close(vals["grad_norm"], G.mean(0).norm())
+        g2, tr = _oracle_two_batch(G, micro_sizes * WORLD)
+        _close(vals["noise_scale_two_batch"]["grad_sq"], g2)
+        _close(vals["noise_scale_two_batch"]["trace_sigma"], tr)
+    for other in results[1:]:
+        assert [r[2]["grad_norm"] for r in other[0]] == [r[2]["grad_norm"] for r in records]
+
+
+def test_deferred_merge_refuses_per_sample_instruments():
+    model, _, _ = make_problem(MODELS["mlp"], seed=0)
+    with pytest.raises(ValueError, match="merge='sync'"):
+        Lens(gradlens.extend(model), [BatchL2(), GradNorm()], merge="deferred")
+    with pytest.raises(ValueError, match="'sync' or 'deferred'"):
+        Lens(gradlens.extend(model), [GradNorm()], merge="later")
