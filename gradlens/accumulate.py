@@ -398,11 +398,15 @@ class GradientAccumulateOptimizer(Optimizer):
                     "embedding (sparse=False)."
                 )
             acc = st.accumulators.get(p)
-            if acc is None:
-                dtype = torch.promote_types(self.accum_dtype, p.dtype)
-                acc = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                st.accumulators[p] = acc
             grad = grad.detach()
+            if acc is None:  # the window's first gradient of p: written, not added to zeros
+                dtype = torch.promote_types(self.accum_dtype, p.dtype)
+                acc = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                st.accumulators[p] = acc
+                if grad_scale is None:
+                    torch.mul(grad, weight if mean else 1.0, out=acc)
+                    continue
+                acc.zero_()
             if grad_scale is None:
                 acc.add_(grad, alpha=weight if mean else 1.0)
             elif isinstance(grad_scale, Tensor):
@@ -437,11 +441,15 @@ class GradientAccumulateOptimizer(Optimizer):
             acc = st.accumulators.get(p)
             if acc is None:
                 continue
-            window_grad = acc.div_(st.weight) if self.reduction == "mean" else acc
-            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
-                p.grad.copy_(window_grad)  # in place: keeps DDP bucket views valid
+            mean = self.reduction == "mean"
+            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype and not p.grad.is_sparse:
+                # in place (keeps DDP bucket views valid), divided on the way
+                if mean:
+                    torch.div(acc, st.weight, out=p.grad)
+                else:
+                    p.grad.copy_(acc)
             else:
-                p.grad = window_grad.to(p.dtype)
+                p.grad = (acc.div_(st.weight) if mean else acc).to(p.dtype)
             params.append(p)
         st.reset_window()
 
