@@ -32,6 +32,7 @@ from gradlens.instruments import (
     InnerTest,
     MeanGSNR,
     NoiseScale,
+    NoiseScaleTwoBatch,
     NormTest,
     OrthoTest,
     SumGradSquared,
@@ -427,3 +428,39 @@ def test_scaled_functional_loss_keeps_units_or_refuses(how):
         return
     _close(rec["batch_l2"], G.square().sum(1), 1e-10)
     _close(rec["grad_norm"], G.mean(0).norm(), 1e-10)
+
+
+@pytest.mark.parametrize("name", _params())
+def test_light_capture_equals_autograd_micro_batch_gradients(name):
+    """GradNorm + NoiseScaleTwoBatch alone hook the parameters only (light capture): every
+    trainable parameter of every model, train-mode BatchNorm included, no exclusion. Oracle:
+    float64 autograd on whole micro-batches, s_k = sum of the micro-batch's g_n (B_k x the
+    gradient of a mean loss), G = sum_k s_k; grad_norm = ||G|| / N, and the two-batch estimates
+    from S = sum_k ||s_k||^2 and T = ||G||^2 (unequal micro-batches [5, 1, 6])."""
+    from gradlens.capture import ParamTap
+    from oracle_models import _clean_copy, split_batch, trainable_names
+
+    case, model, windows = problem(name)
+    sizes = SPLITS["K3-unequal"]
+    lens, thetas = run_lens(case, model, windows, sizes, "mean", [GradNorm(), NoiseScaleTwoBatch()])
+    assert isinstance(lens._tap, ParamTap) and lens.coverage == 1.0
+    rec = lens.records[0]
+    ref = _clean_copy(thetas[0])
+    params = dict(ref.named_parameters())
+    names = trainable_names(ref)
+    S, G = 0.0, None
+    for mb in split_batch(case, windows[0], sizes):
+        if case.kind == "hf_lm":
+            loss = len(mb["labels"]) * case.call(ref, mb).loss
+        else:
+            loss = F.cross_entropy(case.call(ref, mb), mb["y"], reduction="sum")
+        s_k = torch.cat([g.flatten() for g in torch.autograd.grad(loss, [params[k] for k in names])])
+        S += float(s_k.square().sum())
+        G = s_k if G is None else G + s_k
+    n, q = sum(sizes), sum(b * b for b in sizes)
+    T = float(G.square().sum())
+    _close(rec["grad_norm"], math.sqrt(T) / n, case.rtol)
+    g2 = (T - S) / (n * n - q)
+    got = rec["noise_scale_two_batch"]
+    _close(got["grad_sq"], g2, max(case.rtol, 1e-9) * T / abs(g2))  # a difference of sums
+    _close(got["trace_sigma"], (S - q * g2) / n, max(case.rtol, 1e-9) * S / abs((S - q * g2) / n))
