@@ -214,13 +214,18 @@ def _excluded(name: str, exclude: tuple[str, ...]) -> bool:
 
 
 
-def tracked_parameters(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
+def tracked_parameters(
+    model: nn.Module, exclude: tuple[str, ...] = (), check: bool = True
+) -> dict[str, nn.Parameter]:
     """Qualified name -> parameter for every trainable parameter of ``model`` not excluded (a
-    shared parameter once, under its first name in ``named_parameters()``).
+    shared parameter once, under its first name in ``named_parameters()``). ``check=False``
+    skips the check of the names (done once, when the Lens is built).
 
     Raises:
         ValueError: a name in ``exclude`` matches no parameter or module of ``model``.
     """
+    if not (check and any(exclude)):
+        return {n: p for n, p in model.named_parameters() if p.requires_grad and not _excluded(n, exclude)}
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     names |= {n for n, _ in model.named_modules(remove_duplicate=False) if n}
     for e in exclude:

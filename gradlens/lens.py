@@ -25,6 +25,7 @@ from gradlens.capture import (
     LossCall,
     OpUse,
     ParamTap,
+    _excluded,
     Site,
     Tap,
     is_extended,
@@ -490,7 +491,12 @@ class Lens:
 
     def _refresh_params(self) -> None:
         """Follow parameters frozen, unfrozen or added since the last tracked window."""
-        params = tracked_parameters(self.model, self._exclude)
+        params, total = {}, 0  # one walk: the tracked parameters and the trainable elements
+        for q, p in self.model.named_parameters():
+            if p.requires_grad:
+                total += p.numel()
+                if not _excluded(q, self._exclude):
+                    params[q] = p
         for q in self._undefined_params:
             params.pop(q, None)
         if params.keys() != self._tap.params.keys() or any(
@@ -502,6 +508,7 @@ class Lens:
             if getattr(self, "_grad_sq_hooks", None) is not None:
                 self._grad_sq_hooks.remove()
                 self._grad_sq_hooks.params = list(params.values())
+        self._window_coverage = sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _check_undefined(self) -> None:
         """Parameters whose output reached a layer that mixes samples (found in the forward)."""
@@ -521,6 +528,7 @@ class Lens:
                     "nothing is left to track: put those layers in eval mode"
                 )
             self._tap.set_params(rest)
+            self._window_coverage = self.coverage
             return
         layers = sorted(set(bad.values()))
         raise RuntimeError(
@@ -613,7 +621,7 @@ class Lens:
             loss_value = window.window_loss()
             values["loss"] = None if math.isnan(loss_value) else loss_value
             record = Record(step, window.num_samples, window.micro_steps, values)
-            record.meta["coverage"] = self.coverage
+            record.meta["coverage"] = self._window_coverage  # as of the window's opening
             if values["loss"] is None:
                 record.meta["loss"] = (
                     "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
