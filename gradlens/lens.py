@@ -1017,6 +1017,11 @@ class Lens:
             names = [q for q in names if q in tap.params]
             if not names:
                 continue
+            params = [tap.params[q] for q in names]
+            direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
+            if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
+                add_into(per_q, names[0], direct.detach())
+                continue
             gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
             if len(names) == 1 and t is tap.params[names[0]]:
                 got = [gt]
