@@ -313,6 +313,23 @@ def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
         acc[key] = v
 
 
+def _add_row_sum(acc: Tensor, ones: Tensor, f: Tensor) -> None:
+    """``acc += sum_n f_n`` (``f [b, numel]``, ``ones [1, b]``) as one ``1^T f`` product
+    written into ``acc`` (any accumulator layout or dtype: then through a temporary)."""
+    if acc.dtype == f.dtype and acc.is_contiguous():
+        acc.view(1, -1).addmm_(ones, f)
+    else:
+        acc.add_((ones @ f).view(acc.shape))
+
+
+def _zeros_into(acc: dict[str, Tensor], key: str, shape: tuple[int, ...], like: Tensor) -> None:
+    """acc[key] = zeros of ``shape`` (in the buffer the accumulator dict offers for ``key``,
+    see :func:`_addmm_into`), for sums that many in-place adds then build."""
+    buffer = getattr(acc, "buffer", None)
+    out = buffer(key, shape, like) if buffer else None
+    acc[key] = like.new_zeros(shape) if out is None else out.zero_()
+
+
 def _addmm_into(acc: dict[str, Tensor], key: str, m1: Tensor, m2: Tensor) -> None:
     """acc[key] += m1 @ m2. The first product of a window is written into the buffer the
     accumulator dict offers for ``key`` (``acc.buffer(key, shape, like)``, see
@@ -414,24 +431,43 @@ class LinearKernel(Kernel):
 
     def _reduce_seq(self, module, a, delta, want, names, acc, skip):
         """Inputs with a sequence axis ``[B, T, d]``. The sum of squares needs g_n itself: one
-        materialising pass (sample chunks) then gives the norms and the weight sum too. Without
-        it, norms come from T x T Gram products and the sum from one matmul."""
+        materialising pass then gives the norms and the weight sum too. Each chunk of samples
+        (:func:`sample_chunks`) is formed into one reused buffer and reduced in place, with no
+        allocation per chunk: the norms as batched dots, the sums as ``1^T G`` products added
+        into the window's accumulators, the squares in place. Without it, norms come from
+        T x T Gram products and the sum from one matmul."""
         w, b = names.get("weight"), names.get("bias")
         x, d = self._flat(module, a, delta)
         out = []
         if "sum_grad_squared" in want and w:
-            numel = module.in_features * module.out_features
-            l2w = []
-            for s, e in sample_chunks(numel, d.shape[0]):
-                g = torch.bmm(d[s:e].transpose(1, 2), x[s:e])  # [b, O, I]
-                sq = g.square()
-                add_into(acc["sum_grad_squared"], w, sq.sum(0))
-                if "batch_l2" in want:
-                    l2w.append(sq.sum((1, 2)))
-                if "grad_sum" in want and ("grad_sum", "weight") not in skip:
-                    add_into(acc["grad_sum"], w, g.sum(0))
-            if l2w:
-                out.append(torch.cat(l2w))
+            n, shape = d.shape[0], (module.out_features, module.in_features)
+            numel = shape[0] * shape[1]
+            sgs = acc["sum_grad_squared"]
+            gsum = "grad_sum" in want and ("grad_sum", "weight") not in skip
+            for q, on in (("sum_grad_squared", True), ("grad_sum", gsum)):
+                if on and w not in acc[q]:  # zeros (in the pool's buffer): every chunk adds in
+                    _zeros_into(acc[q], w, shape, d)
+            chunks = list(sample_chunks(numel, n))
+            c = chunks[0][1]
+            scratch = getattr(sgs, "scratch", None)
+            like = d[0, :1, :1].expand(c, numel)
+            buf = scratch("g_n", like) if scratch is not None else None
+            if buf is None:
+                buf = d.new_empty(c, numel)
+            ones = d.new_ones(1, c)
+            l2w = d.new_empty(n) if "batch_l2" in want else None
+            dt = d.transpose(1, 2)  # [B, O, T]
+            for s, e in chunks:
+                f = buf[: e - s]  # [b, O * I]
+                torch.bmm(dt[s:e], x[s:e], out=f.view(e - s, *shape))
+                if l2w is not None:
+                    torch.bmm(f.unsqueeze(1), f.unsqueeze(2), out=l2w[s:e].view(-1, 1, 1))
+                if gsum:
+                    _add_row_sum(acc["grad_sum"][w], ones[:, : e - s], f)
+                f.square_()
+                _add_row_sum(sgs[w], ones[:, : e - s], f)
+            if l2w is not None:
+                out.append(l2w)
         else:
             if "grad_sum" in want and w and ("grad_sum", "weight") not in skip:
                 _addmm_into(acc["grad_sum"], w, d.reshape(-1, d.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
@@ -906,9 +942,9 @@ class LayerNormKernel(_NormKernel):
         return tuple(range(x.dim() - k, x.dim()))
 
     def x_hat(self, module, a):
-        dims = self.param_dims(module, a)
-        var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
-        return (a - mean) * torch.rsqrt(var + module.eps)
+        # the layer's own normalisation without its affine map (one fused pass; several times
+        # faster on the CPU than var_mean and three elementwise passes)
+        return F.layer_norm(a, module.normalized_shape, None, None, module.eps)
 
 
 class RMSNormKernel(LayerNormKernel):
