@@ -433,7 +433,7 @@ class LinearKernel(Kernel):
         """Inputs with a sequence axis ``[B, T, d]``. The sum of squares needs g_n itself: one
         materialising pass then gives the norms and the weight sum too. Each chunk of samples
         (:func:`sample_chunks`) is formed into one reused buffer and reduced in place, with no
-        allocation per chunk: the norms as batched dots, the sums as ``1^T G`` products added
+        allocation per chunk: the norms as vector norms, the sums as ``1^T G`` products added
         into the window's accumulators, the squares in place. Without it, norms come from
         T x T Gram products and the sum from one matmul."""
         w, b = names.get("weight"), names.get("bias")
@@ -444,7 +444,11 @@ class LinearKernel(Kernel):
             numel = shape[0] * shape[1]
             sgs = acc["sum_grad_squared"]
             gsum = "grad_sum" in want and ("grad_sum", "weight") not in skip
-            for q, on in (("sum_grad_squared", True), ("grad_sum", gsum)):
+            # a fused Linear call (gradlens.capture.WeightGrad, per-sample scale): dL/dW of this
+            # call is sum_n g_n / scale, summed here instead of by autograd's own matmul
+            fused = acc.get("weight_grad")
+            wsum = d.new_zeros(shape) if fused is not None else None
+            for q, on in (("sum_grad_squared", True), ("grad_sum", gsum and wsum is None)):
                 if on and w not in acc[q]:  # zeros (in the pool's buffer): every chunk adds in
                     _zeros_into(acc[q], w, shape, d)
             chunks = list(sample_chunks(numel, n))
@@ -460,14 +464,21 @@ class LinearKernel(Kernel):
             for s, e in chunks:
                 f = buf[: e - s]  # [b, O * I]
                 torch.bmm(dt[s:e], x[s:e], out=f.view(e - s, *shape))
-                if l2w is not None:
-                    torch.bmm(f.unsqueeze(1), f.unsqueeze(2), out=l2w[s:e].view(-1, 1, 1))
-                if gsum:
+                if l2w is not None:  # (one pass over f; a batched dot through bmm is 4x slower)
+                    torch.linalg.vector_norm(f, dim=1, out=l2w[s:e])
+                if wsum is not None:
+                    _add_row_sum(wsum, ones[:, : e - s], f)
+                elif gsum:
                     _add_row_sum(acc["grad_sum"][w], ones[:, : e - s], f)
                 f.square_()
                 _add_row_sum(sgs[w], ones[:, : e - s], f)
             if l2w is not None:
-                out.append(l2w)
+                out.append(l2w.square_())
+            if wsum is not None:
+                holder, scale = fused
+                holder.value = (wsum / scale).to(module.weight.dtype)
+                if gsum:
+                    add_into(acc["grad_sum"], w, wsum)
         else:
             if "grad_sum" in want and w and ("grad_sum", "weight") not in skip:
                 _addmm_into(acc["grad_sum"], w, d.reshape(-1, d.shape[-1]).t(), x.reshape(-1, x.shape[-1]))

@@ -337,6 +337,8 @@ class Lens:
                 self._on_op_use,
                 on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
             )
+            # the sum of squares materialises sequence Linear gradients: dL/dW comes from them
+            self._tap.fuse_weight_grad = "sum_grad_squared" in self._needs
 
         self._group = resolve_group(process_group)
         self._merged = False
@@ -970,9 +972,12 @@ class Lens:
     def _dtype(g: Tensor) -> torch.dtype:
         return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
 
-    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int) -> None:
+    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int,
+                weight_grad=None) -> None:
         """Backward reached a closed-form use: measure it, or keep it if its parameters are
-        shared (their g_n is the sum over uses, measured when the micro-step ends)."""
+        shared (their g_n is the sum over uses, measured when the micro-step ends).
+        ``weight_grad``: the :class:`~gradlens.capture.WeightGrad` of a fused Linear call, to
+        fill with dL/dW if the measurement forms the per-sample weight gradients."""
         micro = self._begin_use(site.name, batch, forward)
         if micro is None:
             return
@@ -990,7 +995,8 @@ class Lens:
             single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
             shared = set(names) - single
             if single:
-                self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single)
+                wg = (weight_grad, micro.scale()) if weight_grad is not None and "weight" in single else None
+                self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
@@ -1084,10 +1090,12 @@ class Lens:
             )
 
     def _measure(
-        self, w: Site, a: Tensor, delta: Tensor, micro: _MicroStep, weight_via_node: bool = False
+        self, w: Site, a: Tensor, delta: Tensor, micro: _MicroStep, weight_via_node: bool = False,
+        weight_grad=None,
     ) -> None:
         """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
-        units (both batch-first)."""
+        units (both batch-first). ``weight_grad``: ``(WeightGrad, per-sample scale)`` of a
+        fused Linear call, handed to the kernel's reduction (which may fill it)."""
         self._window_sites[w.name] = w
         kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
         per_sample = bool(self._per_sample_insts)
@@ -1100,6 +1108,8 @@ class Lens:
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
             acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
+            if weight_grad is not None:
+                acc["weight_grad"] = weight_grad
             skip = {("grad_sum", "weight")} if weight_via_node else ()
             l2 = kernel.reduce(module, a, delta, want, w.params, acc, skip)
             if l2:
