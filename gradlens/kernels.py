@@ -579,13 +579,25 @@ class LinearKernel(Kernel):
             k = k * (ka + 1) if "bias" in attrs else k * ka
         return k
 
-    def _gram_row_blocks(self, module, pieces, attrs):
+    def gram_with_sum(self, module, a, delta, attrs) -> tuple[Tensor, Tensor | None]:
+        """``([B, B] Gram, [d_out, d_in] sum_n g_n of the weight or None)`` of one micro-step's
+        sequence input: the Gram of :meth:`gram`; where that materialises weight row blocks
+        (:meth:`_gram_row_blocks`), the weight sum comes from the same blocks (what a fused
+        Linear call takes as its dL/dW), else None."""
+        if self.kind != "linear" or delta.dim() == 2 or "weight" not in attrs or self.use_tgram(module, a, delta, delta.shape[0]):
+            return self.gram(module, [(a, delta)], attrs), None
+        d_out, d_in = self.matrix_dims(module)
+        wsum = delta.new_zeros(d_out, d_in)
+        return self._gram_row_blocks(module, [(a, delta)], attrs, wsum), wsum
+
+    def _gram_row_blocks(self, module, pieces, attrs, wsum: Tensor | None = None):
         """``[n, n]`` Gram of a sequence Linear from materialised per-sample gradients, one block
         of weight rows at a time: ``K = sum_blocks G_r G_r^T + Db Db^T`` with ``G_r [n, rows,
         d_in]`` the rows ``r`` of every g_n (``Dl_n[:, r]^T X_n``, written into one reused
         buffer of at most :data:`CHUNK_ELEMENTS` elements, or one row when ``n d_in`` is more)
         and ``Db [n, d_out]`` the bias gradients. Memory stays bounded: nothing of size
-        ``[n, D_l]`` is formed."""
+        ``[n, D_l]`` is formed. ``wsum`` (``[d_out, d_in]``, optional): the blocks' sum over
+        samples is added into it."""
         flats = [self._flat(module, a, d) for a, d in pieces]  # (X [b, T, d_in], Dl [b, T, d_out])
         n = sum(d.shape[0] for _, d in flats)
         d_out, d_in = self.matrix_dims(module)
@@ -602,6 +614,8 @@ class LinearKernel(Kernel):
                     s += d.shape[0]
                 f = blk.view(n, -1)
                 K = f @ f.T if K is None else K.addmm_(f, f.T)
+                if wsum is not None:
+                    _add_row_sum(wsum[r0:r1], f.new_ones(1, n), f)
         if "bias" in attrs:
             db = _cat([d.sum(1) for _, d in flats])
             K = db @ db.T if K is None else K.addmm_(db, db.T)

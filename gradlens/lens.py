@@ -338,7 +338,9 @@ class Lens:
                 on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
             )
             # the sum of squares materialises sequence Linear gradients: dL/dW comes from them
-            self._tap.fuse_weight_grad = "sum_grad_squared" in self._needs
+            self._tap.fuse_weight_grad = "sum_grad_squared" in self._needs or any(
+                getattr(i, "fills_weight_grad", False) for i in self._layer_insts
+            )
 
         self._group = resolve_group(process_group)
         self._merged = False
@@ -1115,7 +1117,10 @@ class Lens:
             if l2:
                 self._add_l2(micro, sum(l2))
         for inst in self._layer_insts:
-            inst.update_layer(micro.states[id(inst)], w, a, delta)
+            if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
+                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
+            else:
+                inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not (per_sample or from_chunks):
             return
         done: set[tuple[int, str]] = set()

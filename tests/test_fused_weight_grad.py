@@ -126,3 +126,60 @@ def test_fused_linear_steps_aside_under_autocast():
     rec = lens.flush()
     assert seen and seen[0] != "_FusedLinearBackward"
     assert all(torch.isfinite(v).all() for v in rec["sum_grad_squared"].values())
+
+
+class _Wide(nn.Module):
+    """A sequence Linear whose T is long enough for its width (n T^2 (d_in + d_out) >= d_in d_out
+    (T + n)) that BatchDot forms its Gram from materialised weight row blocks (not T x T
+    products)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 10)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):  # [B, 4, 8]
+        return self.head(torch.tanh(self.inp(x)).mean(1))
+
+
+@pytest.mark.parametrize("splits", [(slice(0, B),), (slice(0, 2), slice(2, 3), slice(3, B))])
+def test_batch_dot_forms_the_micro_step_gram_in_backward_with_the_weight_grad(splits, monkeypatch):
+    """BatchDot alone: the fused call takes dL/dW from the Gram's row blocks; a one-micro-step
+    window uses that Gram as is, a longer one forms the whole [N, N] at window end. Both equal
+    the float64 oracle; p.grad equals plain autograd."""
+    from gradlens.instruments import BatchDot
+    from gradlens.kernels import LinearKernel
+
+    torch.manual_seed(0)
+    model = _Wide().double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(2)
+    x, y = torch.randn(B, 4, 8, dtype=torch.float64), torch.randint(0, 3, (B,))
+    assert not LinearKernel().use_tgram(model.inp, x, torch.zeros(B, 4, 10), B)
+    calls = []
+    real = LinearKernel.gram_with_sum
+    monkeypatch.setattr(LinearKernel, "gram_with_sum", lambda *a: calls.append(1) or real(*a))
+    from gradlens.instruments import crosssample
+
+    at_end = []
+    real_memo = crosssample._memo_layer_gram
+    monkeypatch.setattr(crosssample, "_memo_layer_gram", lambda st, pc: at_end.append(pc[0][0].name) or real_memo(st, pc))
+    m = gradlens.extend(model)
+    lens = Lens(m, [BatchDot()])
+    for sl in splits:
+        loss = F.cross_entropy(m(x[sl]), y[sl])
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    for sl in splits:
+        F.cross_entropy(ref(x[sl]), y[sl]).backward()
+    assert len(calls) == len(splits)  # inp: one fused call per micro-step
+    assert ("inp" in at_end) == (len(splits) > 1)  # one micro-step: its backward Gram is the window's
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
+        for n in range(B)
+    ])
+    torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
