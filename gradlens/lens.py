@@ -337,9 +337,12 @@ class Lens:
                 self._on_op_use,
                 on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
             )
-            # the sum of squares materialises sequence Linear gradients: dL/dW comes from them
-            self._tap.fuse_weight_grad = "sum_grad_squared" in self._needs or any(
-                getattr(i, "fills_weight_grad", False) for i in self._layer_insts
+            # the sum of squares, exact per-sample instruments (histograms) and BatchDot
+            # materialise sequence Linear gradients: dL/dW comes from them
+            self._tap.fuse_weight_grad = (
+                "sum_grad_squared" in self._needs
+                or bool(self._exact_insts)
+                or any(getattr(i, "fills_weight_grad", False) for i in self._layer_insts)
             )
 
         self._group = resolve_group(process_group)
@@ -1148,9 +1151,14 @@ class Lens:
             return
         numel = sum(getattr(module, attr).numel() for attr in attrs)
         l2_parts = []
+        # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
+        fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
+        wsum = delta.new_zeros(module.weight.shape) if fill else None
         for s, e in sample_chunks(numel, delta.shape[0], self.chunk_elements):
             chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
             l2 = 0
+            if wsum is not None:
+                wsum.view(1, -1).addmm_(delta.new_ones(1, e - s), chunk["weight"].reshape(e - s, -1))
             for attr in attrs:
                 gb = chunk[attr]
                 qname = w.params[attr]
@@ -1168,6 +1176,9 @@ class Lens:
                 l2_parts.append(l2)
         if l2_parts:
             self._add_l2(micro, torch.cat(l2_parts))
+        if wsum is not None:
+            holder, scale = weight_grad
+            holder.value = (wsum / scale).to(module.weight.dtype)
 
     @staticmethod
     def _add_l2(micro: _MicroStep, l2: Tensor) -> None:

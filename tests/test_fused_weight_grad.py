@@ -183,3 +183,43 @@ def test_batch_dot_forms_the_micro_step_gram_in_backward_with_the_weight_grad(sp
         for n in range(B)
     ])
     torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
+
+
+def test_histogram_slices_give_the_fused_weight_grad(monkeypatch):
+    """GradHist1d alone materialises the sequence Linear slices: the fused call takes their sum
+    as dL/dW (p.grad equals plain autograd) and the counts equal the float64 oracle's."""
+    from gradlens.instruments import GradHist1d
+
+    from oracle import hist_oracle
+
+    torch.manual_seed(0)
+    model = _Seq().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    splits = (slice(0, 3), slice(3, B))
+    filled = []
+    real = capture._FusedLinear.backward
+
+    def spy(ctx, g):
+        filled.append(ctx.holder.value is not None)
+        return real(ctx, g)
+
+    monkeypatch.setattr(capture._FusedLinear, "backward", staticmethod(spy))
+    m = gradlens.extend(model)
+    lens = Lens(m, [GradHist1d(bins=11, range=(-0.2, 0.2))])
+    for sl in splits:
+        loss = F.cross_entropy(m(x[sl]), y[sl])
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    for sl in splits:
+        F.cross_entropy(ref(x[sl]), y[sl]).backward()
+    assert filled.count(True) == 2 * len(splits)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
+        for n in range(B)
+    ])
+    assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])
