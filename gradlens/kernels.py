@@ -15,6 +15,8 @@ docs/design.md), and returns a dict parameter attribute name (``"weight"``, ``"b
   buffers), and the ``[B]`` norms returned.
 - ``outer_factors(module, a, delta)``: ``(delta [B, O], a [B, I])`` for weights whose g_n is a
   rank-one outer product (histograms use it to skip materialisation).
+- ``add_per_sample(module, a, delta, attr, out)``: ``out [B, *param] += g_n`` (a shared
+  parameter's later use; sequence Linear: one in-place ``baddbmm``).
 
 Cross-micro-step maths (what BatchDot, InnerTest, OrthoTest and Alpha of
 :mod:`gradlens.instruments.crosssample` ask of a layer; ``attrs`` is the iterable of tracked
@@ -35,6 +37,9 @@ everything from materialised slices, chunked by :func:`sample_chunks`):
   attribute -> ``[*param]`` (Linear, Conv, eval BatchNorm: one forward of the layer along D).
 - ``gram(module, pieces, attrs)``: ``[n, n]`` g_n . g_m for ``pieces`` = list of ``(a, delta)``
   (micro-steps, samples concatenated in order).
+- ``gram_with_sum(module, a, delta, attrs)`` (Linear): one micro-step's Gram and, where it
+  materialises weight row blocks, their sum over samples (a fused call's dL/dW, see
+  :func:`gradlens.capture._fused_linear_forward`).
 - ``gram_materialises(module, a, delta)``: whether :meth:`Kernel.gram` forms ``[n, D_l]``.
 - ``mean_via_gram(module, a, delta, n)``: whether ``g_n . G`` (G the mean of n samples) is
   cheaper as row sums of the Gram than through G.
@@ -118,6 +123,10 @@ class Kernel:
     def per_sample(self, module, a, delta, start: int, stop: int, attrs=None) -> dict[str, Tensor]:
         """``attrs``: only these parameters (default: all trainable); kernels may return more."""
         raise NotImplementedError
+
+    def add_per_sample(self, module, a, delta, attr: str, out: Tensor) -> None:
+        """``out += g_n`` of parameter ``attr`` for every sample (``out [B, *param]``)."""
+        out.add_(self.per_sample(module, a, delta, 0, delta.shape[0], attrs=[attr])[attr])
 
     def entries(self, module, a, delta, attr: str, j: Tensor) -> Tensor:
         """``[B, m]``: the entries ``g_n[j]`` of parameter ``attr`` at the flat indices ``j``
@@ -370,6 +379,14 @@ class LinearKernel(Kernel):
             if "bias" in attrs:
                 out["bias"] = d.sum(1)
         return out
+
+    def add_per_sample(self, module, a, delta, attr, out):
+        x, d = self._flat(module, a, delta)
+        if (self.kind == "linear" and attr == "weight" and delta.dim() != 2 and out.is_contiguous()
+                and out.dtype == delta.dtype and out.shape == (d.shape[0], d.shape[-1], x.shape[-1])):
+            out.view(d.shape[0], d.shape[-1], x.shape[-1]).baddbmm_(d.transpose(1, 2), x)
+            return
+        super().add_per_sample(module, a, delta, attr, out)
 
     def entries(self, module, a, delta, attr, j):
         # (index_select: several times faster than advanced indexing for column gathers)

@@ -1010,9 +1010,13 @@ class Lens:
                     self._add_shared(micro, part, a, delta)
 
     def _add_shared(self, micro: _MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
-        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=list(site.params))
+        pending = [attr for attr, q in site.params.items() if q not in micro.shared]
+        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=pending) if pending else {}
         for attr, q in site.params.items():
-            add_into(micro.shared, q, got[attr])
+            if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
+                site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
+            else:
+                micro.shared[q] = got[attr]
 
     def _on_op_use(self, use: OpUse, g: Tensor) -> None:
         """Backward reached an operation where parameters meet the batch: per-sample gradients
@@ -1166,10 +1170,11 @@ class Lens:
                 for inst in self._per_sample_insts:
                     if (id(inst), attr) not in done:
                         inst.update(micro.states[id(inst)], qname, param, gb)
+                sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
                 if "batch_l2" in from_chunks:
-                    l2 = l2 + gb.flatten(1).square().sum(1)
+                    l2 = l2 + sq.flatten(1).sum(1)
                 if "sum_grad_squared" in from_chunks:
-                    add_into(window.sum_grad_squared, qname, gb.square().sum(0))
+                    add_into(window.sum_grad_squared, qname, sq.sum(0))
                 if "grad_sum" in from_chunks:
                     add_into(window.grad_sum, qname, gb.sum(0))
             if "batch_l2" in from_chunks:

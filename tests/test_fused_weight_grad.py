@@ -223,3 +223,59 @@ def test_histogram_slices_give_the_fused_weight_grad(monkeypatch):
         for n in range(B)
     ])
     assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])
+
+
+class _TiedSeq(nn.Module):
+    """Token embedding tied to a sequence output projection (a GPT's wte / lm_head)."""
+
+    def __init__(self, vocab=9, d=6):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens):  # [B, T] -> [B, T, vocab]
+        return self.lm_head(torch.tanh(self.mix(self.wte(tokens))))
+
+
+def test_tied_sequence_projection_adds_its_uses_in_place(monkeypatch):
+    """The tied weight's per-sample gradient is the sum of the lookup's and the projection's,
+    the projection's added in place (baddbmm); statistics equal the float64 oracle, p.grad
+    equals plain autograd."""
+    from gradlens.instruments import BatchDot
+    from gradlens.kernels import LinearKernel
+
+    torch.manual_seed(0)
+    model = _TiedSeq().double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(3)
+    tokens, y = torch.randint(0, 9, (B, T)), torch.randint(0, 9, (B, T))
+    used = []
+    real = LinearKernel.add_per_sample
+    monkeypatch.setattr(LinearKernel, "add_per_sample", lambda *a: used.append(1) or real(*a))
+    m = gradlens.extend(model)
+    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm(), BatchDot()])
+    splits = (slice(0, 3), slice(3, B))
+    for sl in splits:
+        loss = F.cross_entropy(m(tokens[sl]).flatten(0, 1), y[sl].flatten())
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    for sl in splits:
+        F.cross_entropy(ref(tokens[sl]).flatten(0, 1), y[sl].flatten()).backward()
+    assert len(used) == len(splits)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    # g_n in the DESIGN units of a token-mean loss: B_k x the gradient of sample n's token mean
+    # over its micro-batch, i.e. the gradient of its own token-mean loss
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            F.cross_entropy(ref(tokens[n:n + 1]).flatten(0, 1), y[n].flatten()), params)])
+        for n in range(B)
+    ])
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
+    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
