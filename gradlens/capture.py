@@ -16,7 +16,9 @@ follows every use of a tracked parameter:
   rest follows the exact per-operation rules of :mod:`gradlens.ops`.
 
 In backward each hooked output hands its gradient to the Lens, which rescales it to per-sample
-units and measures it. The sample axis of a use is the axis whose size is the micro-batch size
+units and measures it. Where the Lens materialises a sequence ``nn.Linear``'s per-sample weight
+gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as a
+``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is the axis whose size is the micro-batch size
 (read from the model's first input; dim 1 where a ``batch_first=False`` module says so).
 
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
