@@ -16,7 +16,9 @@ follows every use of a tracked parameter:
   rest follows the exact per-operation rules of :mod:`gradlens.ops`.
 
 In backward each hooked output hands its gradient to the Lens, which rescales it to per-sample
-units and measures it. The sample axis of a use is the axis whose size is the micro-batch size
+units and measures it. Where the Lens materialises a sequence ``nn.Linear``'s per-sample weight
+gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as a
+``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is the axis whose size is the micro-batch size
 (read from the model's first input; dim 1 where a ``batch_first=False`` module says so).
 
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
@@ -458,6 +460,9 @@ class Tap:
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
+        #: sequence ``nn.Linear`` calls take dL/dW from the Lens' per-sample pass (set by the
+        #: Lens when it materialises those gradients anyway; before install)
+        self.fuse_weight_grad = False
         self.set_params(params)
         self.reset_micro()
 
@@ -516,6 +521,10 @@ class Tap:
             fwd = forward_for(mod)
             if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
                 mod.forward = _TrackedForward(fwd, mod, self)
+                self._replaced.append(mod)
+            elif self.fuse_weight_grad and type(mod) is nn.Linear and site_mod and entry[1] is not None \
+                    and "weight" in entry[1].params and "forward" not in mod.__dict__:
+                mod.forward = _TrackedForward(_fused_linear_forward, mod, self)
                 self._replaced.append(mod)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
@@ -664,6 +673,12 @@ class Tap:
                     on_wg = self.on_weight_grad
                     node.register_hook(lambda grad_in, grad_out: on_wg(site, grad_in[0]))
             on_use, via, fid = self.on_use, node is not None, self.forward_id
+            wg = getattr(output, "_gradlens_weight_grad", None)
+            if wg is not None:
+                output.register_hook(
+                    lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid, weight_grad=wg)
+                )
+                return None
             output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
             return None
 
@@ -828,6 +843,9 @@ class ParamTap:
         self._depth = 0
         self.batch: int | None = None
         self.forward_id = 0
+        #: sequence ``nn.Linear`` calls take dL/dW from the Lens' per-sample pass (set by the
+        #: Lens when it materialises those gradients anyway; before install)
+        self.fuse_weight_grad = False
         self.set_params(params)
         self.reset_micro()
 
@@ -923,6 +941,67 @@ class _TrackedForward:
     def __deepcopy__(self, memo):
         copied = memo.get(id(self.module))
         return type(copied).forward.__get__(copied) if copied is not None else None
+
+
+class WeightGrad:
+    """One call of a fused ``nn.Linear`` (:func:`_fused_linear_forward`): its dL/dW when the Lens
+    formed it while measuring the call (the sum of the per-sample gradients it materialised
+    anyway, divided by the per-sample scale), else None and the call's backward computes it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value: Tensor | None = None
+
+
+class _FusedLinear(torch.autograd.Function):
+    """``F.linear`` whose backward takes dL/dW from its :class:`WeightGrad` when the Lens filled
+    it (the output's hook, which measures the call, runs before this backward), so that the
+    weight-gradient matmul is not computed twice. Input and bias gradients as ``F.linear``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, holder):
+        ctx.save_for_backward(x, weight)
+        ctx.holder, ctx.has_bias = holder, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = g.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            gw, ctx.holder.value = ctx.holder.value, None
+            if gw is None:  # not measured (a shared weight, an empty batch): what F.linear does
+                gw = x.reshape(-1, x.shape[-1]).t().mm(g2).t()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb, None
+
+
+def _autocast(x: Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device (the fused call then steps aside: its backward
+    would not see the dtypes autocast chose in forward)."""
+    try:
+        return torch.is_autocast_enabled(x.device.type)
+    except TypeError:  # older torch: no device argument
+        return torch.is_autocast_enabled()
+
+
+def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
+    """``nn.Linear.forward`` during tracked windows of a Lens that materialises the per-sample
+    weight gradients of sequence inputs ``[B, T, d]`` anyway (sum of squares): the call is a
+    :class:`_FusedLinear` whose :class:`WeightGrad` rides on the output for the site hook."""
+    if (tap._mode_depth and x.dim() > 2 and module.weight.requires_grad and x.dtype == module.weight.dtype
+            and torch.is_grad_enabled() and not _in_functorch() and not _autocast(x)):
+        holder = WeightGrad()
+        out = _FusedLinear.apply(x, module.weight, module.bias, holder)
+        out._gradlens_weight_grad = holder
+        return out
+    return F.linear(x, module.weight, module.bias)
 
 
 def _weight_grad_node(output: Tensor, weight: Tensor):

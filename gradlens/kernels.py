@@ -15,6 +15,8 @@ docs/design.md), and returns a dict parameter attribute name (``"weight"``, ``"b
   buffers), and the ``[B]`` norms returned.
 - ``outer_factors(module, a, delta)``: ``(delta [B, O], a [B, I])`` for weights whose g_n is a
   rank-one outer product (histograms use it to skip materialisation).
+- ``add_per_sample(module, a, delta, attr, out)``: ``out [B, *param] += g_n`` (a shared
+  parameter's later use; sequence Linear: one in-place ``baddbmm``).
 
 Cross-micro-step maths (what BatchDot, InnerTest, OrthoTest and Alpha of
 :mod:`gradlens.instruments.crosssample` ask of a layer; ``attrs`` is the iterable of tracked
@@ -35,6 +37,9 @@ everything from materialised slices, chunked by :func:`sample_chunks`):
   attribute -> ``[*param]`` (Linear, Conv, eval BatchNorm: one forward of the layer along D).
 - ``gram(module, pieces, attrs)``: ``[n, n]`` g_n . g_m for ``pieces`` = list of ``(a, delta)``
   (micro-steps, samples concatenated in order).
+- ``gram_with_sum(module, a, delta, attrs)`` (Linear): one micro-step's Gram and, where it
+  materialises weight row blocks, their sum over samples (a fused call's dL/dW, see
+  :func:`gradlens.capture._fused_linear_forward`).
 - ``gram_materialises(module, a, delta)``: whether :meth:`Kernel.gram` forms ``[n, D_l]``.
 - ``mean_via_gram(module, a, delta, n)``: whether ``g_n . G`` (G the mean of n samples) is
   cheaper as row sums of the Gram than through G.
@@ -118,6 +123,10 @@ class Kernel:
     def per_sample(self, module, a, delta, start: int, stop: int, attrs=None) -> dict[str, Tensor]:
         """``attrs``: only these parameters (default: all trainable); kernels may return more."""
         raise NotImplementedError
+
+    def add_per_sample(self, module, a, delta, attr: str, out: Tensor) -> None:
+        """``out += g_n`` of parameter ``attr`` for every sample (``out [B, *param]``)."""
+        out.add_(self.per_sample(module, a, delta, 0, delta.shape[0], attrs=[attr])[attr])
 
     def entries(self, module, a, delta, attr: str, j: Tensor) -> Tensor:
         """``[B, m]``: the entries ``g_n[j]`` of parameter ``attr`` at the flat indices ``j``
@@ -313,6 +322,23 @@ def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
         acc[key] = v
 
 
+def _add_row_sum(acc: Tensor, ones: Tensor, f: Tensor) -> None:
+    """``acc += sum_n f_n`` (``f [b, numel]``, ``ones [1, b]``) as one ``1^T f`` product
+    written into ``acc`` (any accumulator layout or dtype: then through a temporary)."""
+    if acc.dtype == f.dtype and acc.is_contiguous():
+        acc.view(1, -1).addmm_(ones, f)
+    else:
+        acc.add_((ones @ f).view(acc.shape))
+
+
+def _zeros_into(acc: dict[str, Tensor], key: str, shape: tuple[int, ...], like: Tensor) -> None:
+    """acc[key] = zeros of ``shape`` (in the buffer the accumulator dict offers for ``key``,
+    see :func:`_addmm_into`), for sums that many in-place adds then build."""
+    buffer = getattr(acc, "buffer", None)
+    out = buffer(key, shape, like) if buffer else None
+    acc[key] = like.new_zeros(shape) if out is None else out.zero_()
+
+
 def _addmm_into(acc: dict[str, Tensor], key: str, m1: Tensor, m2: Tensor) -> None:
     """acc[key] += m1 @ m2. The first product of a window is written into the buffer the
     accumulator dict offers for ``key`` (``acc.buffer(key, shape, like)``, see
@@ -353,6 +379,14 @@ class LinearKernel(Kernel):
             if "bias" in attrs:
                 out["bias"] = d.sum(1)
         return out
+
+    def add_per_sample(self, module, a, delta, attr, out):
+        x, d = self._flat(module, a, delta)
+        if (self.kind == "linear" and attr == "weight" and delta.dim() != 2 and out.is_contiguous()
+                and out.dtype == delta.dtype and out.shape == (d.shape[0], d.shape[-1], x.shape[-1])):
+            out.view(d.shape[0], d.shape[-1], x.shape[-1]).baddbmm_(d.transpose(1, 2), x)
+            return
+        super().add_per_sample(module, a, delta, attr, out)
 
     def entries(self, module, a, delta, attr, j):
         # (index_select: several times faster than advanced indexing for column gathers)
@@ -414,24 +448,54 @@ class LinearKernel(Kernel):
 
     def _reduce_seq(self, module, a, delta, want, names, acc, skip):
         """Inputs with a sequence axis ``[B, T, d]``. The sum of squares needs g_n itself: one
-        materialising pass (sample chunks) then gives the norms and the weight sum too. Without
-        it, norms come from T x T Gram products and the sum from one matmul."""
+        materialising pass then gives the norms and the weight sum too. Each chunk of samples
+        (:func:`sample_chunks`) is formed into one reused buffer and reduced in place, with no
+        allocation per chunk: the norms as vector norms, the sums as ``1^T G`` products added
+        into the window's accumulators, the squares in place. Without it, norms come from
+        T x T Gram products and the sum from one matmul."""
         w, b = names.get("weight"), names.get("bias")
         x, d = self._flat(module, a, delta)
         out = []
         if "sum_grad_squared" in want and w:
-            numel = module.in_features * module.out_features
-            l2w = []
-            for s, e in sample_chunks(numel, d.shape[0]):
-                g = torch.bmm(d[s:e].transpose(1, 2), x[s:e])  # [b, O, I]
-                sq = g.square()
-                add_into(acc["sum_grad_squared"], w, sq.sum(0))
-                if "batch_l2" in want:
-                    l2w.append(sq.sum((1, 2)))
-                if "grad_sum" in want and ("grad_sum", "weight") not in skip:
-                    add_into(acc["grad_sum"], w, g.sum(0))
-            if l2w:
-                out.append(torch.cat(l2w))
+            n, shape = d.shape[0], (module.out_features, module.in_features)
+            numel = shape[0] * shape[1]
+            sgs = acc["sum_grad_squared"]
+            gsum = "grad_sum" in want and ("grad_sum", "weight") not in skip
+            # a fused Linear call (gradlens.capture.WeightGrad, per-sample scale): dL/dW of this
+            # call is sum_n g_n / scale, summed here instead of by autograd's own matmul
+            fused = acc.get("weight_grad")
+            wsum = d.new_zeros(shape) if fused is not None else None
+            for q, on in (("sum_grad_squared", True), ("grad_sum", gsum and wsum is None)):
+                if on and w not in acc[q]:  # zeros (in the pool's buffer): every chunk adds in
+                    _zeros_into(acc[q], w, shape, d)
+            chunks = list(sample_chunks(numel, n))
+            c = chunks[0][1]
+            scratch = getattr(sgs, "scratch", None)
+            like = d[0, :1, :1].expand(c, numel)
+            buf = scratch("g_n", like) if scratch is not None else None
+            if buf is None:
+                buf = d.new_empty(c, numel)
+            ones = d.new_ones(1, c)
+            l2w = d.new_empty(n) if "batch_l2" in want else None
+            dt = d.transpose(1, 2)  # [B, O, T]
+            for s, e in chunks:
+                f = buf[: e - s]  # [b, O * I]
+                torch.bmm(dt[s:e], x[s:e], out=f.view(e - s, *shape))
+                if l2w is not None:  # (one pass over f; a batched dot through bmm is 4x slower)
+                    torch.linalg.vector_norm(f, dim=1, out=l2w[s:e])
+                if wsum is not None:
+                    _add_row_sum(wsum, ones[:, : e - s], f)
+                elif gsum:
+                    _add_row_sum(acc["grad_sum"][w], ones[:, : e - s], f)
+                f.square_()
+                _add_row_sum(sgs[w], ones[:, : e - s], f)
+            if l2w is not None:
+                out.append(l2w.square_())
+            if wsum is not None:
+                holder, scale = fused
+                holder.value = (wsum / scale).to(module.weight.dtype)
+                if gsum:
+                    add_into(acc["grad_sum"], w, wsum)
         else:
             if "grad_sum" in want and w and ("grad_sum", "weight") not in skip:
                 _addmm_into(acc["grad_sum"], w, d.reshape(-1, d.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
@@ -532,13 +596,25 @@ class LinearKernel(Kernel):
             k = k * (ka + 1) if "bias" in attrs else k * ka
         return k
 
-    def _gram_row_blocks(self, module, pieces, attrs):
+    def gram_with_sum(self, module, a, delta, attrs) -> tuple[Tensor, Tensor | None]:
+        """``([B, B] Gram, [d_out, d_in] sum_n g_n of the weight or None)`` of one micro-step's
+        sequence input: the Gram of :meth:`gram`; where that materialises weight row blocks
+        (:meth:`_gram_row_blocks`), the weight sum comes from the same blocks (what a fused
+        Linear call takes as its dL/dW), else None."""
+        if self.kind != "linear" or delta.dim() == 2 or "weight" not in attrs or self.use_tgram(module, a, delta, delta.shape[0]):
+            return self.gram(module, [(a, delta)], attrs), None
+        d_out, d_in = self.matrix_dims(module)
+        wsum = delta.new_zeros(d_out, d_in)
+        return self._gram_row_blocks(module, [(a, delta)], attrs, wsum), wsum
+
+    def _gram_row_blocks(self, module, pieces, attrs, wsum: Tensor | None = None):
         """``[n, n]`` Gram of a sequence Linear from materialised per-sample gradients, one block
         of weight rows at a time: ``K = sum_blocks G_r G_r^T + Db Db^T`` with ``G_r [n, rows,
         d_in]`` the rows ``r`` of every g_n (``Dl_n[:, r]^T X_n``, written into one reused
         buffer of at most :data:`CHUNK_ELEMENTS` elements, or one row when ``n d_in`` is more)
         and ``Db [n, d_out]`` the bias gradients. Memory stays bounded: nothing of size
-        ``[n, D_l]`` is formed."""
+        ``[n, D_l]`` is formed. ``wsum`` (``[d_out, d_in]``, optional): the blocks' sum over
+        samples is added into it."""
         flats = [self._flat(module, a, d) for a, d in pieces]  # (X [b, T, d_in], Dl [b, T, d_out])
         n = sum(d.shape[0] for _, d in flats)
         d_out, d_in = self.matrix_dims(module)
@@ -555,6 +631,8 @@ class LinearKernel(Kernel):
                     s += d.shape[0]
                 f = blk.view(n, -1)
                 K = f @ f.T if K is None else K.addmm_(f, f.T)
+                if wsum is not None:
+                    _add_row_sum(wsum[r0:r1], f.new_ones(1, n), f)
         if "bias" in attrs:
             db = _cat([d.sum(1) for _, d in flats])
             K = db @ db.T if K is None else K.addmm_(db, db.T)
@@ -906,9 +984,9 @@ class LayerNormKernel(_NormKernel):
         return tuple(range(x.dim() - k, x.dim()))
 
     def x_hat(self, module, a):
-        dims = self.param_dims(module, a)
-        var, mean = torch.var_mean(a, dim=dims, unbiased=False, keepdim=True)
-        return (a - mean) * torch.rsqrt(var + module.eps)
+        # the layer's own normalisation without its affine map (one fused pass; several times
+        # faster on the CPU than var_mean and three elementwise passes)
+        return F.layer_norm(a, module.normalized_shape, None, None, module.eps)
 
 
 class RMSNormKernel(LayerNormKernel):

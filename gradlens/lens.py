@@ -354,6 +354,13 @@ class Lens:
                 self._on_op_use,
                 on_weight_grad=self._on_weight_grad if "grad_sum" in self._needs else None,
             )
+            # the sum of squares, exact per-sample instruments (histograms) and BatchDot
+            # materialise sequence Linear gradients: dL/dW comes from them
+            self._tap.fuse_weight_grad = (
+                "sum_grad_squared" in self._needs
+                or bool(self._exact_insts)
+                or any(getattr(i, "fills_weight_grad", False) for i in self._layer_insts)
+            )
 
         self._group = resolve_group(process_group)
         self._merged = False
@@ -1038,9 +1045,12 @@ class Lens:
     def _dtype(g: Tensor) -> torch.dtype:
         return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
 
-    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int) -> None:
+    def _on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int,
+                weight_grad=None) -> None:
         """Backward reached a closed-form use: measure it, or keep it if its parameters are
-        shared (their g_n is the sum over uses, measured when the micro-step ends)."""
+        shared (their g_n is the sum over uses, measured when the micro-step ends).
+        ``weight_grad``: the :class:`~gradlens.capture.WeightGrad` of a fused Linear call, to
+        fill with dL/dW if the measurement forms the per-sample weight gradients."""
         micro = self._begin_use(site.name, batch, forward)
         if micro is None:
             return
@@ -1058,7 +1068,8 @@ class Lens:
             single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
             shared = set(names) - single
             if single:
-                self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single)
+                wg = (weight_grad, micro.scale()) if weight_grad is not None and "weight" in single else None
+                self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
@@ -1067,9 +1078,13 @@ class Lens:
                     self._add_shared(micro, part, a, delta)
 
     def _add_shared(self, micro: _MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
-        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=list(site.params))
+        pending = [attr for attr, q in site.params.items() if q not in micro.shared]
+        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=pending) if pending else {}
         for attr, q in site.params.items():
-            add_into(micro.shared, q, got[attr])
+            if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
+                site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
+            else:
+                micro.shared[q] = got[attr]
 
     def _on_op_use(self, use: OpUse, g: Tensor) -> None:
         """Backward reached an operation where parameters meet the batch: per-sample gradients
@@ -1084,6 +1099,11 @@ class Lens:
         for pos, t, names in use.inputs:
             names = [q for q in names if q in tap.params]
             if not names:
+                continue
+            params = [tap.params[q] for q in names]
+            direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
+            if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
+                add_into(per_q, names[0], direct.detach())
                 continue
             gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
             if len(names) == 1 and t is tap.params[names[0]]:
@@ -1147,10 +1167,12 @@ class Lens:
             )
 
     def _measure(
-        self, w: Site, a: Tensor, delta: Tensor, micro: _MicroStep, weight_via_node: bool = False
+        self, w: Site, a: Tensor, delta: Tensor, micro: _MicroStep, weight_via_node: bool = False,
+        weight_grad=None,
     ) -> None:
         """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
-        units (both batch-first)."""
+        units (both batch-first). ``weight_grad``: ``(WeightGrad, per-sample scale)`` of a
+        fused Linear call, handed to the kernel's reduction (which may fill it)."""
         self._window_sites[w.name] = w
         kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
         per_sample = bool(self._per_sample_insts)
@@ -1163,12 +1185,17 @@ class Lens:
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
             acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
+            if weight_grad is not None:
+                acc["weight_grad"] = weight_grad
             skip = {("grad_sum", "weight")} if weight_via_node else ()
             l2 = kernel.reduce(module, a, delta, want, w.params, acc, skip)
             if l2:
                 self._add_l2(micro, sum(l2))
         for inst in self._layer_insts:
-            inst.update_layer(micro.states[id(inst)], w, a, delta)
+            if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
+                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
+            else:
+                inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not (per_sample or from_chunks):
             return
         done: set[tuple[int, str]] = set()
@@ -1196,9 +1223,14 @@ class Lens:
             return
         numel = sum(getattr(module, attr).numel() for attr in attrs)
         l2_parts = []
+        # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
+        fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
+        wsum = delta.new_zeros(module.weight.shape) if fill else None
         for s, e in sample_chunks(numel, delta.shape[0], self.chunk_elements):
             chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
             l2 = 0
+            if wsum is not None:
+                wsum.view(1, -1).addmm_(delta.new_ones(1, e - s), chunk["weight"].reshape(e - s, -1))
             for attr in attrs:
                 gb = chunk[attr]
                 qname = w.params[attr]
@@ -1206,16 +1238,20 @@ class Lens:
                 for inst in self._per_sample_insts:
                     if (id(inst), attr) not in done:
                         inst.update(micro.states[id(inst)], qname, param, gb)
+                sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
                 if "batch_l2" in from_chunks:
-                    l2 = l2 + gb.flatten(1).square().sum(1)
+                    l2 = l2 + sq.flatten(1).sum(1)
                 if "sum_grad_squared" in from_chunks:
-                    add_into(window.sum_grad_squared, qname, gb.square().sum(0))
+                    add_into(window.sum_grad_squared, qname, sq.sum(0))
                 if "grad_sum" in from_chunks:
                     add_into(window.grad_sum, qname, gb.sum(0))
             if "batch_l2" in from_chunks:
                 l2_parts.append(l2)
         if l2_parts:
             self._add_l2(micro, torch.cat(l2_parts))
+        if wsum is not None:
+            holder, scale = weight_grad
+            holder.value = (wsum / scale).to(module.weight.dtype)
 
     @staticmethod
     def _add_l2(micro: _MicroStep, l2: Tensor) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from gradlens.kernels import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
-__all__ = ["per_sample_wrt", "chain_to_params", "CHUNK_ELEMENTS"]
+__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "CHUNK_ELEMENTS"]
 
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
@@ -155,6 +155,61 @@ def per_sample_wrt(
         x = args[0].movedim(b, 0).reshape(bsz, -1, args[0].shape[-1]).to(delta.dtype)
         return torch.bmm(d.transpose(1, 2), x)
     return _generic(func, args, kwargs, pos, t, delta, b)
+
+
+def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tensor, params: list[Tensor],
+                   delta: Tensor, b: int) -> Tensor | None:
+    """``[B, V, D]`` per-sample gradient of the table ``W`` of ``t = F.embedding(ids, W)`` when
+    ``ids`` span the sample axis without being data (position ids expanded to ``[B, T]``) and an
+    elementwise ``add``/``sub``/``mul`` combines ``t`` with the batch; None otherwise.
+
+    Sample n's gradient with respect to ``t`` is ``delta_n`` (times the other operand) in slice n
+    and zero elsewhere, so taken back through the lookup it is the scatter of that slice into
+    the rows ``ids[n]``: one ``index_add`` over all samples, without the ``[B, *t.shape]``
+    one-sample restrictions that :func:`per_sample_wrt` and :func:`chain_to_params` would form
+    (B backward passes of the operation)."""
+    name = _name(func)
+    if not (isinstance(pos, int) and pos in (0, 1) and len(args) >= 2) or len(params) != 1:
+        return None
+    if name not in _ADD | _SUB | _RSUB | _MUL or t.dim() != delta.dim() or t.shape[b] != delta.shape[b]:
+        return None
+    fn = t.grad_fn
+    weight = params[0]
+    if type(fn).__name__ != "EmbeddingBackward0" or weight.dim() != 2 or b >= t.dim() - 1:
+        return None
+    leaf = fn.next_functions[0][0] if fn.next_functions else None
+    if getattr(leaf, "variable", None) is not weight or fn._saved_scale_grad_by_freq:
+        return None
+    if name in _MUL:
+        other = args[1 - pos]
+        if not isinstance(other, Tensor):
+            other = torch.as_tensor(other, dtype=delta.dtype, device=delta.device)
+        g = delta * other.to(delta.dtype)
+    elif name in _RSUB:
+        g = -delta if pos == 0 else delta
+    elif name in _SUB and pos == 1:
+        g = delta * -float(kwargs.get("alpha", 1.0))
+    elif name in _ADD and pos == 1:
+        alpha = float(kwargs.get("alpha", 1.0))
+        g = delta if alpha == 1.0 else delta * alpha
+    else:
+        g = delta
+    dims = [d for d in range(t.dim()) if t.shape[d] == 1 and g.shape[d] != 1]
+    if dims:  # t broadcast along these axes (never the sample axis: it spans it)
+        g = g.sum(dims, keepdim=True)
+    if g.shape != t.shape:
+        return None
+    ids = fn._saved_indices
+    if ids.shape != t.shape[:-1]:
+        return None
+    n, (v, width) = t.shape[b], weight.shape
+    rows = ids.movedim(b, 0).reshape(n, -1) + torch.arange(n, device=ids.device).unsqueeze(1) * v
+    out = g.new_zeros(n, v, width)
+    out.view(n * v, width).index_add_(0, rows.reshape(-1), g.movedim(b, 0).reshape(-1, width))
+    pad = fn._saved_padding_idx
+    if 0 <= pad < v:
+        out[:, pad] = 0  # autograd gives the padding row no gradient
+    return out
 
 
 def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor | None]:

@@ -222,14 +222,20 @@ class _PosEmb(nn.Module):
     def forward(self, ids):
         t = ids.shape[1]
         pos = torch.arange(t)[None] if self.batched_ids else torch.arange(t)
+        if str(self.batched_ids).startswith("expanded"):  # [B, T]: spans the batch, not data
+            pos = pos.expand(ids.shape[0], t)
+        if self.batched_ids == "expanded-sub-mul":
+            return self.head(torch.tanh((self.tok(ids) - self.pos(pos)) * self.pos(pos))).mean(1)
         return self.head(torch.tanh(self.tok(ids) + self.pos(pos))).mean(1)
 
 
-@pytest.mark.parametrize("batched_ids", [True, False])
+@pytest.mark.parametrize("batched_ids", [True, False, "expanded", "expanded-sub-mul"])
 @pytest.mark.parametrize("padding_idx", [None, 2])
 def test_position_embeddings_of_non_data_ids_are_exact_in_closed_form(batched_ids, padding_idx, monkeypatch):
     """wpe(arange(T)) meets the batch at an add: its per-sample gradient is the lookup's
-    closed form (no batched VJP), equal to the float64 per-sample loop."""
+    closed form (no batched VJP), equal to the float64 per-sample loop. Ids expanded to
+    ``[B, T]`` (what Opacus needs) take the batched lookup (one index_add, no one-sample
+    restrictions of the add)."""
     from gradlens import ops
     from gradlens.instruments import GradHist1d
 
@@ -245,8 +251,10 @@ def test_position_embeddings_of_non_data_ids_are_exact_in_closed_form(batched_id
         for n in range(B)
     ])
     used = []
-    real = ops._embedding_lookup
+    real, real_batched = ops._embedding_lookup, ops.batched_lookup
     monkeypatch.setattr(ops, "_embedding_lookup", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(ops, "batched_lookup", lambda *a: (lambda r: r is not None and used.append(2) or r)(real_batched(*a)))
+    monkeypatch.setattr(ops, "_generic", lambda *a: pytest.fail("the one-sample vjp ran"))
     m = gradlens.extend(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     lens = Lens(m, [BatchL2(), SumGradSquared(), GradHist1d(bins=9, range=(-0.3, 0.3))])
@@ -256,6 +264,7 @@ def test_position_embeddings_of_non_data_ids_are_exact_in_closed_form(batched_id
             loss.backward()
     rec = lens.flush()
     assert used and lens.coverage == 1.0
+    assert (2 in used) == str(batched_ids).startswith("expanded")
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
     sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
     torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)

@@ -31,6 +31,7 @@ class BatchDot(_CrossSample):
     """
 
     key = "batch_dot"
+    gram_in_backward = True
 
     def _materialises(self, module, a, delta):
         return module.kernel.gram_materialises(module.module, a, delta)

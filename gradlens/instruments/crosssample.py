@@ -126,6 +126,9 @@ class _Layer:
     a: Tensor
     delta: Tensor
     versions: tuple[int, int]
+    #: ``[B, B]`` float64 Gram of this micro-step's samples, formed in backward where a fused
+    #: Linear call took its dL/dW from the same blocks (a one-micro-step window uses it as is)
+    gram: Tensor | None = None
 
     def __getstate__(self) -> dict:  # Lens.state_dict: a reloaded tensor's version restarts
         state = dict(self.__dict__)
@@ -229,7 +232,17 @@ class _CrossSample(Instrument):
     def start_window(self) -> _DotState:
         return _DotState()
 
-    def update_layer(self, state: _DotState, module, a: Tensor, delta: Tensor) -> None:
+    #: whether :meth:`update_layer` forms the micro-step's Gram in backward for a fused Linear
+    #: call (BatchDot, exact mode), handing the call its weight gradient from the same blocks
+    gram_in_backward = False
+
+    @property
+    def fills_weight_grad(self) -> bool:
+        return self.gram_in_backward and self.mode == "exact"
+
+    def update_layer(self, state: _DotState, module, a: Tensor, delta: Tensor, weight_grad=None) -> None:
+        """``weight_grad``: ``(WeightGrad, per-sample scale)`` of a fused Linear call not yet
+        given its dL/dW (see :attr:`fills_weight_grad`)."""
         part = state.part()
         state.modules[module.name] = module
         for attr, q in module.params.items():
@@ -239,7 +252,13 @@ class _CrossSample(Instrument):
             part.sketch = s if part.sketch is None else part.sketch + s
             return
         a, delta = _own(a), _own(delta)
-        part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version))
+        lay = part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version))
+        if weight_grad is not None and self.fills_weight_grad:
+            holder, scale = weight_grad
+            k, wsum = module.kernel.gram_with_sum(module.module, a, delta, module.params)
+            if wsum is not None:
+                lay.gram = k.double().cpu()
+                holder.value = (wsum / scale).to(module.module.weight.dtype)
         if self._materialises(module, a, delta):
             per = sum(getattr(module.module, attr).numel() for attr in module.params)
             part.dense_per_sample = max(part.dense_per_sample, per * delta.element_size())
@@ -372,7 +391,9 @@ class _CrossSample(Instrument):
         n = state.num_samples
         K = torch.zeros(n, n, dtype=torch.float64)
         for name, pieces, idx in self._layer_pieces(state):
-            kl = _memo_layer_gram(stats, pieces)
+            kl = state.parts[0].layers[name].gram if len(state.parts) == 1 else None
+            if kl is None:
+                kl = _memo_layer_gram(stats, pieces)
             if idx is None:
                 K += kl
             else:

@@ -1,0 +1,281 @@
+"""A Lens that materialises per-sample gradients of sequence ``nn.Linear`` calls anyway (sum of
+squares) hands autograd their sum as dL/dW instead of letting it compute the weight-gradient
+matmul again (``gradlens.capture._FusedLinear``). Checked here: ``p.grad`` equals a plain
+float64 backward on a copy of the model (K unequal micro-steps, mean and sum losses, a shared
+Linear and a 2-D Linear that keep autograd's own product), the fused path really ran, and the
+statistics equal the float64 per-sample loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import Lens, capture
+from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
+
+B, T = 7, 5
+
+
+class _Seq(nn.Module):
+    """Sequence Linears (fused), one Linear called twice (shared: autograd's own product), and
+    a 2-D head (factor formulas, not fused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.twice = nn.Linear(6, 6)
+        self.mid = nn.Linear(6, 5, bias=False)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):  # [B, T, 4]
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        return self.head(torch.tanh(self.mid(h)).mean(1))
+
+
+def _data():
+    torch.manual_seed(1)
+    return torch.randn(B, T, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, monkeypatch):
+    torch.manual_seed(0)
+    model = _Seq().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    splits = (slice(0, 2), slice(2, 3), slice(3, B))
+    filled = []
+    real = capture._FusedLinear.backward
+
+    def spy(ctx, g):
+        filled.append(ctx.holder.value is not None)
+        return real(ctx, g)
+
+    monkeypatch.setattr(capture._FusedLinear, "backward", staticmethod(spy))
+    m = gradlens.extend(model)
+    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm()])
+    for sl in splits:
+        loss = F.cross_entropy(m(x[sl]), y[sl], reduction=reduction)
+        with lens.capture(reduction=reduction, loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    # plain autograd on the copy, the same micro-steps
+    for sl in splits:
+        F.cross_entropy(ref(x[sl]), y[sl], reduction=reduction).backward()
+    # fused: inp and mid (a use each, 3 micro-steps); twice is shared (2 uses): its calls fall
+    # back to the matmul; the 2-D head is no fused call at all
+    assert filled.count(True) == 2 * len(splits) and filled.count(False) == 2 * len(splits)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    # statistics: the float64 per-sample loop
+    params = list(ref.parameters())
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
+        for n in range(B)
+    ])
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
+    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
+    window = G.mean(0) if reduction == "mean" else G.sum(0)
+    assert rec["grad_norm"] == pytest.approx(float(window.norm()), rel=1e-10)
+
+
+def test_fused_linear_only_inside_tracked_forwards():
+    """The fused call is used in a tracked forward of the model; a deep copy taken meanwhile, a
+    torch.func oracle and the model after ``lens.close()`` run nn.Linear's own forward."""
+    torch.manual_seed(0)
+    model = gradlens.extend(_Seq().double())
+    x, y = _data()
+    seen = []
+    model.inp.register_forward_hook(lambda mod, a, out: seen.append(type(out.grad_fn).__name__))
+    lens = Lens(model, [SumGradSquared()])
+    loss = F.cross_entropy(model(x), y)
+    copied = copy.deepcopy(model)
+    with lens.capture(reduction="mean", loss=loss):
+        loss.backward()
+    lens.flush()
+    assert seen == ["_FusedLinearBackward"]
+    assert type(copied.inp(x).grad_fn).__name__ == "ViewBackward0"
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    one = lambda p, xi: torch.func.functional_call(model, p, (xi.unsqueeze(0),)).sum()
+    torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(params, x)  # no custom Function inside vmap
+    assert all(s != "_FusedLinearBackward" for s in seen[1:])
+    lens.close()
+    model(x)
+    assert seen[-1] != "_FusedLinearBackward"
+
+
+def test_fused_linear_steps_aside_under_autocast():
+    """Under autocast (bfloat16 on the CPU) the call is nn.Linear's own; statistics still run."""
+    torch.manual_seed(0)
+    model = gradlens.extend(_Seq())
+    x, y = _data()
+    seen = []
+    model.inp.register_forward_hook(lambda mod, a, out: seen.append(type(out.grad_fn).__name__))
+    lens = Lens(model, [SumGradSquared()])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x.float()), y)
+    with lens.capture(reduction="mean", loss=loss):
+        loss.backward()
+    rec = lens.flush()
+    assert seen and seen[0] != "_FusedLinearBackward"
+    assert all(torch.isfinite(v).all() for v in rec["sum_grad_squared"].values())
+
+
+class _Wide(nn.Module):
+    """A sequence Linear whose T is long enough for its width (n T^2 (d_in + d_out) >= d_in d_out
+    (T + n)) that BatchDot forms its Gram from materialised weight row blocks (not T x T
+    products)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 10)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):  # [B, 4, 8]
+        return self.head(torch.tanh(self.inp(x)).mean(1))
+
+
+@pytest.mark.parametrize("splits", [(slice(0, B),), (slice(0, 2), slice(2, 3), slice(3, B))])
+def test_batch_dot_forms_the_micro_step_gram_in_backward_with_the_weight_grad(splits, monkeypatch):
+    """BatchDot alone: the fused call takes dL/dW from the Gram's row blocks; a one-micro-step
+    window uses that Gram as is, a longer one forms the whole [N, N] at window end. Both equal
+    the float64 oracle; p.grad equals plain autograd."""
+    from gradlens.instruments import BatchDot
+    from gradlens.kernels import LinearKernel
+
+    torch.manual_seed(0)
+    model = _Wide().double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(2)
+    x, y = torch.randn(B, 4, 8, dtype=torch.float64), torch.randint(0, 3, (B,))
+    assert not LinearKernel().use_tgram(model.inp, x, torch.zeros(B, 4, 10), B)
+    calls = []
+    real = LinearKernel.gram_with_sum
+    monkeypatch.setattr(LinearKernel, "gram_with_sum", lambda *a: calls.append(1) or real(*a))
+    from gradlens.instruments import crosssample
+
+    at_end = []
+    real_memo = crosssample._memo_layer_gram
+    monkeypatch.setattr(crosssample, "_memo_layer_gram", lambda st, pc: at_end.append(pc[0][0].name) or real_memo(st, pc))
+    m = gradlens.extend(model)
+    lens = Lens(m, [BatchDot()])
+    for sl in splits:
+        loss = F.cross_entropy(m(x[sl]), y[sl])
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    for sl in splits:
+        F.cross_entropy(ref(x[sl]), y[sl]).backward()
+    assert len(calls) == len(splits)  # inp: one fused call per micro-step
+    assert ("inp" in at_end) == (len(splits) > 1)  # one micro-step: its backward Gram is the window's
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
+        for n in range(B)
+    ])
+    torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
+
+
+def test_histogram_slices_give_the_fused_weight_grad(monkeypatch):
+    """GradHist1d alone materialises the sequence Linear slices: the fused call takes their sum
+    as dL/dW (p.grad equals plain autograd) and the counts equal the float64 oracle's."""
+    from gradlens.instruments import GradHist1d
+
+    from oracle import hist_oracle
+
+    torch.manual_seed(0)
+    model = _Seq().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    splits = (slice(0, 3), slice(3, B))
+    filled = []
+    real = capture._FusedLinear.backward
+
+    def spy(ctx, g):
+        filled.append(ctx.holder.value is not None)
+        return real(ctx, g)
+
+    monkeypatch.setattr(capture._FusedLinear, "backward", staticmethod(spy))
+    m = gradlens.extend(model)
+    lens = Lens(m, [GradHist1d(bins=11, range=(-0.2, 0.2))])
+    for sl in splits:
+        loss = F.cross_entropy(m(x[sl]), y[sl])
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    for sl in splits:
+        F.cross_entropy(ref(x[sl]), y[sl]).backward()
+    assert filled.count(True) == 2 * len(splits)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
+        for n in range(B)
+    ])
+    assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])
+
+
+class _TiedSeq(nn.Module):
+    """Token embedding tied to a sequence output projection (a GPT's wte / lm_head)."""
+
+    def __init__(self, vocab=9, d=6):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens):  # [B, T] -> [B, T, vocab]
+        return self.lm_head(torch.tanh(self.mix(self.wte(tokens))))
+
+
+def test_tied_sequence_projection_adds_its_uses_in_place(monkeypatch):
+    """The tied weight's per-sample gradient is the sum of the lookup's and the projection's,
+    the projection's added in place (baddbmm); statistics equal the float64 oracle, p.grad
+    equals plain autograd."""
+    from gradlens.instruments import BatchDot
+    from gradlens.kernels import LinearKernel
+
+    torch.manual_seed(0)
+    model = _TiedSeq().double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(3)
+    tokens, y = torch.randint(0, 9, (B, T)), torch.randint(0, 9, (B, T))
+    used = []
+    real = LinearKernel.add_per_sample
+    monkeypatch.setattr(LinearKernel, "add_per_sample", lambda *a: used.append(1) or real(*a))
+    m = gradlens.extend(model)
+    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm(), BatchDot()])
+    splits = (slice(0, 3), slice(3, B))
+    for sl in splits:
+        loss = F.cross_entropy(m(tokens[sl]).flatten(0, 1), y[sl].flatten())
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    for sl in splits:
+        F.cross_entropy(ref(tokens[sl]).flatten(0, 1), y[sl].flatten()).backward()
+    assert len(used) == len(splits)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    # g_n in the DESIGN units of a token-mean loss: B_k x the gradient of sample n's token mean
+    # over its micro-batch, i.e. the gradient of its own token-mean loss
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            F.cross_entropy(ref(tokens[n:n + 1]).flatten(0, 1), y[n].flatten()), params)])
+        for n in range(B)
+    ])
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
+    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
