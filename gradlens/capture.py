@@ -966,7 +966,6 @@ class _FusedLinear(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])
@@ -975,7 +974,9 @@ class _FusedLinear(torch.autograd.Function):
             gx = g.matmul(weight)
         if ctx.needs_input_grad[1]:
             gw, ctx.holder.value = ctx.holder.value, None
-            if gw is None:  # not measured (a shared weight, an empty batch): what F.linear does
+            if gw is None or torch.is_grad_enabled():
+                # not measured (a shared weight, an empty batch), or a differentiable backward
+                # (create_graph=True): what F.linear does, so double backward works
                 gw = x.reshape(-1, x.shape[-1]).t().mm(g2).t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)

@@ -279,3 +279,20 @@ def test_tied_sequence_projection_adds_its_uses_in_place(monkeypatch):
     sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
     torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
+
+
+def test_fused_call_is_twice_differentiable_when_not_measured():
+    """Outside a measured use (no dL/dW handed over) the fused call is F.linear, first and
+    second derivatives included (create_graph=True takes the differentiable formula)."""
+    from gradlens.capture import WeightGrad, _FusedLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def fused(x, w, b):
+        return _FusedLinear.apply(x, w, b, WeightGrad())
+
+    assert torch.autograd.gradcheck(fused, (x, w, b))
+    assert torch.autograd.gradgradcheck(fused, (x, w, b))
