@@ -843,9 +843,6 @@ class ParamTap:
         self._depth = 0
         self.batch: int | None = None
         self.forward_id = 0
-        #: sequence ``nn.Linear`` calls take dL/dW from the Lens' per-sample pass (set by the
-        #: Lens when it materialises those gradients anyway; before install)
-        self.fuse_weight_grad = False
         self.set_params(params)
         self.reset_micro()
 
