@@ -684,6 +684,8 @@ class Lens:
             self._compile_probe = None
 
     def _warn_compiled(self) -> None:
+        if self._light:  # parameter hooks only: no layer output is hooked, no graph break
+            return
         if self._compiled_seen and not self._compile_warned:
             self._compile_warned = True
             warnings.warn(

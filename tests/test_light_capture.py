@@ -143,3 +143,29 @@ def test_light_mode_errors():
             a.backward()
             b.backward()
     lens.close()
+
+
+def test_light_mode_under_torch_compile():
+    """A compiled model: the light Lens hooks no layer output (no graph break, no warning) and
+    its window gradient norm is the plain autograd one."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = gradlens.extend(nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3)))
+    compiled = torch.compile(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    lens = Lens(compiled, [GradNorm()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for k in range(2):
+            loss = loss_fn(compiled(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])
+            with lens.capture():
+                loss.backward()
+        rec = lens.flush()
+    lens.close()
+    model.zero_grad()
+    for k in range(2):  # sum_n g_n of each micro-batch = 4 x the gradient of its mean loss
+        (4 * F.cross_entropy(model(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])).backward()
+    want = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters())) / 8
+    assert rec["grad_norm"] == pytest.approx(want, rel=1e-6)
