@@ -45,7 +45,7 @@ from gradlens import ops
 from gradlens.kernels import Kernel, LinearKernel, OpLinear
 from gradlens.registry import forward_for, kernel_for
 
-__all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters"]
+__all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
 
 _EXTENDED = "_gradlens_extended"
 _EXCLUDE = "_gradlens_exclude"
@@ -216,32 +216,36 @@ def _excluded(name: str, exclude: tuple[str, ...]) -> bool:
 
 
 
-def tracked_parameters(
-    model: nn.Module, exclude: tuple[str, ...] = (), check: bool = True
-) -> dict[str, nn.Parameter]:
+def tracked_parameters(model: nn.Module, exclude: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
     """Qualified name -> parameter for every trainable parameter of ``model`` not excluded (a
-    shared parameter once, under its first name in ``named_parameters()``). ``check=False``
-    skips the check of the names (done once, when the Lens is built).
+    shared parameter once, under its first name in ``named_parameters()``).
 
     Raises:
         ValueError: a name in ``exclude`` matches no parameter or module of ``model``.
     """
-    if not (check and any(exclude)):
-        return {n: p for n, p in model.named_parameters() if p.requires_grad and not _excluded(n, exclude)}
-    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    names |= {n for n, _ in model.named_modules(remove_duplicate=False) if n}
-    for e in exclude:
-        if e and not any(n == e or n.startswith(e + ".") for n in names):
-            raise ValueError(
-                f"exclude names {e!r}, which is neither a parameter nor a module of "
-                f"{type(model).__name__}; names are as in model.named_parameters() "
-                "(e.g. 'encoder.norm.weight') or model.named_modules() (e.g. 'encoder.norm')"
-            )
-    return {
-        n: p
-        for n, p in model.named_parameters()
-        if p.requires_grad and not _excluded(n, exclude)
-    }
+    if any(exclude):
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        names |= {n for n, _ in model.named_modules(remove_duplicate=False) if n}
+        for e in exclude:
+            if e and not any(n == e or n.startswith(e + ".") for n in names):
+                raise ValueError(
+                    f"exclude names {e!r}, which is neither a parameter nor a module of "
+                    f"{type(model).__name__}; names are as in model.named_parameters() "
+                    "(e.g. 'encoder.norm.weight') or model.named_modules() (e.g. 'encoder.norm')"
+                )
+    return trainable_split(model, exclude)[0]
+
+
+def trainable_split(model: nn.Module, exclude: tuple[str, ...] = ()) -> tuple[dict[str, nn.Parameter], int]:
+    """(the parameters :func:`tracked_parameters` returns, without checking ``exclude``; the
+    number of trainable elements of ``model``, excluded ones included), in one walk."""
+    params, total = {}, 0
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            total += p.numel()
+            if not _excluded(n, exclude):
+                params[n] = p
+    return params, total
 
 
 @dataclass(eq=False)
@@ -303,6 +307,16 @@ def _outputs(out) -> list[Tensor]:
     if isinstance(out, (list, tuple)):
         return [o for o in out if isinstance(o, Tensor)]
     return []
+
+
+def _input_batch(inputs: tuple, hint: int) -> tuple[int, int] | None:
+    """(sample axis, micro-batch size) read from the model's first input tensor that has a
+    dimension: axis ``hint`` (1 under a ``batch_first=False`` model) where it has one, else 0."""
+    first = next((x for _, x in _tensors(inputs) if x.dim() > 0), None)
+    if first is None:
+        return None
+    ax = hint if first.dim() > hint else 0
+    return ax, int(first.shape[ax])
 
 
 def _axis(shape, batch: int, hint: int) -> int | None:
@@ -555,12 +569,11 @@ class Tap:
         if not torch.is_grad_enabled() or _in_functorch():
             return None  # no gradients here, or a torch.func transform of the model (an oracle)
         if self._mode_depth == 0:
-            hint = self._hint.get(id(module), 0)
-            first = next((x for _, x in _tensors(tuple(args) + tuple(kwargs.values())) if x.dim() > 0), None)
-            if first is not None:
-                ax = hint if first.dim() > hint else 0
-                self._batch = int(first.shape[ax])
-                for _, x in _tensors(tuple(args) + tuple(kwargs.values())):
+            inputs = tuple(args) + tuple(kwargs.values())
+            found = _input_batch(inputs, self._hint.get(id(module), 0))
+            if found is not None:
+                ax, self._batch = found
+                for _, x in _tensors(inputs):
                     if x.dim() > ax and x.shape[ax] == self._batch:
                         self._data[x] = True
             self.forward_id += 1
@@ -893,10 +906,9 @@ class ParamTap:
         if not torch.is_grad_enabled() or _in_functorch():
             return None
         if self._depth == 0:
-            hint = self._hint.get(id(module), 0)
-            first = next((x for _, x in _tensors(tuple(args) + tuple(kwargs.values())) if x.dim() > 0), None)
-            if first is not None:
-                self.batch = int(first.shape[hint if first.dim() > hint else 0])
+            found = _input_batch(tuple(args) + tuple(kwargs.values()), self._hint.get(id(module), 0))
+            if found is not None:
+                self.batch = found[1]
             self.forward_id += 1
             self._mode.__enter__()
         self._depth += 1

@@ -25,13 +25,13 @@ from gradlens.capture import (
     LossCall,
     OpUse,
     ParamTap,
-    _excluded,
     Site,
     Tap,
     is_extended,
     take_loss_calls,
     model_exclusions,
     tracked_parameters,
+    trainable_split,
 )
 from gradlens.distributed import (
     DDPGradRoute,
@@ -43,6 +43,7 @@ from gradlens.distributed import (
     resolve_group,
 )
 from gradlens.instruments.base import LIGHT_QUANTITIES, QUANTITIES, Accumulators, Instrument, WindowStats
+from gradlens.instruments.noise import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
 
@@ -70,6 +71,7 @@ class _MicroStep:
     grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
     forwards: set[int] = field(default_factory=set)  # forward passes this backward reached
     backward_done: bool = False
+    end_watched: bool = False  # a callback marks backward_done when this backward ends
     empty: bool = False
     factor: Any = None  # capture(multiplier=...): a known factor applied to the loss
     _multiplier: Any = None
@@ -498,12 +500,7 @@ class Lens:
 
     def _refresh_params(self) -> None:
         """Follow parameters frozen, unfrozen or added since the last tracked window."""
-        params, total = {}, 0  # one walk: the tracked parameters and the trainable elements
-        for q, p in self.model.named_parameters():
-            if p.requires_grad:
-                total += p.numel()
-                if not _excluded(q, self._exclude):
-                    params[q] = p
+        params, total = trainable_split(self.model, self._exclude)  # names checked at build
         for q in self._undefined_params:
             params.pop(q, None)
         if params.keys() != self._tap.params.keys() or any(
@@ -592,14 +589,12 @@ class Lens:
         if sync:
             self._finish_inflight()
         self._merge_ranks(defer_off=sync)
+        record = None
         if self._merge_pending is not None:  # merge="deferred": the record comes with the next window
             self._inflight = (self.step, self._window, self._states, self._empty_micro_steps, self._merge_pending)
             self._merge_pending = None
-            self.step += 1
-            self._empty_micro_steps = 0
-            self._open_window()
-            return None
-        record = self._emit(self.step, self._window, self._states, self._empty_micro_steps)
+        else:
+            record = self._emit(self.step, self._window, self._states, self._empty_micro_steps)
         self.step += 1
         self._empty_micro_steps = 0
         self._open_window()
@@ -959,21 +954,10 @@ class Lens:
         """Light capture (:class:`~gradlens.capture.ParamTap`): dL/dp of parameter ``q`` in this
         backward, before it reaches ``p.grad``: the micro-step's squared norm and the window's
         gradient sum, in per-sample units."""
-        micro = self._micro
         if self._window is None:
             return
-        if micro is None:
-            raise RuntimeError(
-                f"backward reached {q!r} outside lens.capture() during a tracked window; wrap "
-                "the backward: with lens.capture(): loss.backward()"
-            )
-        if micro.backward_done:
-            raise RuntimeError(
-                "a second backward() inside one lens.capture(): each micro-step's backward needs "
-                "its own capture (with lens.capture(): loss.backward())"
-            )
+        micro = self._in_backward(q)
         if not micro.seen:  # the first gradient of this backward
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(micro, "backward_done", True))
             micro.resolve()
             if micro.batch_size is None:
                 micro.batch_size = self._tap.batch
@@ -994,35 +978,39 @@ class Lens:
         if g.is_sparse:
             g = g.to_dense()
         if "micro_grad_sq" in self._needs:
-            flat = g.reshape(-1)
-            if flat.dtype not in (torch.float32, torch.float64):
-                flat = flat.float()
-            sq = torch.dot(flat, flat).double()
+            sq = sq_norm(g)
             micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
         if "grad_sum" in self._needs:
             self._add_grad_sum(q, g, micro.scale())
 
-    def _begin_use(self, what: str, batch: int, forward: int) -> _MicroStep | None:
-        """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
+    def _in_backward(self, what: str) -> _MicroStep:
+        """The micro-step whose backward just reached ``what`` (a use, or a parameter): inside
+        a capture, its first backward (whose end is then watched)."""
         micro = self._micro
         if micro is None:
             raise RuntimeError(
                 f"backward reached {what!r} outside lens.capture() during a tracked window; wrap "
                 "the backward: with lens.capture(): loss.backward()"
             )
+        if micro.backward_done:
+            raise RuntimeError(
+                "a second backward() inside one lens.capture(): each micro-step's backward needs "
+                "its own capture (with lens.capture(): loss.backward())"
+            )
+        if not micro.end_watched:
+            micro.end_watched = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(micro, "backward_done", True))
+        return micro
+
+    def _begin_use(self, what: str, batch: int, forward: int) -> _MicroStep | None:
+        """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
+        micro = self._in_backward(what)
         if forward in self._consumed:
             raise RuntimeError(
                 f"this backward reached {what!r} of a forward pass that an earlier lens.capture() "
                 "already measured (a graph backpropagated twice, retain_graph=True): its samples "
                 "would count twice; run a new forward pass for each captured micro-step"
             )
-        if micro.backward_done:
-            raise RuntimeError(
-                "a second backward() inside one lens.capture(): each micro-step's backward needs "
-                "its own capture (with lens.capture(): loss.backward())"
-            )
-        if not micro.forwards:  # the first use of this backward: note when it ends
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(micro, "backward_done", True))
         micro.forwards.add(forward)
         if batch == 0:
             micro.empty = True

@@ -25,7 +25,6 @@ WINDOWS = 3
 OPT = "adamw"
 DEADLINE_S = 60.0
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 
 def _free_port() -> int:

@@ -25,7 +25,6 @@ from gradlens.instruments import BatchL2, GradNorm, NoiseScale, NoiseScaleTwoBat
 from oracle import MODELS, flat, make_problem, per_sample_grads
 from test_distributed import _close, _init, _oracle_two_batch, _spawn
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 WORLD = 2
 LR = 0.3
@@ -47,6 +46,36 @@ def _windows():
     return model, data
 
 
+def _run_plan(rank: int, instruments, after_update=lambda lens: None, **lens_kwargs):
+    """The PLAN's windows under DDP on this rank's share of each window (micro-steps before the
+    last under no_sync), through a Lens; ``after_update(lens)`` after every update. Returns
+    (lens, the model's state dict at the start of every window and at the end)."""
+    model0, data = _windows()
+    model = gradlens.extend(copy.deepcopy(model0))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    lens = Lens(model, instruments, optimizer=opt, **lens_kwargs)
+    thetas = [copy.deepcopy(model0).state_dict()]
+    for (micro_sizes, event), (x, y) in zip(PLAN, data):
+        n = sum(micro_sizes)
+        mine = slice(rank * n, (rank + 1) * n)
+        xs, ys = x[mine].split(micro_sizes), y[mine].split(micro_sizes)
+        for k, (xb, yb) in enumerate(zip(xs, ys)):
+            with ddp.no_sync() if k < len(xs) - 1 else contextlib.nullcontext():
+                loss = loss_fn(ddp(xb), yb)
+                with lens.capture():
+                    loss.backward()
+        if event == "clip":
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
+        opt.step()
+        opt.zero_grad()
+        after_update(lens)
+        thetas.append(copy.deepcopy(model.state_dict()))
+    lens.close()
+    return lens, thetas
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     try:
@@ -62,33 +91,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         gather_fns = {fn: getattr(dist, fn) for fn in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, fn)}
         for fn, orig in gather_fns.items():
             setattr(dist, fn, lambda *a, _orig=orig, **k: (gathers.append(1), _orig(*a, **k))[1])
-        model0, data = _windows()
-        model = gradlens.extend(copy.deepcopy(model0))
-        ddp = nn.parallel.DistributedDataParallel(model)
-        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        insts = [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), NoiseScaleTwoBatch()]
-        lens = Lens(model, insts, optimizer=opt)
-        thetas = [copy.deepcopy(model0).state_dict()]
         calls, fast = [], []
-        for (micro_sizes, event), (x, y) in zip(PLAN, data):
-            n = sum(micro_sizes)
-            mine = slice(rank * n, (rank + 1) * n)
-            xs, ys = x[mine].split(micro_sizes), y[mine].split(micro_sizes)
-            before, gathered_before = len(sizes), len(gathers)
-            for k, (xb, yb) in enumerate(zip(xs, ys)):
-                with ddp.no_sync() if k < len(xs) - 1 else contextlib.nullcontext():
-                    loss = loss_fn(ddp(xb), yb)
-                    with lens.capture():
-                        loss.backward()
-            if event == "clip":
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
-            opt.step()
-            opt.zero_grad()
-            calls.append((sizes[before:], len(gathers) - gathered_before))
+        mark = [0, 0]  # collectives counted when the window started
+
+        def after_update(lens):
+            calls.append((sizes[mark[0]:], len(gathers) - mark[1]))
+            mark[:] = [len(sizes), len(gathers)]
             fast.append(lens._ddp_route.fast)
-            thetas.append(copy.deepcopy(model.state_dict()))
-        lens.close()
+
+        insts = [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), NoiseScaleTwoBatch()]
+        lens, thetas = _run_plan(rank, insts, after_update)
         dist.all_reduce = original
         for fn, orig in gather_fns.items():
             setattr(dist, fn, orig)
@@ -144,30 +156,10 @@ def _light_worker(rank: int, world: int, port: int, out_dir: str, merge: str) ->
     """A Lens of the window gradient only (light capture) over the same PLAN: sync or deferred."""
     _init(rank, world, port)
     try:
-        model0, data = _windows()
-        model = gradlens.extend(copy.deepcopy(model0))
-        ddp = nn.parallel.DistributedDataParallel(model)
-        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        lens = Lens(model, [GradNorm(), NoiseScaleTwoBatch()], optimizer=opt, merge=merge)
-        thetas = [copy.deepcopy(model0).state_dict()]
         seen = []  # records present after each update
-        for (micro_sizes, event), (x, y) in zip(PLAN, data):
-            n = sum(micro_sizes)
-            mine = slice(rank * n, (rank + 1) * n)
-            xs, ys = x[mine].split(micro_sizes), y[mine].split(micro_sizes)
-            for k, (xb, yb) in enumerate(zip(xs, ys)):
-                with ddp.no_sync() if k < len(xs) - 1 else contextlib.nullcontext():
-                    loss = loss_fn(ddp(xb), yb)
-                    with lens.capture():
-                        loss.backward()
-            if event == "clip":
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
-            opt.step()
-            opt.zero_grad()
-            seen.append(len(lens.records))
-            thetas.append(copy.deepcopy(model.state_dict()))
-        lens.close()
+        lens, thetas = _run_plan(
+            rank, [GradNorm(), NoiseScaleTwoBatch()], lambda lens: seen.append(len(lens.records)), merge=merge
+        )
         records = [(r.step, r.num_samples, dict(r.values)) for r in lens.records]
         torch.save((records, thetas, seen), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -43,7 +43,6 @@ from gradlens.instruments import (
 )
 from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 DEADLINE_S = 90.0
 RANK_SIZES = {2: [5, 7], 3: [3, 5, 4]}  # unequal per-rank batches, N = 12 (the oracle's)

@@ -18,10 +18,7 @@ from gradlens import Lens
 from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
 from oracle import MODELS, SPLITS, flat, make_problem, per_sample_grads
 
-try:
-    from gradlens.accumulate import GradientAccumulateOptimizer
-except Exception:  # pragma: no cover - accumulate.py is optional here
-    GradientAccumulateOptimizer = None
+from gradlens.accumulate import GradientAccumulateOptimizer
 
 RTOL = 1e-10
 KEYS = ("batch_dot", "inner_test", "ortho_test")
@@ -41,17 +38,6 @@ def _close(a, b, rtol=RTOL):
 
 def _instruments(**kw):
     return [BatchDot(**kw), Alpha(**kw), InnerTest(**kw), OrthoTest(**kw)]
-
-
-def _accum_ok() -> bool:
-    if GradientAccumulateOptimizer is None:
-        return False
-    try:
-        p = nn.Parameter(torch.zeros(2))
-        GradientAccumulateOptimizer(torch.optim.SGD([p], lr=0.1), accum_steps=2)
-        return True
-    except Exception:
-        return False
 
 
 def run_windows(model0, windows, split, reduction, opt_name, via, instruments):
@@ -148,8 +134,7 @@ def _problem(name):
     return model, [(x0, y0), (x1, y1)]
 
 
-VIAS = ["plain", pytest.param("accum", marks=pytest.mark.skipif(
-    not _accum_ok(), reason="gradlens.accumulate.GradientAccumulateOptimizer not usable"))]
+VIAS = ["plain", "accum"]
 
 _K1_CACHE: dict = {}
 
@@ -535,7 +520,6 @@ def test_sketch_routes_agree():
         _close(factor, mat)
 
 
-@pytest.mark.skipif(not _accum_ok(), reason="GradientAccumulateOptimizer not usable")
 def test_window_skipped_by_accumulating_optimizer_keeps_alpha_pending():
     """A window the accumulating optimizer ends without an update (GradScaler inf, reset()) is
     dropped by the Lens; the pending alpha then comes from the next real window, still at

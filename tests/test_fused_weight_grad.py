@@ -43,13 +43,8 @@ def _data():
     return torch.randn(B, T, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, monkeypatch):
-    torch.manual_seed(0)
-    model = _Seq().double()
-    ref = copy.deepcopy(model)
-    x, y = _data()
-    splits = (slice(0, 2), slice(2, 3), slice(3, B))
+def _spy_fused(monkeypatch) -> list[bool]:
+    """Per fused backward from now on: whether the Lens handed it dL/dW."""
     filled = []
     real = capture._FusedLinear.backward
 
@@ -58,27 +53,52 @@ def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, monkeypatch
         return real(ctx, g)
 
     monkeypatch.setattr(capture._FusedLinear, "backward", staticmethod(spy))
+    return filled
+
+
+def _lens_then_autograd(model, ref, instruments, micro_batches, loss_of, reduction="mean"):
+    """The micro-batches through a Lens on ``model`` and through plain autograd on ``ref`` (its
+    float64 copy): ``p.grad`` must agree; returns the window's record."""
     m = gradlens.extend(model)
-    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm()])
-    for sl in splits:
-        loss = F.cross_entropy(m(x[sl]), y[sl], reduction=reduction)
+    lens = Lens(m, instruments)
+    for inp, tgt in micro_batches:
+        loss = loss_of(m(inp), tgt)
         with lens.capture(reduction=reduction, loss=loss):
             loss.backward()
     rec = lens.flush()
-    # plain autograd on the copy, the same micro-steps
-    for sl in splits:
-        F.cross_entropy(ref(x[sl]), y[sl], reduction=reduction).backward()
+    lens.close()
+    for inp, tgt in micro_batches:
+        loss_of(ref(inp), tgt).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    return rec
+
+
+def _per_sample(ref, loss_of_sample) -> torch.Tensor:
+    """``[B, D]`` float64 per-sample gradients of ``ref``, one backward per sample."""
+    params = list(ref.parameters())
+    return torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss_of_sample(n), params)]) for n in range(B)
+    ])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, monkeypatch):
+    torch.manual_seed(0)
+    model = _Seq().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    splits = (slice(0, 2), slice(2, 3), slice(3, B))
+    filled = _spy_fused(monkeypatch)
+    rec = _lens_then_autograd(
+        model, ref, [BatchL2(), SumGradSquared(), GradNorm()], [(x[sl], y[sl]) for sl in splits],
+        lambda out, tgt: F.cross_entropy(out, tgt, reduction=reduction), reduction,
+    )
     # fused: inp and mid (a use each, 3 micro-steps); twice is shared (2 uses): its calls fall
     # back to the matmul; the 2-D head is no fused call at all
     assert filled.count(True) == 2 * len(splits) and filled.count(False) == 2 * len(splits)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
     # statistics: the float64 per-sample loop
-    params = list(ref.parameters())
-    G = torch.stack([
-        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
-        for n in range(B)
-    ])
+    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
     sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
     torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
@@ -164,24 +184,10 @@ def test_batch_dot_forms_the_micro_step_gram_in_backward_with_the_weight_grad(sp
     at_end = []
     real_memo = crosssample._memo_layer_gram
     monkeypatch.setattr(crosssample, "_memo_layer_gram", lambda st, pc: at_end.append(pc[0][0].name) or real_memo(st, pc))
-    m = gradlens.extend(model)
-    lens = Lens(m, [BatchDot()])
-    for sl in splits:
-        loss = F.cross_entropy(m(x[sl]), y[sl])
-        with lens.capture(reduction="mean", loss=loss):
-            loss.backward()
-    rec = lens.flush()
-    for sl in splits:
-        F.cross_entropy(ref(x[sl]), y[sl]).backward()
+    rec = _lens_then_autograd(model, ref, [BatchDot()], [(x[sl], y[sl]) for sl in splits], F.cross_entropy)
     assert len(calls) == len(splits)  # inp: one fused call per micro-step
     assert ("inp" in at_end) == (len(splits) > 1)  # one micro-step: its backward Gram is the window's
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
-    params = list(ref.parameters())
-    G = torch.stack([
-        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
-        for n in range(B)
-    ])
+    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
     torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
 
 
@@ -197,31 +203,12 @@ def test_histogram_slices_give_the_fused_weight_grad(monkeypatch):
     ref = copy.deepcopy(model)
     x, y = _data()
     splits = (slice(0, 3), slice(3, B))
-    filled = []
-    real = capture._FusedLinear.backward
-
-    def spy(ctx, g):
-        filled.append(ctx.holder.value is not None)
-        return real(ctx, g)
-
-    monkeypatch.setattr(capture._FusedLinear, "backward", staticmethod(spy))
-    m = gradlens.extend(model)
-    lens = Lens(m, [GradHist1d(bins=11, range=(-0.2, 0.2))])
-    for sl in splits:
-        loss = F.cross_entropy(m(x[sl]), y[sl])
-        with lens.capture(reduction="mean", loss=loss):
-            loss.backward()
-    rec = lens.flush()
-    for sl in splits:
-        F.cross_entropy(ref(x[sl]), y[sl]).backward()
+    filled = _spy_fused(monkeypatch)
+    rec = _lens_then_autograd(
+        model, ref, [GradHist1d(bins=11, range=(-0.2, 0.2))], [(x[sl], y[sl]) for sl in splits], F.cross_entropy
+    )
     assert filled.count(True) == 2 * len(splits)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
-    params = list(ref.parameters())
-    G = torch.stack([
-        torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]), params)])
-        for n in range(B)
-    ])
+    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
     assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])
 
 
@@ -254,27 +241,15 @@ def test_tied_sequence_projection_adds_its_uses_in_place(monkeypatch):
     used = []
     real = LinearKernel.add_per_sample
     monkeypatch.setattr(LinearKernel, "add_per_sample", lambda *a: used.append(1) or real(*a))
-    m = gradlens.extend(model)
-    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm(), BatchDot()])
     splits = (slice(0, 3), slice(3, B))
-    for sl in splits:
-        loss = F.cross_entropy(m(tokens[sl]).flatten(0, 1), y[sl].flatten())
-        with lens.capture(reduction="mean", loss=loss):
-            loss.backward()
-    rec = lens.flush()
-    for sl in splits:
-        F.cross_entropy(ref(tokens[sl]).flatten(0, 1), y[sl].flatten()).backward()
+    rec = _lens_then_autograd(
+        model, ref, [BatchL2(), SumGradSquared(), GradNorm(), BatchDot()], [(tokens[sl], y[sl]) for sl in splits],
+        lambda out, tgt: F.cross_entropy(out.flatten(0, 1), tgt.flatten()),
+    )
     assert len(used) == len(splits)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
-    params = list(ref.parameters())
     # g_n in the DESIGN units of a token-mean loss: B_k x the gradient of sample n's token mean
     # over its micro-batch, i.e. the gradient of its own token-mean loss
-    G = torch.stack([
-        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-            F.cross_entropy(ref(tokens[n:n + 1]).flatten(0, 1), y[n].flatten()), params)])
-        for n in range(B)
-    ])
+    G = _per_sample(ref, lambda n: F.cross_entropy(ref(tokens[n:n + 1]).flatten(0, 1), y[n].flatten()))
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
     sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
     torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)

@@ -153,10 +153,11 @@ class ParamGradSquares:
         self._handles = []
 
     def _hook(self, grad: Tensor) -> None:
-        self.on_sq(_sq_norm(grad))
+        self.on_sq(sq_norm(grad))
 
 
-def _sq_norm(grad: Tensor) -> Tensor:
+def sq_norm(grad: Tensor) -> Tensor:
+    """||grad||^2 as a 0-d float64 tensor (sparse gradients: their values; no host sync)."""
     g = grad.detach()
     if g.is_sparse:
         g = g.coalesce().values()
