@@ -330,6 +330,40 @@ def test_mid_window_checkpoint_resume(opt_name):
     assert opt_c.iterations == opt_a.iterations == 3
 
 
+def test_in_memory_state_dict_survives_later_windows():
+    """The wrapper reuses its accumulator buffers from window to window: a state_dict kept in
+    memory (not serialised) mid-window must still resume exactly after later windows ran."""
+    split = SplitCase("mem", 2, ((2, 3), (4, 1), (3, 2)))
+    micro = [m for w in _window_data(split) for m in w]
+
+    def fresh():
+        model = make_mlp(0)
+        return model, GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+
+    def run(model, opt, batches):
+        for x, y in batches:
+            mse_loss(model(x), y).backward()
+            opt.step(num_samples=len(x))
+            opt.zero_grad()
+
+    model_a, opt_a = fresh()
+    run(model_a, opt_a, micro)
+    model_b, opt_b = fresh()
+    run(model_b, opt_b, micro[:3])  # mid-window 2
+    kept = {"model": copy.deepcopy(model_b.state_dict()), "opt": opt_b.state_dict()}
+    before = [t.clone() for t in kept["opt"]["gradlens_accumulate"]["accumulators"].values()]
+    run(model_b, opt_b, micro[3:])  # the wrapper writes windows 2 and 3 into its buffers
+    after = list(kept["opt"]["gradlens_accumulate"]["accumulators"].values())
+    assert len(before) == len(after) > 0
+    assert all(torch.equal(u, v) for u, v in zip(before, after))
+    model_c, opt_c = fresh()
+    model_c.load_state_dict(kept["model"])
+    opt_c.load_state_dict(kept["opt"])
+    run(model_c, opt_c, micro[3:])
+    for p, q in zip(model_c.parameters(), model_a.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_load_plain_torch_state_dict_starts_empty_window():
     model = make_mlp(0)
     plain = torch.optim.Adam(model.parameters())
