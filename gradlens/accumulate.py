@@ -44,6 +44,7 @@ unscaled window gradient; it modifies those ``.grad`` in place (its return value
 
 WindowEndHook = Callable[["GradientAccumulateOptimizer", bool], None]
 MicroStepHook = Callable[["GradientAccumulateOptimizer", "float | None"], None]
+WindowSumHook = Callable[["GradientAccumulateOptimizer"], None]
 
 
 def check_accum_steps(
@@ -443,6 +444,8 @@ class GradientAccumulateOptimizer(Optimizer):
             self._fire_window_end(False)
             return False
 
+        for hook in list(getattr(self, "_window_sum_hooks", {}).values()):
+            hook(self)  # window_sum(p): the window, not yet normalised nor written to p.grad
         params = []
         for p in self._params():
             acc = st.accumulators.get(p)
@@ -584,6 +587,18 @@ class GradientAccumulateOptimizer(Optimizer):
             self._micro_step_hooks: OrderedDict[int, MicroStepHook] = OrderedDict()
         handle = RemovableHandle(self._micro_step_hooks)
         self._micro_step_hooks[handle.id] = hook
+        return handle
+
+    def register_window_sum_hook(self, hook: WindowSumHook) -> RemovableHandle:
+        """Register ``hook(optimizer)``, called once per real update when the window is
+        complete and before anything is done with it: :meth:`window_sum` holds every
+        parameter's unnormalised window sum (accumulation dtype), before it is written into
+        ``p.grad``, clipped and applied. Not called for windows a GradScaler skips. Used by
+        :class:`gradlens.instruments.noise.NoiseScaleMonitor` (the window's ``||s||^2``)."""
+        if not hasattr(self, "_window_sum_hooks"):
+            self._window_sum_hooks: OrderedDict[int, WindowSumHook] = OrderedDict()
+        handle = RemovableHandle(self._window_sum_hooks)
+        self._window_sum_hooks[handle.id] = hook
         return handle
 
     def window_sum(self, p: Tensor) -> Tensor | None:

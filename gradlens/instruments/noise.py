@@ -156,6 +156,17 @@ class ParamGradSquares:
         self.on_sq(sq_norm(grad))
 
 
+def _sum_sq(grads: list[Tensor | None]) -> Tensor | None:
+    """sum of ||g||^2 over the dense gradients given (None entries skipped) as a 0-d float64
+    tensor, or None if there is none; no host sync."""
+    total = None
+    for g in grads:
+        if g is not None:
+            term = sq_norm(g)
+            total = term if total is None else total + term
+    return total
+
+
 def sq_norm(grad: Tensor) -> Tensor:
     """||grad||^2 as a 0-d float64 tensor (sparse gradients: their values; no host sync)."""
     g = grad.detach()
@@ -170,9 +181,9 @@ def sq_norm(grad: Tensor) -> Tensor:
 class NoiseScaleMonitor:
     """The two-batch noise scale of a :class:`~gradlens.GradientAccumulateOptimizer`'s windows:
     small batches = its micro-steps, big batch = the window (module docstring). Any model, no
-    Lens; each micro-step costs two dot products per parameter (``||grad_k||^2`` and the running
-    window sum times ``grad_k``, so ||s||^2 is formed without keeping anything), each real update
-    one host sync.
+    Lens; each micro-step costs one dot product per parameter (``||grad_k||^2``), each real
+    update one more (``||s||^2`` from the wrapper's window sum, before clipping) and one host
+    sync.
 
     Example::
 
@@ -227,6 +238,7 @@ class NoiseScaleMonitor:
         self.values: list[dict[str, Any]] = []
         self._handles = [
             optimizer.register_micro_step_hook(self._on_micro_step),
+            optimizer.register_window_sum_hook(self._on_window_sum),
             optimizer.register_window_end_hook(self._on_window_end),
         ]
         self._reset()
@@ -247,19 +259,7 @@ class NoiseScaleMonitor:
             )
         b = float(num_samples) * self.ranks
         w = b if optimizer.reduction == "mean" else float(self.ranks)  # s_k = w * p.grad
-        sq, cross = None, None
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.detach()
-                g = (g.float() if g.dtype not in (torch.float32, torch.float64) else g).reshape(-1)
-                term = torch.dot(g, g).double()
-                sq = term if sq is None else sq + term
-                acc = optimizer.window_sum(p)
-                if acc is not None:
-                    c = torch.dot(acc.reshape(-1), g.to(acc.dtype)).double()
-                    cross = c if cross is None else cross + c
+        sq = _sum_sq([p.grad for group in optimizer.param_groups for p in group["params"]])
         if sq is None:
             return
         f: float | Tensor = w
@@ -267,12 +267,21 @@ class NoiseScaleMonitor:
         if scale is not None:
             f = w / scale.double()
         s_sq = sq * (f * f)
-        t_inc = s_sq if cross is None else s_sq + cross * (2.0 * self.ranks) * f
         self._S = s_sq if self._S is None else self._S + s_sq
-        self._T = t_inc if self._T is None else self._T + t_inc
         self._Q += b * b
         self._N += b
         self._M += 1
+
+    @torch.no_grad()
+    def _on_window_sum(self, optimizer) -> None:
+        """T = ||s||^2, s = sum_k s_k = R * (the wrapper's unnormalised window sum: sum_k
+        B_k grad_k / scale_k under "mean", sum_k grad_k / scale_k under "sum")."""
+        if self._S is None:
+            return
+        sums = [optimizer.window_sum(p) for group in optimizer.param_groups for p in group["params"]]
+        sq = _sum_sq(sums)
+        if sq is not None:
+            self._T = sq * float(self.ranks) ** 2
 
     def _on_window_end(self, optimizer, updated: bool) -> None:
         if updated and self._S is not None:
