@@ -1,9 +1,10 @@
 """Step-time ratios of gradlens under DistributedDataParallel (gloo, CPU processes).
 
 Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1] [--repeats 1]
+                                     [--model mlp|cnn]
 
-Every rank trains the 784-512-512-10 MLP of bench_instruments.py on its own batch (``--batch``
-samples per rank); one step is forward, backward (DDP all-reduces the gradient), SGD update,
+Every rank trains the 784-512-512-10 MLP (``--model cnn``: the CNN) of bench_instruments.py on
+its own batch (``--batch`` samples per rank); one step is forward, backward (DDP all-reduces the gradient), SGD update,
 zero_grad. Rows, timed in interleaved rounds (median; both ranks run the same sequence, rank 0
 reports), as ratios to the plain DDP step:
 
@@ -50,6 +51,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
 
+_MODEL_NAMES = {"mlp": "MLP 784-512-512-10", "cnn": "CNN conv 3-32-64 + linear 4096-10"}
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +65,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     from gradlens import Lens
     from gradlens.instruments import BatchL2, GradNorm, NoiseScale, NoiseScaleTwoBatch, NormTest, SumGradSquared
 
-    from _common import interleaved_ms, mlp
+    from _common import cnn, interleaved_ms, mlp
+
+    net = {"mlp": mlp, "cnn": cnn}[args.model]
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(args.threads)
@@ -71,12 +77,12 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     )
     try:
         torch.manual_seed(rank)
-        x = torch.randn(args.batch, 1, 28, 28)
+        x = torch.randn(args.batch, *((1, 28, 28) if args.model == "mlp" else (3, 32, 32)))
         y = torch.randint(0, 10, (args.batch,))
 
         def build(instruments=None, every=1, merge="sync"):
             torch.manual_seed(0)
-            model = mlp()
+            model = net()
             if instruments is not None:
                 model = gradlens.extend(model)
             ddp = nn.parallel.DistributedDataParallel(model)
@@ -107,7 +113,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             from gradlens.instruments import NoiseScaleMonitor
 
             torch.manual_seed(0)
-            ddp = nn.parallel.DistributedDataParallel(mlp())
+            ddp = nn.parallel.DistributedDataParallel(net())
             loss_fn = nn.CrossEntropyLoss()
             opt = GradientAccumulateOptimizer(torch.optim.SGD(ddp.parameters(), lr=1e-3), accum_steps=2)
             if monitor:
@@ -126,7 +132,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             """The same accumulating DDP step in plain torch: 2 micro-batches of batch/2, each
             all-reduced by DDP, the loss weighted by its share of the batch; no gradlens."""
             torch.manual_seed(0)
-            ddp = nn.parallel.DistributedDataParallel(mlp())
+            ddp = nn.parallel.DistributedDataParallel(net())
             loss_fn = nn.CrossEntropyLoss()
             opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
             parts = list(zip(x.chunk(2), y.chunk(2)))
@@ -173,7 +179,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 spread = f" (runs {min(vals):.2f}-{max(vals):.2f})" if len(vals) > 1 else ""
                 return f"{med(vals):.2f}x{spread}"
 
-            print(f"DDP {world} gloo processes x {args.threads} thread(s), MLP 784-512-512-10, "
+            print(f"DDP {world} gloo processes x {args.threads} thread(s), {_MODEL_NAMES[args.model]}, "
                   f"batch {args.batch} per rank, torch {torch.__version__}; plain step {base:.2f} ms "
                   f"(two plain timings: {ms['plain']:.2f}, {ms['plain_again']:.2f} ms)"
                   + (f"; median of {args.repeats} runs" if args.repeats > 1 else ""))
@@ -204,6 +210,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                        help="mlp: 784-512-512-10; cnn: conv 3-32-64 + linear 4096-10 (bench_instruments.py)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="only 'cpu': this benchmark runs gloo processes on CPU")
     parser.add_argument("--repeats", type=int, default=1, help="timing runs; medians over them")
