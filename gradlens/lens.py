@@ -1073,8 +1073,9 @@ class Lens:
         for attr, q in site.params.items():
             if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
                 site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
-            else:
-                micro.shared[q] = got[attr]
+            else:  # owned: later uses add into it, and a, delta may be kept by other measurements
+                g = got[attr]
+                micro.shared[q] = g.clone() if _shares_storage(g, a) or _shares_storage(g, delta) else g
 
     def _on_op_use(self, use: OpUse, g: Tensor) -> None:
         """Backward reached an operation where parameters meet the batch: per-sample gradients
@@ -1419,6 +1420,12 @@ class Lens:
 
 
 # ---------------------------------------------------------------------- sinks and multipliers
+def _shares_storage(t: Tensor, other: Tensor) -> bool:
+    """Whether ``t`` is a view into ``other``'s memory (e.g. a 2-D Linear's per-sample bias
+    gradient, which is its output gradient itself)."""
+    return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+
+
 def _check_sinks(sinks: Iterable[Any]) -> list[Any]:
     """The ``sinks=`` argument of :class:`Lens` as a list; every entry must have callable
     ``write(record)`` and ``close()`` (the sink protocol)."""

@@ -247,6 +247,29 @@ class CustomParamsModel(nn.Module):
         return self.head(h.mean(1))
 
 
+class SharedPartsMLP(nn.Module):
+    """Linear layers on 2-D inputs (no sequence axis) that share parts across modules: ``b``
+    uses ``a``'s weight with a bias of its own, ``c`` uses ``a``'s bias with a weight of its own,
+    so no layer's (weight, bias) pair is a group of its own (the mixed path of shared uses)."""
+
+    def __init__(self, d_in=6, d=5, classes=4):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, d)
+        self.b.weight = self.a.weight
+        self.c.bias = self.a.bias
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.a(h))
+        h = torch.tanh(self.b(h))
+        h = torch.tanh(self.c(h))
+        return self.head(h)
+
+
 class NormsConvNet(nn.Module):
     """GroupNorm, a depthwise and a grouped convolution, affine InstanceNorm2d, nn.RMSNorm."""
 
@@ -375,6 +398,13 @@ def _token_data(vocab, t, classes=4, seq_first=False):
     return data
 
 
+def _vector_data(d, classes=4):
+    def data(g):
+        return {"x": torch.randn(N, d, generator=g, dtype=torch.float64), "y": _tokens(g, classes, N)}
+
+    return data
+
+
 def _image_data(c, hw, classes=4):
     def data(g):
         return {"x": torch.randn(N, c, hw, hw, generator=g, dtype=torch.float64), "y": _tokens(g, classes, N)}
@@ -419,6 +449,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("tied_embeddings", TiedLM, _token_data(11, 5, classes=11), _ce_call),
         ModelCase("custom_params", CustomParamsModel, _token_data(13, 6), _ce_call),
         ModelCase("norms_conv", NormsConvNet, _image_data(3, 6), _ce_call),
+        ModelCase("shared_parts", SharedPartsMLP, _vector_data(6), _ce_call),
         ModelCase("hf_gpt2", hf_gpt2, _gpt2_data(False), _hf_lm_call, kind="hf_lm", oracle="loop", frameworks=True,
                   rtol=1e-6),
         ModelCase("hf_gpt2_padded", hf_gpt2, _gpt2_data(True), _hf_lm_call, kind="hf_lm", oracle="loop",
