@@ -31,7 +31,9 @@ loss multiplier), the global ``sum_n g_n = c * R * p.grad`` exactly (up to round
 checks, on every rank, everything this needs (the tracked model ran inside a plain DDP over the
 same ranks: no comm hook, no mixed precision, no ignored parameter, no join; the window's last
 backward was synchronised; ``p.grad`` was None when the window's first backward started and
-nothing but the captured backwards changed it: tensor versions; floating dtype of the sums) and
+nothing but the captured backwards changed it until the last one: tensor versions, and what the
+merge reads from ``p.grad`` is taken when a synchronised captured backward ends, so clipping
+before the update is fine; floating dtype of the sums) and
 sends a verdict and its scale range with the other per-rank values. A window merged this way
 drops ``grad_sum`` from the all_reduce, which is decided from the previous window's verdict (the
 same on every rank); if this window's verdict is negative, ``grad_sum`` follows in a second
@@ -474,7 +476,7 @@ def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: 
         parts.append(DistParts(per_rank=[verdict]))
         if fast and ctx.needs <= LIGHT_QUANTITIES and route.local_ok:
             # the instruments read ||sum g_n||^2 only: ||p.grad||^2 now, before the update
-            light_sq = route.global_grad_sq(ctx.params, 1.0)
+            light_sq = route.light_grad_sq(ctx.params)
     own_scale = route.cmin if route is not None else None  # the route moves on to the next window
     pending = exchange_start(parts, group, memo=ctx.memo)
     yield
@@ -505,14 +507,26 @@ class DDPGradRoute:
     pre-hook of the tracked model), :meth:`start_micro` / :meth:`end_micro` around each captured
     backward, :meth:`reset` when a window opens; :func:`merge_window` the rest.
 
+    ``p.grad`` changed between the window's last captured backward and the update (gradient
+    clipping, a GradScaler's unscale) does not spoil the route: what the merge needs from it is
+    taken at the end of every synchronised captured backward, after DDP's all-reduce: its
+    squared norm when the instruments read only ``||sum g_n||^2`` (``light``: a few dot products,
+    the same as at the update), or, after a window whose ``p.grad`` was changed that way (so the
+    next is expected to be too), a copy of it (one pass, instead of the second all_reduce of D
+    numbers the change would otherwise cost).
+
     Attributes:
         fast: the next merge leaves ``grad_sum`` out of the all_reduce (the previous window's
             verdict, the same on every rank).
+        light: the instruments read only ``||sum g_n||^2`` of the window (GradNorm,
+            NoiseScaleTwoBatch).
     """
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, light: bool = False):
         self.group = group
+        self.light = light
         self.fast = False
+        self.touched = False  # p.grad changed after the last captured backward of the last window
         self._plain: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self.reset()
 
@@ -528,6 +542,8 @@ class DDPGradRoute:
         self._ddp_of_window: Any = None
         self.last_synced = False
         self.local_ok = False  # this rank's part of the last verdict
+        self.snap_sq: Tensor | None = None  # light: ||p.grad||^2 after the last synced capture
+        self.snap: dict[str, Tensor] | None = None  # p.grad copies after it (touched predicted)
 
     # ---- the Lens's calls ---------------------------------------------------------------
     def on_forward(self) -> None:
@@ -566,6 +582,12 @@ class DDPGradRoute:
         self._ddp_of_window = self.micro_ddp
         self.last_synced = self.micro_synced
         self.versions = self._versions(params)
+        self.snap_sq = self.snap = None
+        if self.micro_synced:  # p.grad: the all-reduced gradient, as the merge may need it
+            if self.light:
+                self.snap_sq = self.global_grad_sq(params, 1.0)
+            elif self.touched:
+                self.snap = {q: p.grad.detach().clone() for q, p in params.items() if p.grad is not None}
         c = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), dtype=torch.float64)
         c = c.detach().reshape(()).double()
         self.cmin = c if self.cmin is None else torch.minimum(self.cmin, c)
@@ -604,13 +626,17 @@ class DDPGradRoute:
     def verdict(self, window: Any, params: dict[str, Tensor]) -> Tensor:
         """``[3]`` float64 (ok, smallest and largest per-sample scale) of this rank's window."""
         ok = self.ok and self.versions is not None and self.last_synced
-        ok = ok and self.versions == self._versions(params)
+        if ok:
+            self.touched = self.versions != self._versions(params)
+            if self.touched:  # changed since the last capture: the snapshot taken then serves
+                ok = self.snap_sq is not None if self.light else self.snap is not None
         ddp = self._last() if ok else None
         ok = ddp is not None and self._is_plain(ddp, params)
         if ok:
-            for q, p in params.items():
-                acc = window.grad_sum.get(q)
-                if acc is None or p.grad is None or p.grad.dtype != acc.dtype or p.grad.is_sparse:
+            grads = self.snap if self.snap is not None else {q: p.grad for q, p in params.items()}
+            for q in params:
+                acc, g = window.grad_sum.get(q), grads.get(q)
+                if acc is None or g is None or g.dtype != acc.dtype or g.is_sparse:
                     ok = False
                     break
         self.local_ok = ok
@@ -637,13 +663,19 @@ class DDPGradRoute:
                 total = total + torch.dot(g, g).double()
         return total * (factor * factor)
 
-    @staticmethod
-    def global_grad_sum(window: Any, params: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
-        """sum_n g_n of all ranks = factor * p.grad, written over this rank's own sums (their
+    def light_grad_sq(self, params: dict[str, Tensor]) -> Tensor:
+        """||p.grad||^2 of the window's last synchronised captured backward (its snapshot, or
+        p.grad now when none was taken)."""
+        return self.snap_sq if self.snap_sq is not None else self.global_grad_sq(params, 1.0)
+
+    def global_grad_sum(self, window: Any, params: dict[str, Tensor], factor: float) -> dict[str, Tensor]:
+        """sum_n g_n of all ranks = factor * p.grad (of the last synchronised captured
+        backward: the snapshot when one was taken), written over this rank's own sums (their
         buffers; this rank's values are no longer needed)."""
         out = type(window.grad_sum)(getattr(window.grad_sum, "pool", None))
         with torch.no_grad():
             for q, p in params.items():
                 acc = window.grad_sum[q]
-                out[q] = torch.mul(p.grad.detach(), factor, out=acc)
+                g = self.snap[q] if self.snap is not None else p.grad
+                out[q] = torch.mul(g.detach(), factor, out=acc)
         return out

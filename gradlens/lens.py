@@ -379,7 +379,10 @@ class Lens:
         self._merge_pending = None  # the current window's collective, issued and not finished
         self._inflight: tuple | None = None  # (step, window, states, empty micro-steps, merge)
         # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
-        self._ddp_route = DDPGradRoute(self._group) if self._group is not None and "grad_sum" in self._needs else None
+        self._ddp_route = (
+            DDPGradRoute(self._group, light=self._light)
+            if self._group is not None and "grad_sum" in self._needs else None
+        )
         self._ddp_probe = None
         self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
         self._grad_sq_hooks = None

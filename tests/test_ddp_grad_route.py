@@ -33,7 +33,10 @@ PLAN = [
     ([6], None),  # first window: grad_sum travels (nothing known yet), verdict positive
     ([6], None),  # read from p.grad
     ([2, 2, 2], None),  # K = 3 under no_sync, read from p.grad
-    ([6], "clip"),  # p.grad clipped after backward: second all_reduce with grad_sum
+    ([6], "clip"),  # p.grad clipped after backward: second all_reduce with grad_sum (light
+    # instruments: no, the squared norm was taken at the end of the backward)
+    ([6], "clip"),  # clipped again: p.grad was copied at the end of the backward, so no second
+    # all_reduce (grad_sum travels in the first: the last verdict was negative)
     ([3, 3], None),  # grad_sum travels again (the last verdict was negative); verdict positive
     ([4, 2], None),  # unequal micro-batches: second all_reduce
     ([5], None),  # fewer samples: the inline gather's prediction fails, batch_l2 is gathered
@@ -119,16 +122,16 @@ def test_global_grad_sum_from_ddp_grad_equals_oracle():
     tracked = sum(p.numel() for p in model0.parameters())
     n_params = len(list(model0.parameters()))
     # the all_reduce carries grad_sum only where the route cannot be used
-    assert fast == [True, True, True, False, True, False, True]
-    assert [len(c) for c, _ in calls] == [1, 1, 1, 2, 1, 2, 1]
+    assert fast == [True, True, True, False, True, True, False, True]
+    assert [len(c) for c, _ in calls] == [1, 1, 1, 2, 1, 1, 2, 1]
     # batch_l2 is gathered when its shapes are new; otherwise it travels inside the all_reduce
     # (12 float64 slots)
-    assert [g for _, g in calls] == [1, 0, 0, 0, 0, 0, 1]
+    assert [g for _, g in calls] == [1, 0, 0, 0, 0, 0, 0, 1]
     full = calls[4][0][0]
     assert calls[0][0][0] == full - 12
-    for t in (1, 2, 3):  # grad_sum and its presence flags left out
+    for t in (1, 2, 3, 5):  # grad_sum and its presence flags left out
         assert calls[t][0][0] == full - tracked - n_params
-    assert calls[3][0][1] >= tracked and calls[5][0][1] >= tracked  # the fallback sends it
+    assert calls[3][0][1] >= tracked and calls[6][0][1] >= tracked  # the fallback sends it
     for t, ((micro_sizes, _), (x, y)) in enumerate(zip(PLAN, data)):
         n_rank = sum(micro_sizes)
         m = copy.deepcopy(model0)
@@ -156,12 +159,15 @@ def _light_worker(rank: int, world: int, port: int, out_dir: str, merge: str) ->
     """A Lens of the window gradient only (light capture) over the same PLAN: sync or deferred."""
     _init(rank, world, port)
     try:
-        seen = []  # records present after each update
-        lens, thetas = _run_plan(
-            rank, [GradNorm(), NoiseScaleTwoBatch()], lambda lens: seen.append(len(lens.records)), merge=merge
-        )
+        seen, fast = [], []  # records present after each update, the route's verdicts
+
+        def after_update(lens):
+            seen.append(len(lens.records))
+            fast.append(lens._ddp_route.fast)
+
+        lens, thetas = _run_plan(rank, [GradNorm(), NoiseScaleTwoBatch()], after_update, merge=merge)
         records = [(r.step, r.num_samples, dict(r.values)) for r in lens.records]
-        torch.save((records, thetas, seen), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save((records, thetas, seen, fast), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -176,9 +182,13 @@ def test_light_lens_under_ddp_equals_oracle(merge):
         _spawn(_light_worker, WORLD, out_dir, merge)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     model0, data = _windows()
-    records, thetas, seen = results[0]
+    records, thetas, seen, fast = results[0]
     lag = 1 if merge == "deferred" else 0
     assert seen == [t + 1 - lag for t in range(len(PLAN))]
+    # clipping after backward keeps the route (||p.grad||^2 was taken at the end of the
+    # backward); only the window of unequal micro-batches sends the window sums
+    if merge == "sync":
+        assert fast == [True, True, True, True, True, True, False, True]
     assert [r[0] for r in records] == list(range(len(PLAN)))
     for t, ((micro_sizes, _), (x, y)) in enumerate(zip(PLAN, data)):
         n_rank = sum(micro_sizes)
