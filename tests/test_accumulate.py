@@ -330,6 +330,27 @@ def test_mid_window_checkpoint_resume(opt_name):
     assert opt_c.iterations == opt_a.iterations == 3
 
 
+def test_window_sum_hook_sees_the_unnormalised_window_before_clipping():
+    """Gradients 1, 2, 3 with num_samples 1, 2, 3: the hook sees 1 + 4 + 9 = 14 once per
+    update, before clipping; p.grad is then 14 / 6 (clipped afterwards)."""
+    p = nn.Parameter(torch.zeros(1))
+    seen = []
+    clipped = []
+
+    def clip(params):
+        clipped.append(float(params[0].grad))
+        params[0].grad.clamp_(max=2.0)
+
+    opt = GradientAccumulateOptimizer(torch.optim.SGD([p], lr=1.0), accum_steps=3, clip=clip)
+    opt.register_window_sum_hook(lambda o: seen.append((float(o.window_sum(p)), o.micro_step)))
+    for g, b in ((1.0, 1), (2.0, 2), (3.0, 3)):
+        p.grad = torch.tensor([g])
+        opt.step(num_samples=b)
+        opt.zero_grad()
+    assert seen == [(14.0, 3)]
+    assert clipped == [pytest.approx(14.0 / 6.0)] and float(p.detach()) == pytest.approx(-2.0)
+
+
 def test_in_memory_state_dict_survives_later_windows():
     """The wrapper reuses its accumulator buffers from window to window: a state_dict kept in
     memory (not serialised) mid-window must still resume exactly after later windows ran."""
