@@ -35,7 +35,8 @@ from torch.utils.hooks import RemovableHandle
 __all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
 _STATE_KEY = "gradlens_accumulate"
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: accumulators as kept (running means) + last_weight; 1: sums
+_READS_VERSIONS = (1, 2)
 _REDUCTIONS = ("mean", "sum")
 
 ClipFn = Callable[[list[Tensor]], Any]
@@ -44,7 +45,7 @@ unscaled window gradient; it modifies those ``.grad`` in place (its return value
 
 WindowEndHook = Callable[["GradientAccumulateOptimizer", bool], None]
 MicroStepHook = Callable[["GradientAccumulateOptimizer", "float | None"], None]
-WindowSumHook = Callable[["GradientAccumulateOptimizer"], None]
+WindowGradHook = Callable[["GradientAccumulateOptimizer"], None]
 
 
 def check_accum_steps(
@@ -85,10 +86,17 @@ class AccumulationState:
         weight: sum of the window's micro-step weights (``num_samples``, or 1 each).
         weighted: whether the window's micro-steps gave ``num_samples`` (None: none yet).
         via_scaler: whether they came through a GradScaler (None: none yet).
-        accumulators: parameter -> window sum ``[*param]`` (accumulation dtype).
-        pool: parameter -> the buffer its accumulator is written into, kept from window to
-            window (a fresh allocation per window costs more than the fold itself on CPU:
-            first-touch page faults).
+        accumulators: parameter -> the window so far ``[*param]`` (accumulation dtype): under
+            ``reduction="mean"`` the running weighted mean ``sum_k w_k grad_k / W_p`` with W_p
+            = ``last_weight[p]``, under "sum" the running sum ``sum_k grad_k`` (unscaled).
+        last_weight: parameter -> the window's weight when its accumulator was last written.
+        versions: parameter -> its accumulator's tensor version after the wrapper's last write
+            (a change made elsewhere is an error, not a wrong window).
+        fused: parameters whose window gradient the closing micro-step wrote straight into
+            ``p.grad``.
+        pool: parameter -> a buffer for its accumulator where the micro-step's ``p.grad``
+            cannot be kept as it, reused from window to window (a fresh allocation per window
+            costs more than the fold itself on CPU: first-touch page faults).
         folded: parameter -> (weak reference to the ``p.grad`` folded last, its version), to
             tell a second ``step()`` or a missing ``zero_grad()`` from a fresh gradient.
         noted_samples: the micro-batch size a Lens reported for the coming ``step()``.
@@ -102,13 +110,16 @@ class AccumulationState:
     weighted: bool | None = None
     via_scaler: bool | None = None
     accumulators: dict = field(default_factory=dict)
+    last_weight: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    fused: set = field(default_factory=set)
     pool: dict = field(default_factory=dict)
     folded: dict = field(default_factory=dict)
     noted_samples: int | None = None
 
     def reset_window(self) -> None:
         self.micro_step, self.weight, self.weighted, self.via_scaler = 0, 0.0, None, None
-        self.accumulators = {}
+        self.accumulators, self.last_weight, self.versions, self.fused = {}, {}, {}, set()
 
 
 class GradientAccumulateOptimizer(Optimizer):
@@ -120,6 +131,15 @@ class GradientAccumulateOptimizer(Optimizer):
     applies ``clip`` once, and calls the inner optimizer **once**, so momentum / Adam moments,
     weight decay and the inner step count advance once per window. Call ``zero_grad()`` between
     micro-steps as usual: it clears ``p.grad`` only, never the accumulators.
+
+    Cost: one pass over each gradient per micro-step, as autograd's own accumulation. Under
+    ``reduction="mean"`` the accumulator is the running weighted mean (each fold one ``lerp``);
+    the window's first ``p.grad`` is kept as the accumulator itself when it is a plain tensor
+    of the accumulation dtype (no copy; ``zero_grad()`` then hands ``p.grad`` back cleared), and
+    the closing micro-step folds straight into its ``p.grad``. So, as in plain PyTorch
+    accumulation, a ``p.grad`` tensor kept across ``step()`` calls changes: clone what you keep.
+    An accumulator changed in place by someone else (``model.zero_grad(set_to_none=False)``
+    zeroes ``p.grad`` in place) is an error at the next ``step()``.
 
     Accumulators live in the wrapper (not in the inner optimizer's ``state``); their dtype is the
     wider of ``accum_dtype`` and the parameter's dtype (float32 for bf16/fp16 parameters, float64
@@ -302,8 +322,13 @@ class GradientAccumulateOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear ``p.grad`` of every parameter; the window's accumulators are kept."""
+        st = self.accum_state
+        if not set_to_none:  # a p.grad kept as the accumulator is not zeroed: a fresh one is
+            for p, acc in st.accumulators.items():
+                if p.grad is acc:
+                    p.grad = torch.zeros_like(acc)
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.accum_state.folded = {}  # the next step sees fresh gradients
+        st.folded = {}  # the next step sees fresh gradients
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -345,7 +370,7 @@ class GradientAccumulateOptimizer(Optimizer):
             if acc is None:
                 out.append(None)
             elif self.reduction == "mean":
-                out.append(acc / st.weight)
+                out.append(acc * (st.last_weight[p] / st.weight))
             else:
                 out.append(acc.clone())
         return out
@@ -380,18 +405,32 @@ class GradientAccumulateOptimizer(Optimizer):
                     "step() was called twice for one backward pass: this micro-step's gradient "
                     "was folded into the window already; call step() once per loss.backward()"
                 )
+            dropped = any(acc is q.grad for q, acc in self.accum_state.accumulators.items())
+            if dropped:  # that p.grad was kept as the window's accumulator: the window is lost
+                self.reset()
             raise RuntimeError(
                 "the gradient changed after it was folded into the window without zero_grad() "
                 "in between (a second backward accumulated into p.grad, so a micro-step would "
                 "count twice); call opt.zero_grad() after every opt.step() (clearing with "
                 "model.zero_grad(set_to_none=False) hides that from the wrapper: use "
                 "opt.zero_grad() or set_to_none=True)"
+                + ("; this window is dropped (its first p.grad was kept as the accumulator)" if dropped else "")
             )
 
     def _fold(self, weight: float, grad_scale: Tensor | float | None) -> None:
-        """Add this micro-step's ``p.grad`` into the accumulators with the given weight."""
+        """Fold this micro-step's ``p.grad`` (weight ``weight``) into the accumulators; on the
+        window's closing micro-step (no GradScaler) the window gradient goes straight into
+        ``p.grad`` instead (``fused``)."""
         mean = self.reduction == "mean"
         st = self.accum_state
+        w_prev = st.weight
+        w_new = w_prev + weight
+        closing = st.micro_step + 1 >= self.accum_steps and grad_scale is None
+        unscale: Tensor | float = 1.0
+        if isinstance(grad_scale, Tensor):
+            unscale = 1.0 / grad_scale.double()
+        elif grad_scale is not None:
+            unscale = 1.0 / grad_scale
         for p in self._params():
             grad = p.grad
             if grad is None:
@@ -402,26 +441,64 @@ class GradientAccumulateOptimizer(Optimizer):
                     "GradientAccumulateOptimizer does not support sparse gradients; use a dense "
                     "embedding (sparse=False)."
                 )
+            dtype = torch.promote_types(self.accum_dtype, p.dtype)
+            plain = grad_scale is None and grad.dtype == dtype and not grad.requires_grad
+            share = weight / w_new if mean else 1.0  # this micro-step's share of the window so far
             acc = st.accumulators.get(p)
-            grad = grad.detach()
-            if acc is None:  # the window's first gradient of p: written, not added to zeros
-                dtype = torch.promote_types(self.accum_dtype, p.dtype)
-                acc = st.pool.get(p)
-                if acc is None or acc.shape != p.shape or acc.dtype != dtype or acc.device != p.device:
-                    acc = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                    st.pool[p] = acc
-                st.accumulators[p] = acc
-                if grad_scale is None:
-                    torch.mul(grad, weight if mean else 1.0, out=acc)
+            if acc is None:
+                if closing and plain:  # p's only gradient of the window: it is the window gradient
+                    if share != 1.0:
+                        grad.mul_(share)
+                    st.fused.add(p)
                     continue
-                acc.zero_()
-            if grad_scale is None:
-                acc.add_(grad, alpha=weight if mean else 1.0)
-            elif isinstance(grad_scale, Tensor):
-                factor = (weight if mean else 1.0) / grad_scale.to(device=acc.device, dtype=acc.dtype)
-                acc.addcmul_(grad, factor)
+                if plain and share == 1.0 and not grad._is_view():
+                    acc = grad  # kept as the accumulator, no copy (zero_grad() hands p.grad back)
+                else:
+                    acc = st.pool.get(p)
+                    if acc is None or acc.shape != p.shape or acc.dtype != dtype or acc.device != p.device:
+                        acc = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                        st.pool[p] = acc
+                    factor = share * unscale
+                    torch.mul(grad.detach(), factor.to(acc.device, acc.dtype) if isinstance(factor, Tensor) else factor, out=acc)
+                st.accumulators[p] = acc
+                st.last_weight[p] = w_new
+                st.versions[p] = acc._version
+                continue
+            self._check_untouched(p, acc)
+            grad = grad.detach()
+            keep = st.last_weight[p] / w_new if mean else 1.0  # the accumulator's share
+            in_step = st.last_weight[p] == w_prev  # p was folded at the last micro-step too
+            if closing and plain:  # the window gradient straight into this micro-step's p.grad
+                if mean and in_step:
+                    torch.lerp(acc, grad, share, out=grad)
+                elif mean:
+                    grad.mul_(share).add_(acc, alpha=keep)
+                else:
+                    grad.add_(acc)
+                st.fused.add(p)
+                continue
+            if mean and in_step and plain:
+                acc.lerp_(grad, share)
             else:
-                acc.add_(grad, alpha=(weight if mean else 1.0) / grad_scale)
+                if keep != 1.0:
+                    acc.mul_(keep)
+                factor = share * unscale
+                if isinstance(factor, Tensor):
+                    acc.addcmul_(grad, factor.to(acc.device, acc.dtype))
+                else:
+                    acc.add_(grad, alpha=factor)
+            st.last_weight[p] = w_new
+            st.versions[p] = acc._version
+
+    def _check_untouched(self, p: Tensor, acc: Tensor) -> None:
+        if acc._version != self.accum_state.versions.get(p):
+            raise RuntimeError(
+                "the window's accumulated gradient was changed outside the wrapper: "
+                "GradientAccumulateOptimizer keeps the window's first p.grad as its accumulator, "
+                "and something modified it in place (model.zero_grad(set_to_none=False) zeroes "
+                "p.grad in place); clear gradients with opt.zero_grad() or "
+                "model.zero_grad(set_to_none=True)"
+            )
 
     def _fire_window_end(self, updated: bool) -> None:
         for hook in list(self._hooks["window_end"].values()):
@@ -444,25 +521,31 @@ class GradientAccumulateOptimizer(Optimizer):
             self._fire_window_end(False)
             return False
 
-        for hook in list(getattr(self, "_window_sum_hooks", {}).values()):
-            hook(self)  # window_sum(p): the window, not yet normalised nor written to p.grad
         params = []
+        mean = self.reduction == "mean"
         for p in self._params():
+            if p in st.fused:  # the closing micro-step wrote it into p.grad already
+                params.append(p)
+                continue
             acc = st.accumulators.get(p)
             if acc is None:
                 continue
-            mean = self.reduction == "mean"
+            self._check_untouched(p, acc)
+            c = st.last_weight[p] / st.weight if mean else 1.0  # the window gradient = c * acc
             if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype and not p.grad.is_sparse:
-                # in place (keeps DDP bucket views valid), divided on the way
-                if mean:
-                    torch.div(acc, st.weight, out=p.grad)
-                else:
-                    p.grad.copy_(acc)
+                # in place (keeps DDP bucket views valid), normalised on the way
+                if p.grad is not acc or c != 1.0:
+                    torch.mul(acc, c, out=p.grad)
             else:
-                p.grad = (acc.div_(st.weight) if mean else acc).to(p.dtype)
+                if c != 1.0:
+                    acc.mul_(c)
+                st.last_weight[p] = st.weight
+                p.grad = acc.to(p.dtype)
                 if p.grad is acc:  # p.grad is the buffer now: the next window takes a new one
                     st.pool.pop(p, None)
             params.append(p)
+        for hook in list(getattr(self, "_window_grad_hooks", {}).values()):
+            hook(self)  # window_grad(p): the window gradient, before clipping and the update
         st.reset_window()
 
         if self.clip is not None:
@@ -589,23 +672,39 @@ class GradientAccumulateOptimizer(Optimizer):
         self._micro_step_hooks[handle.id] = hook
         return handle
 
-    def register_window_sum_hook(self, hook: WindowSumHook) -> RemovableHandle:
-        """Register ``hook(optimizer)``, called once per real update when the window is
-        complete and before anything is done with it: :meth:`window_sum` holds every
-        parameter's unnormalised window sum (accumulation dtype), before it is written into
-        ``p.grad``, clipped and applied. Not called for windows a GradScaler skips. Used by
-        :class:`gradlens.instruments.noise.NoiseScaleMonitor` (the window's ``||s||^2``)."""
-        if not hasattr(self, "_window_sum_hooks"):
-            self._window_sum_hooks: OrderedDict[int, WindowSumHook] = OrderedDict()
-        handle = RemovableHandle(self._window_sum_hooks)
-        self._window_sum_hooks[handle.id] = hook
+    def register_window_grad_hook(self, hook: WindowGradHook) -> RemovableHandle:
+        """Register ``hook(optimizer)``, called once per real update as soon as the window
+        gradient is written into ``p.grad``, before clipping, the step pre-hooks and the update;
+        :meth:`window_grad` gives it in the accumulation dtype. Not called for windows a
+        GradScaler skips. Used by :class:`gradlens.instruments.noise.NoiseScaleMonitor`."""
+        if not hasattr(self, "_window_grad_hooks"):
+            self._window_grad_hooks: OrderedDict[int, WindowGradHook] = OrderedDict()
+        handle = RemovableHandle(self._window_grad_hooks)
+        self._window_grad_hooks[handle.id] = hook
         return handle
+
+    def window_grad(self, p: Tensor) -> Tensor | None:
+        """Inside a window-grad hook: the window gradient of ``p`` (normalised as ``p.grad``,
+        unscaled, before clipping) in the accumulation dtype (``p.grad`` itself, or the
+        accumulator, or a new tensor), or None if ``p`` received no gradient in the window."""
+        st = self.accum_state
+        if p in st.fused:
+            return p.grad
+        acc = st.accumulators.get(p)
+        if acc is None:
+            return None
+        c = st.last_weight[p] / st.weight if self.reduction == "mean" else 1.0
+        return acc if c == 1.0 else acc * c
 
     def window_sum(self, p: Tensor) -> Tensor | None:
         """The window's running, unnormalised sum for parameter ``p`` (``sum_k w_k grad_k /
-        scale_k``, w_k = num_samples under "mean", 1 under "sum"; the accumulator itself, not a
-        copy: read it, do not modify it), or None before ``p`` received a gradient."""
-        return self.accum_state.accumulators.get(p)
+        scale_k``, w_k = num_samples under "mean", 1 under "sum"; read-only: under "mean" a new
+        tensor, under "sum" the accumulator itself), or None before ``p`` received a gradient."""
+        st = self.accum_state
+        acc = st.accumulators.get(p)
+        if acc is None or self.reduction != "mean":
+            return acc
+        return acc * st.last_weight[p]
 
     # ---------------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -631,9 +730,10 @@ class GradientAccumulateOptimizer(Optimizer):
             "weight": st.weight,
             "weighted": st.weighted,
             "via_scaler": st.via_scaler,
-            "accumulators": {
+            "accumulators": {  # as kept (copies): running means under "mean", sums under "sum"
                 i: st.accumulators[p].clone() for i, p in enumerate(params) if p in st.accumulators
             },
+            "last_weight": {i: st.last_weight[p] for i, p in enumerate(params) if p in st.accumulators},
         }
         out = dict(inner)
         out[_STATE_KEY] = section
@@ -669,10 +769,11 @@ class GradientAccumulateOptimizer(Optimizer):
         accumulators: dict[Tensor, Tensor] = {}
         if section is not None:
             version = section.get("version")
-            if version != _STATE_VERSION:
+            if version not in _READS_VERSIONS:
                 raise ValueError(
                     f"state_dict['{_STATE_KEY}']['version'] is {version!r}, this gradlens reads "
-                    f"version {_STATE_VERSION}; save it again with a matching gradlens version."
+                    f"version {' or '.join(map(str, _READS_VERSIONS))}; save it again with a "
+                    "matching gradlens version."
                 )
             if section["reduction"] != self.reduction:
                 raise ValueError(
@@ -700,6 +801,17 @@ class GradientAccumulateOptimizer(Optimizer):
         self.optimizer.load_state_dict(inner)
         st = self.accum_state = AccumulationState()
         if section is not None:
+            st.weight = float(section["weight"])
+            saved_weight = section.get("last_weight", {})
+            index = {p: i for i, p in enumerate(params)}
+            for p, acc in accumulators.items():
+                if section["version"] == 1:  # sums: the running mean under "mean"
+                    if self.reduction == "mean":
+                        acc.div_(st.weight)
+                    st.last_weight[p] = st.weight
+                else:
+                    st.last_weight[p] = float(saved_weight[index[p]])
+                st.versions[p] = acc._version
             st.accumulators = accumulators
             st.micro_step = int(section["micro_step"])
             st.iterations = int(section["iterations"])

@@ -330,25 +330,51 @@ def test_mid_window_checkpoint_resume(opt_name):
     assert opt_c.iterations == opt_a.iterations == 3
 
 
-def test_window_sum_hook_sees_the_unnormalised_window_before_clipping():
-    """Gradients 1, 2, 3 with num_samples 1, 2, 3: the hook sees 1 + 4 + 9 = 14 once per
-    update, before clipping; p.grad is then 14 / 6 (clipped afterwards)."""
+def test_window_grad_hook_sees_the_window_gradient_before_clipping():
+    """Gradients 1, 2, 3 with num_samples 1, 2, 3: the hook sees (1 + 4 + 9) / 6 once per
+    update, before clipping (window_sum mid-window: the unnormalised 1 + 4 = 5)."""
     p = nn.Parameter(torch.zeros(1))
-    seen = []
-    clipped = []
+    seen, sums, clipped = [], [], []
 
     def clip(params):
         clipped.append(float(params[0].grad))
         params[0].grad.clamp_(max=2.0)
 
     opt = GradientAccumulateOptimizer(torch.optim.SGD([p], lr=1.0), accum_steps=3, clip=clip)
-    opt.register_window_sum_hook(lambda o: seen.append((float(o.window_sum(p)), o.micro_step)))
+    opt.register_window_grad_hook(lambda o: seen.append(float(o.window_grad(p))))
     for g, b in ((1.0, 1), (2.0, 2), (3.0, 3)):
         p.grad = torch.tensor([g])
         opt.step(num_samples=b)
         opt.zero_grad()
-    assert seen == [(14.0, 3)]
-    assert clipped == [pytest.approx(14.0 / 6.0)] and float(p.detach()) == pytest.approx(-2.0)
+        sums.append(None if opt.window_sum(p) is None else float(opt.window_sum(p)))
+    assert seen == [pytest.approx(14.0 / 6.0)] and clipped == seen
+    assert sums == [1.0, 5.0, None]
+    assert float(p.detach()) == pytest.approx(-2.0)
+
+
+def test_accumulator_changed_outside_the_wrapper_is_an_error():
+    """The window's first p.grad is kept as the accumulator: changing it in place outside the
+    wrapper is refused at the next step (not a wrong window); model.zero_grad(set_to_none=False)
+    between micro-steps is the forgotten-zero_grad error, and the window is dropped."""
+    model = make_mlp(0)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=3)
+    x, y = make_data(6)
+    mse_loss(model(x[:2]), y[:2]).backward()
+    opt.step(num_samples=2)
+    next(model.parameters()).grad.mul_(2.0)  # in place, after the fold
+    opt.zero_grad()
+    mse_loss(model(x[2:4]), y[2:4]).backward()
+    with pytest.raises(RuntimeError, match=r"changed outside the wrapper.*opt.zero_grad\(\)"):
+        opt.step(num_samples=2)
+    opt.reset()
+    opt.zero_grad()
+    mse_loss(model(x[:2]), y[:2]).backward()
+    opt.step(num_samples=2)
+    model.zero_grad(set_to_none=False)
+    mse_loss(model(x[2:4]), y[2:4]).backward()
+    with pytest.raises(RuntimeError, match=r"without zero_grad\(\) in between.*this window is dropped"):
+        opt.step(num_samples=2)
+    assert opt.micro_step == 0
 
 
 def test_in_memory_state_dict_survives_later_windows():
@@ -523,7 +549,7 @@ def test_bad_state_dict_raises():
 
     bad_version = copy.deepcopy(state)
     bad_version["gradlens_accumulate"]["version"] = 99
-    with pytest.raises(ValueError, match=r"'version'\] is 99.*reads version 1"):
+    with pytest.raises(ValueError, match=r"'version'\] is 99.*reads version 1 or 2"):
         GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 3).load_state_dict(
             bad_version
         )
@@ -642,8 +668,16 @@ def test_misuse_is_an_error_not_a_misweighted_window():
     mse_loss(model(x[2:4]), y[2:4]).backward()  # zero_grad forgotten: p.grad = g1 + g2
     with pytest.raises(RuntimeError, match=r"without zero_grad\(\) in between.*opt.zero_grad\(\)"):
         opt.step(num_samples=2)
+    # the window's first p.grad was kept as its accumulator, so that backward changed the
+    # window: it is dropped, and the next micro-step starts a new one
+    assert opt.micro_step == 0
     opt.zero_grad(set_to_none=False)  # in place is fine through the wrapper
     mse_loss(model(x[2:4]), y[2:4]).backward()
+    opt.step(num_samples=2)
+    assert opt.micro_step == 1
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    mse_loss(model(x[4:6]), y[4:6]).backward()
     opt.step(num_samples=2)
     assert opt.micro_step == 2
 

@@ -182,8 +182,8 @@ class NoiseScaleMonitor:
     """The two-batch noise scale of a :class:`~gradlens.GradientAccumulateOptimizer`'s windows:
     small batches = its micro-steps, big batch = the window (module docstring). Any model, no
     Lens; each micro-step costs one dot product per parameter (``||grad_k||^2``), each real
-    update one more (``||s||^2`` from the wrapper's window sum, before clipping) and one host
-    sync.
+    update one more (``||s||^2`` from the window gradient the wrapper writes, before clipping)
+    and one host sync.
 
     Example::
 
@@ -238,7 +238,7 @@ class NoiseScaleMonitor:
         self.values: list[dict[str, Any]] = []
         self._handles = [
             optimizer.register_micro_step_hook(self._on_micro_step),
-            optimizer.register_window_sum_hook(self._on_window_sum),
+            optimizer.register_window_grad_hook(self._on_window_grad),
             optimizer.register_window_end_hook(self._on_window_end),
         ]
         self._reset()
@@ -273,15 +273,16 @@ class NoiseScaleMonitor:
         self._M += 1
 
     @torch.no_grad()
-    def _on_window_sum(self, optimizer) -> None:
-        """T = ||s||^2, s = sum_k s_k = R * (the wrapper's unnormalised window sum: sum_k
-        B_k grad_k / scale_k under "mean", sum_k grad_k / scale_k under "sum")."""
+    def _on_window_grad(self, optimizer) -> None:
+        """T = ||s||^2, s = sum_k s_k, from the window gradient G the wrapper just wrote (before
+        clipping): under "mean" G = sum_k B_k grad_k / sum_k B_k (unscaled), so s = N * G
+        (N = sum_k b_k, all ranks); under "sum" s = R * G."""
         if self._S is None:
             return
-        sums = [optimizer.window_sum(p) for group in optimizer.param_groups for p in group["params"]]
-        sq = _sum_sq(sums)
+        sq = _sum_sq([optimizer.window_grad(p) for group in optimizer.param_groups for p in group["params"]])
         if sq is not None:
-            self._T = sq * float(self.ranks) ** 2
+            f = self._N if optimizer.reduction == "mean" else float(self.ranks)
+            self._T = sq * (f * f)
 
     def _on_window_end(self, optimizer, updated: bool) -> None:
         if updated and self._S is not None:
