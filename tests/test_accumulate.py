@@ -411,6 +411,39 @@ def test_in_memory_state_dict_survives_later_windows():
         assert torch.equal(p, q)
 
 
+def test_version_1_state_dict_still_loads():
+    """Version 1 sections held the unnormalised window sums: a mid-window one (made here from a
+    version 2 one) resumes to the same parameters, up to rounding."""
+    split = SplitCase("v1", 3, ((2, 3, 1), (4, 1, 2)))
+    micro = [m for w in _window_data(split) for m in w]
+
+    def fresh():
+        model = make_mlp(0)
+        return model, GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), 3)
+
+    def run(model, opt, batches):
+        for x, y in batches:
+            mse_loss(model(x), y).backward()
+            opt.step(num_samples=len(x))
+            opt.zero_grad()
+
+    model_a, opt_a = fresh()
+    run(model_a, opt_a, micro)
+    model_b, opt_b = fresh()
+    run(model_b, opt_b, micro[:5])
+    saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
+    section = saved["opt"]["gradlens_accumulate"]
+    assert section["version"] == 2
+    weights = section.pop("last_weight")
+    section["version"] = 1
+    section["accumulators"] = {i: acc * weights[i] for i, acc in section["accumulators"].items()}
+    model_c, opt_c = fresh()
+    model_c.load_state_dict(saved["model"])
+    opt_c.load_state_dict(saved["opt"])
+    run(model_c, opt_c, micro[5:])
+    assert_params_close(model_c, model_a, TOL)
+
+
 def test_load_plain_torch_state_dict_starts_empty_window():
     model = make_mlp(0)
     plain = torch.optim.Adam(model.parameters())
