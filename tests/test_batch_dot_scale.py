@@ -122,8 +122,13 @@ def test_batch_dot_alone_carries_the_scale_and_matches_the_oracle(split, reducti
         return real(self, state, module, a, delta, **kw)
 
     monkeypatch.setattr(crosssample._CrossSample, "update_layer", spy)
+    copies = []
+    real_units = crosssample._Layer.units
+    monkeypatch.setattr(crosssample._Layer, "units", lambda lay: copies.append(lay.scale) or real_units(lay))
     rec, grads, lens = _run(copy.deepcopy(model), tokens, targets, splits, [BatchDot()], reduction)
     assert lens._carry_scale
+    # the window's Gram scales its blocks: no delta * scale copy, one micro-step or several
+    assert not [c for c in copies if c is not None]
     # every closed-form use (3 LayerNorms, 6 fused Linears) came unscaled, with its scale
     assert sum(s is not None for s in kept) == 9 * len(splits)
     want = _oracle_gram(model, tokens, targets)

@@ -131,10 +131,10 @@ class _Layer:
     #: Linear call took its dL/dW from the same blocks (a one-micro-step window uses it as is)
     gram: Tensor | None = None
     #: the micro-step's per-sample scale (float or 0-d tensor) when ``delta`` is kept unscaled
-    #: (:attr:`BatchDot.carries_scale`): per-sample units are ``delta * scale``. Every
-    #: statistic is bilinear in delta, so a Gram block of micro-steps k, l is ``s_k s_l`` times
-    #: the block of the unscaled factors; the ``delta * scale`` copy is formed only where a
-    #: path needs the units themselves (:meth:`units`: several micro-steps, ranks).
+    #: (:attr:`BatchDot.carries_scale`): per-sample units are ``delta * scale``. A Gram is
+    #: bilinear in delta, so its block of micro-steps k, l is ``s_k s_l`` times the block of
+    #: the unscaled factors (:func:`_scale_blocks`); the ``delta * scale`` copy is formed only
+    #: where a path needs the units themselves (:meth:`units`: the rank merge, projections).
     scale: Any = None
     _units: Tensor | None = None
 
@@ -215,6 +215,21 @@ def _times_scale_sq(k: Tensor, scale) -> Tensor:
     if isinstance(scale, Tensor):
         return k * scale.detach().to(device=k.device, dtype=torch.float64).square()
     return k * (float(scale) ** 2)
+
+
+def _scale_blocks(k: Tensor, pieces) -> Tensor:
+    """``[n, n]`` float64 Gram ``k`` of ``pieces`` (``(w, a, delta, scale)`` per micro-step,
+    samples in order) in per-sample units: ``k_nm s_n s_m`` with ``s_n`` the scale of sample
+    n's micro-step (1 where delta is in per-sample units already). No ``delta * scale`` copy."""
+    if all(p[3] is None for p in pieces):
+        return k
+    if len(pieces) == 1:
+        return _times_scale_sq(k, pieces[0][3])
+    sv = torch.cat([
+        torch.as_tensor(1.0 if p[3] is None else p[3], dtype=torch.float64).detach().cpu().reshape(1).expand(p[2].shape[0])
+        for p in pieces
+    ])
+    return k * sv[:, None] * sv[None, :]
 
 
 def _nbytes(t: Tensor | None) -> int:
@@ -389,9 +404,11 @@ class _CrossSample(Instrument):
                 out[idx] += proj
         return out
 
-    def _layer_pieces(self, state: _DotState):
+    def _layer_pieces(self, state: _DotState, raw: bool = False):
         """Per layer: ``(name, [(w, a, delta) per micro-step that reached it], sample index
-        or None when every micro-step did)``."""
+        or None when every micro-step did)``, delta in per-sample units; ``raw``: pieces
+        ``(w, a, delta, scale)`` with delta as kept (``scale`` None: in per-sample units, else
+        unscaled, see :class:`_Layer`)."""
         offsets, off = [], 0
         for p in state.parts:
             offsets.append(off)
@@ -404,20 +421,9 @@ class _CrossSample(Instrument):
             for p, o in zip(state.parts, offsets):
                 if name in p.layers:
                     lay = p.layers[name]
-                    pieces.append((lay.w, lay.a, lay.units()))
+                    pieces.append((lay.w, lay.a, lay.delta, lay.scale) if raw else (lay.w, lay.a, lay.units()))
                     idx.append(torch.arange(o, o + p.batch))
             yield name, pieces, (None if len(pieces) == len(state.parts) else torch.cat(idx))
-
-    def _layer_pieces_for_gram(self, state: _DotState):
-        """:meth:`_layer_pieces` with a fourth entry per piece, for :meth:`_gram`: in a window of
-        one micro-step, a delta kept unscaled stays so and its scale is given (the Gram scales
-        by s^2: no ``delta * scale`` copy); else None and delta in per-sample units."""
-        if len(state.parts) != 1:
-            for name, pieces, idx in self._layer_pieces(state):
-                yield name, [(*p, None) for p in pieces], idx
-            return
-        for name, lay in state.parts[0].layers.items():
-            yield name, [(lay.w, lay.a, lay.delta, lay.scale)], None
 
     def _sketches(self, state: _DotState) -> Tensor:
         """``[N, k]`` float64 sketches of the window's g_n (sketch mode)."""
@@ -440,12 +446,10 @@ class _CrossSample(Instrument):
         self._check_versions(state)
         n = state.num_samples
         K = torch.zeros(n, n, dtype=torch.float64)
-        for name, pieces, idx in self._layer_pieces_for_gram(state):
+        for name, pieces, idx in self._layer_pieces(state, raw=True):
             kl = state.parts[0].layers[name].gram if len(state.parts) == 1 else None
-            if kl is None:
-                kl = _memo_layer_gram(stats, [p[:3] for p in pieces])
-                if pieces[0][3] is not None:  # one micro-step, delta kept unscaled
-                    kl = _times_scale_sq(kl, pieces[0][3])
+            if kl is None:  # from the factors as kept (unscaled ones: s_k s_l per block)
+                kl = _scale_blocks(_memo_layer_gram(stats, [p[:3] for p in pieces]), pieces)
             if idx is None:
                 K += kl
             else:
