@@ -596,39 +596,32 @@ class LinearKernel(Kernel):
             k = k * (ka + 1) if "bias" in attrs else k * ka
         return k
 
-    def gram_with_sum(self, module, a, delta, attrs, scratch=None) -> tuple[Tensor, Tensor | None]:
+    def gram_with_sum(self, module, a, delta, attrs) -> tuple[Tensor, Tensor | None]:
         """``([B, B] Gram, [d_out, d_in] sum_n g_n of the weight or None)`` of one micro-step's
         sequence input: the Gram of :meth:`gram`; where that materialises weight row blocks
         (:meth:`_gram_row_blocks`), the weight sum comes from the same blocks (what a fused
-        Linear call takes as its dL/dW), else None. ``scratch``: see :meth:`_gram_row_blocks`."""
+        Linear call takes as its dL/dW), else None."""
         if self.kind != "linear" or delta.dim() == 2 or "weight" not in attrs or self.use_tgram(module, a, delta, delta.shape[0]):
             return self.gram(module, [(a, delta)], attrs), None
         d_out, d_in = self.matrix_dims(module)
         wsum = delta.new_empty(d_out, d_in)  # every row block writes its rows once
-        return self._gram_row_blocks(module, [(a, delta)], attrs, wsum, write_sum=True, scratch=scratch), wsum
+        return self._gram_row_blocks(module, [(a, delta)], attrs, wsum, write_sum=True), wsum
 
-    def _gram_row_blocks(self, module, pieces, attrs, wsum: Tensor | None = None, write_sum: bool = False,
-                         scratch=None):
+    def _gram_row_blocks(self, module, pieces, attrs, wsum: Tensor | None = None, write_sum: bool = False):
         """``[n, n]`` Gram of a sequence Linear from materialised per-sample gradients, one block
         of weight rows at a time: ``K = sum_blocks G_r G_r^T + Db Db^T`` with ``G_r [n, rows,
         d_in]`` the rows ``r`` of every g_n (``Dl_n[:, r]^T X_n``, written into one reused
         buffer of at most :data:`CHUNK_ELEMENTS` elements, or one row when ``n d_in`` is more)
         and ``Db [n, d_out]`` the bias gradients. Memory stays bounded: nothing of size
         ``[n, D_l]`` is formed. ``wsum`` (``[d_out, d_in]``, optional): the blocks' sum over
-        samples is added into it (``write_sum``: written, its old contents ignored).
-        ``scratch(tag, like)`` (optional, :meth:`gradlens.instruments.base.Accumulators.scratch`):
-        a buffer kept across calls for the blocks, so that a step does not fault in fresh pages
-        for them (they die within the call)."""
+        samples is added into it (``write_sum``: written, its old contents ignored)."""
         flats = [self._flat(module, a, d) for a, d in pieces]  # (X [b, T, d_in], Dl [b, T, d_out])
         n = sum(d.shape[0] for _, d in flats)
         d_out, d_in = self.matrix_dims(module)
         K = None
         if "weight" in attrs:
             rows = max(1, min(d_out, CHUNK_ELEMENTS // max(n * d_in, 1)))
-            like = flats[0][1].reshape(-1)[:1].expand(n * rows * d_in)  # shape and dtype, no memory
-            buf = scratch("gram_rows", like) if scratch is not None else None
-            if buf is None:
-                buf = like.new_empty(like.shape)
+            buf = flats[0][1].new_empty(n * rows * d_in)
             ones = buf.new_ones(1, n)
             for r0 in range(0, d_out, rows):
                 r1 = min(d_out, r0 + rows)

@@ -417,8 +417,6 @@ class Lens:
             if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
                 self._hooks.append(optimizer.register_window_end_hook(self._on_window_end))
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
-        # temporaries of one kernel call (BatchDot's backward row blocks), reused across steps
-        self._scratch = Accumulators(self._pools.setdefault("scratch", {}))
         self._consumed: set[int] = set()  # forward passes measured by earlier captures
         self._empty_micro_steps = 0
         self._micro: _MicroStep | None = None
@@ -1183,7 +1181,7 @@ class Lens:
             for inst in self._layer_insts:
                 fill = weight_grad is not None and weight_grad[0].value is None and inst.fills_weight_grad
                 inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad if fill else None,
-                                  scale=scale, scratch=self._scratch.scratch)
+                                  scale=scale)
             return
         self._window_sites[w.name] = w
         kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
@@ -1205,8 +1203,7 @@ class Lens:
                 self._add_l2(micro, sum(l2))
         for inst in self._layer_insts:
             if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
-                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad,
-                                  scratch=self._scratch.scratch)
+                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
             else:
                 inst.update_layer(micro.states[id(inst)], w, a, delta)
         if not (per_sample or from_chunks):

@@ -286,13 +286,11 @@ class _CrossSample(Instrument):
     carries_scale = False
 
     def update_layer(self, state: _DotState, module, a: Tensor, delta: Tensor, weight_grad=None,
-                     scale=None, scratch=None) -> None:
+                     scale=None) -> None:
         """``weight_grad``: ``(WeightGrad, per-sample scale)`` of a fused Linear call not yet
         given its dL/dW (see :attr:`fills_weight_grad`). ``scale`` (only where
         :attr:`carries_scale`): ``delta`` is the output gradient as autograd delivered it, and
-        ``delta * scale`` its per-sample units (float or 0-d tensor). ``scratch``: the Lens'
-        reusable buffers for temporaries of the backward Gram
-        (:meth:`gradlens.instruments.base.Accumulators.scratch`)."""
+        ``delta * scale`` its per-sample units (float or 0-d tensor)."""
         part = state.part()
         state.modules[module.name] = module
         for attr, q in module.params.items():
@@ -305,7 +303,7 @@ class _CrossSample(Instrument):
         lay = part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version), scale=scale)
         if weight_grad is not None and self.fills_weight_grad:
             holder, wscale = weight_grad
-            k, wsum = module.kernel.gram_with_sum(module.module, a, delta, module.params, scratch=scratch)
+            k, wsum = module.kernel.gram_with_sum(module.module, a, delta, module.params)
             if wsum is not None:
                 if scale is None:  # delta in per-sample units: dL/dW = sum_n g_n / scale
                     lay.gram = k.double().cpu()
