@@ -604,17 +604,17 @@ class LinearKernel(Kernel):
         if self.kind != "linear" or delta.dim() == 2 or "weight" not in attrs or self.use_tgram(module, a, delta, delta.shape[0]):
             return self.gram(module, [(a, delta)], attrs), None
         d_out, d_in = self.matrix_dims(module)
-        wsum = delta.new_zeros(d_out, d_in)
-        return self._gram_row_blocks(module, [(a, delta)], attrs, wsum), wsum
+        wsum = delta.new_empty(d_out, d_in)  # every row block writes its rows once
+        return self._gram_row_blocks(module, [(a, delta)], attrs, wsum, write_sum=True), wsum
 
-    def _gram_row_blocks(self, module, pieces, attrs, wsum: Tensor | None = None):
+    def _gram_row_blocks(self, module, pieces, attrs, wsum: Tensor | None = None, write_sum: bool = False):
         """``[n, n]`` Gram of a sequence Linear from materialised per-sample gradients, one block
         of weight rows at a time: ``K = sum_blocks G_r G_r^T + Db Db^T`` with ``G_r [n, rows,
         d_in]`` the rows ``r`` of every g_n (``Dl_n[:, r]^T X_n``, written into one reused
         buffer of at most :data:`CHUNK_ELEMENTS` elements, or one row when ``n d_in`` is more)
         and ``Db [n, d_out]`` the bias gradients. Memory stays bounded: nothing of size
         ``[n, D_l]`` is formed. ``wsum`` (``[d_out, d_in]``, optional): the blocks' sum over
-        samples is added into it."""
+        samples is added into it (``write_sum``: written, its old contents ignored)."""
         flats = [self._flat(module, a, d) for a, d in pieces]  # (X [b, T, d_in], Dl [b, T, d_out])
         n = sum(d.shape[0] for _, d in flats)
         d_out, d_in = self.matrix_dims(module)
@@ -622,6 +622,7 @@ class LinearKernel(Kernel):
         if "weight" in attrs:
             rows = max(1, min(d_out, CHUNK_ELEMENTS // max(n * d_in, 1)))
             buf = flats[0][1].new_empty(n * rows * d_in)
+            ones = buf.new_ones(1, n)
             for r0 in range(0, d_out, rows):
                 r1 = min(d_out, r0 + rows)
                 blk = buf[: n * (r1 - r0) * d_in].view(n, r1 - r0, d_in)
@@ -631,8 +632,12 @@ class LinearKernel(Kernel):
                     s += d.shape[0]
                 f = blk.view(n, -1)
                 K = f @ f.T if K is None else K.addmm_(f, f.T)
-                if wsum is not None:
-                    _add_row_sum(wsum[r0:r1], f.new_ones(1, n), f)
+                if wsum is not None and write_sum and wsum.is_contiguous() and wsum.dtype == f.dtype:
+                    torch.mm(ones, f, out=wsum[r0:r1].view(1, -1))
+                elif wsum is not None:
+                    if write_sum:
+                        wsum[r0:r1].zero_()
+                    _add_row_sum(wsum[r0:r1], ones, f)
         if "bias" in attrs:
             db = _cat([d.sum(1) for _, d in flats])
             K = db @ db.T if K is None else K.addmm_(db, db.T)

@@ -343,6 +343,11 @@ class Lens:
         self._micro_insts = self._per_sample_insts + [
             i for i in self._layer_insts if i not in self._per_sample_insts
         ]
+        # every use goes to instruments that keep delta unscaled with its scale (BatchDot):
+        # no per-use ``g * scale`` copy (see gradlens.instruments.crosssample._Layer)
+        self._carry_scale = bool(self._layer_insts) and not (self._needs - {"layer"}) and all(
+            getattr(i, "carries_scale", False) for i in self._layer_insts
+        )
         # instruments of the window gradient only (GradNorm, NoiseScaleTwoBatch): parameter
         # hooks, no per-sample capture, any model
         self._light = not (self._needs - LIGHT_QUANTITIES)
@@ -1053,16 +1058,22 @@ class Lens:
             return
         with torch.no_grad():
             dtype = self._dtype(g)
-            delta = g.detach().to(dtype) * micro.scale()
+            raw = g.detach().to(dtype)
+            scale = micro.scale()
             a = a.detach()
             if a.is_floating_point():
                 a = a.to(dtype)
             micro.seen.update(names.values())
             single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
             shared = set(names) - single
+            # per-sample units; kept unscaled (with the scale) where only BatchDot reads it
+            delta = raw * scale if shared or not self._carry_scale else None
             if single:
-                wg = (weight_grad, micro.scale()) if weight_grad is not None and "weight" in single else None
-                self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
+                wg = (weight_grad, scale) if weight_grad is not None and "weight" in single else None
+                if delta is None:
+                    self._measure(site.only(single), a, raw, micro, False, wg, scale=scale)
+                else:
+                    self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
@@ -1162,11 +1173,20 @@ class Lens:
 
     def _measure(
         self, w: Site, a: Tensor, delta: Tensor, micro: _MicroStep, weight_via_node: bool = False,
-        weight_grad=None,
+        weight_grad=None, scale=None,
     ) -> None:
         """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
         units (both batch-first). ``weight_grad``: ``(WeightGrad, per-sample scale)`` of a
-        fused Linear call, handed to the kernel's reduction (which may fill it)."""
+        fused Linear call, handed to the kernel's reduction (which may fill it). ``scale``
+        (a Lens that carries it, see ``_carry_scale``): ``delta`` is unscaled and every
+        instrument receives it with its scale."""
+        if scale is not None:
+            self._window_sites[w.name] = w
+            for inst in self._layer_insts:
+                fill = weight_grad is not None and weight_grad[0].value is None and inst.fills_weight_grad
+                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad if fill else None,
+                                  scale=scale)
+            return
         self._window_sites[w.name] = w
         kernel, module, needs, window = w.kernel, w.module, self._needs, self._window
         per_sample = bool(self._per_sample_insts)

@@ -327,6 +327,50 @@ def test_sampled_histograms_merge_across_ranks():
 
 
 # ------------------------------------------------------------------- collectives per window
+def _dot_alone_worker(rank: int, world: int, port: int, out_dir: str, name: str) -> None:
+    """BatchDot as the only instrument (output gradients kept unscaled with their scale): one
+    window of K = 1 and one of K = 3 micro-steps of this rank's slice, mean loss."""
+    _init(rank, world, port)
+    try:
+        model0, windows, _, _ = _problem(name)
+        sizes = RANK_SIZES[world]
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + sizes[rank])
+        model = gradlens.extend(copy.deepcopy(model0))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # theta fixed: one oracle for both
+        lens = Lens(model, [BatchDot()], optimizer=opt)
+        assert lens._carry_scale
+        x, y = windows[0]
+        for K in (1, 3):
+            for xb, yb in zip(torch.tensor_split(x[mine], K), torch.tensor_split(y[mine], K)):
+                loss = loss_fn(model(xb), yb)
+                with lens.capture():
+                    loss.backward()
+            opt.step()
+            opt.zero_grad()
+        lens.close()
+        torch.save([r["batch_dot"] for r in lens.records], os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["seq", "mlp"])
+def test_batch_dot_alone_merges_unscaled_factors_across_ranks(name):
+    """Ranks x K micro-steps of a BatchDot-only Lens (its factors travel in per-sample units)
+    == the oracle's Gram of the rank-major batch, on every rank."""
+    world = 2
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_dot_alone_worker, world, out_dir, name)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    model0, windows, _, _ = _problem(name)
+    G = flat(per_sample_grads(model0, *windows[0]))
+    for grams in results:
+        assert len(grams) == 2
+        for k in grams:
+            _close(k, G @ G.T)
+
+
 def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     try:

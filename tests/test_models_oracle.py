@@ -345,6 +345,20 @@ def test_every_instrument_matches_oracle_and_single_batch(name, reduction):
         check_same_record(recs["K3-unequal"], recs["K1"], case, G, grad_r)
 
 
+@pytest.mark.parametrize("name,reduction", _PARAMS)
+def test_batch_dot_alone_matches_oracle(name, reduction):
+    """BatchDot as the only instrument keeps output gradients unscaled with their micro-step's
+    scale (no per-use copy): K = 3 unequal micro-steps and K = 1 == the oracle's Gram."""
+    case, model, windows = problem(name)
+    kwargs = BN_LEAVE_OUT if case.trackable is not None else None
+    for split in ("K3-unequal", "K1"):
+        sizes = SPLITS[split]
+        lens, thetas = run_lens(case, model, windows, sizes, reduction, [BatchDot()], kwargs)
+        assert lens._carry_scale
+        G = flat(per_sample_grads(case, thetas[0], windows[0], sizes))
+        _close(lens.records[0]["batch_dot"], G @ G.T, case.rtol)
+
+
 @pytest.mark.parametrize("name", _params(lambda c: c.trackable is None))
 def test_full_coverage_without_exclusions(name):
     """Every trainable parameter tracked, none excluded: lens.tracked, lens.coverage == 1.0,

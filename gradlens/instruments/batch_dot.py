@@ -33,6 +33,12 @@ class BatchDot(_CrossSample):
     key = "batch_dot"
     gram_in_backward = True
 
+    @property
+    def carries_scale(self) -> bool:
+        """Exact mode keeps output gradients unscaled with their micro-step's scale: its Grams
+        are bilinear in them (see :class:`~gradlens.instruments.crosssample._Layer`)."""
+        return self.mode == "exact"
+
     def _materialises(self, module, a, delta):
         return module.kernel.gram_materialises(module.module, a, delta)
 

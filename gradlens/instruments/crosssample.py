@@ -124,15 +124,32 @@ def _own(t: Tensor) -> Tensor:
 class _Layer:
     w: Any  # WatchedModule
     a: Tensor
+    #: the output gradient: in per-sample units, or (``scale`` set) as autograd delivered it
     delta: Tensor
     versions: tuple[int, int]
     #: ``[B, B]`` float64 Gram of this micro-step's samples, formed in backward where a fused
     #: Linear call took its dL/dW from the same blocks (a one-micro-step window uses it as is)
     gram: Tensor | None = None
+    #: the micro-step's per-sample scale (float or 0-d tensor) when ``delta`` is kept unscaled
+    #: (:attr:`BatchDot.carries_scale`): per-sample units are ``delta * scale``. A Gram is
+    #: bilinear in delta, so its block of micro-steps k, l is ``s_k s_l`` times the block of
+    #: the unscaled factors (:func:`_scale_blocks`); the ``delta * scale`` copy is formed only
+    #: where a path needs the units themselves (:meth:`units`: the rank merge, projections).
+    scale: Any = None
+    _units: Tensor | None = None
+
+    def units(self) -> Tensor:
+        """``[B, ...]``: the output gradient in per-sample units (formed once, if kept unscaled)."""
+        if self.scale is None:
+            return self.delta
+        if self._units is None:
+            self._units = self.delta * self.scale
+        return self._units
 
     def __getstate__(self) -> dict:  # Lens.state_dict: a reloaded tensor's version restarts
         state = dict(self.__dict__)
         state["versions"] = (self.a._version, self.delta._version) == self.versions
+        state["_units"] = None  # formed again on demand
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -192,6 +209,29 @@ def _cat_cached(ctx, tensors: list[Tensor]) -> Tensor:
     return cache[key][0]
 
 
+def _times_scale_sq(k: Tensor, scale) -> Tensor:
+    """``k * scale^2`` in float64 (``scale``: float or 0-d tensor): a Gram of unscaled factors
+    in per-sample units."""
+    if isinstance(scale, Tensor):
+        return k * scale.detach().to(device=k.device, dtype=torch.float64).square()
+    return k * (float(scale) ** 2)
+
+
+def _scale_blocks(k: Tensor, pieces) -> Tensor:
+    """``[n, n]`` float64 Gram ``k`` of ``pieces`` (``(w, a, delta, scale)`` per micro-step,
+    samples in order) in per-sample units: ``k_nm s_n s_m`` with ``s_n`` the scale of sample
+    n's micro-step (1 where delta is in per-sample units already). No ``delta * scale`` copy."""
+    if all(p[3] is None for p in pieces):
+        return k
+    if len(pieces) == 1:
+        return _times_scale_sq(k, pieces[0][3])
+    sv = torch.cat([
+        torch.as_tensor(1.0 if p[3] is None else p[3], dtype=torch.float64).detach().cpu().reshape(1).expand(p[2].shape[0])
+        for p in pieces
+    ])
+    return k * sv[:, None] * sv[None, :]
+
+
 def _nbytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -240,25 +280,37 @@ class _CrossSample(Instrument):
     def fills_weight_grad(self) -> bool:
         return self.gram_in_backward and self.mode == "exact"
 
-    def update_layer(self, state: _DotState, module, a: Tensor, delta: Tensor, weight_grad=None) -> None:
+    #: whether :meth:`update_layer` accepts ``delta`` unscaled with its per-sample ``scale``
+    #: (the Lens then skips the ``delta * scale`` copy of every use it hands only to this
+    #: instrument); BatchDot, exact mode
+    carries_scale = False
+
+    def update_layer(self, state: _DotState, module, a: Tensor, delta: Tensor, weight_grad=None,
+                     scale=None) -> None:
         """``weight_grad``: ``(WeightGrad, per-sample scale)`` of a fused Linear call not yet
-        given its dL/dW (see :attr:`fills_weight_grad`)."""
+        given its dL/dW (see :attr:`fills_weight_grad`). ``scale`` (only where
+        :attr:`carries_scale`): ``delta`` is the output gradient as autograd delivered it, and
+        ``delta * scale`` its per-sample units (float or 0-d tensor)."""
         part = state.part()
         state.modules[module.name] = module
         for attr, q in module.params.items():
             state.params[q] = getattr(module.module, attr)
         if self._sketcher is not None:
-            s = self._sketcher.sketch(module, a, delta)
+            s = self._sketcher.sketch(module, a, delta if scale is None else delta * scale)
             part.sketch = s if part.sketch is None else part.sketch + s
             return
         a, delta = _own(a), _own(delta)
-        lay = part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version))
+        lay = part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version), scale=scale)
         if weight_grad is not None and self.fills_weight_grad:
-            holder, scale = weight_grad
+            holder, wscale = weight_grad
             k, wsum = module.kernel.gram_with_sum(module.module, a, delta, module.params)
             if wsum is not None:
-                lay.gram = k.double().cpu()
-                holder.value = (wsum / scale).to(module.module.weight.dtype)
+                if scale is None:  # delta in per-sample units: dL/dW = sum_n g_n / scale
+                    lay.gram = k.double().cpu()
+                    holder.value = (wsum / wscale).to(module.module.weight.dtype)
+                else:  # unscaled delta: its sum is dL/dW itself, the Gram scales by s^2
+                    lay.gram = _times_scale_sq(k.double(), scale).cpu()
+                    holder.value = wsum.to(module.module.weight.dtype)
         if self._materialises(module, a, delta):
             per = sum(getattr(module.module, attr).numel() for attr in module.params)
             part.dense_per_sample = max(part.dense_per_sample, per * delta.element_size())
@@ -350,9 +402,11 @@ class _CrossSample(Instrument):
                 out[idx] += proj
         return out
 
-    def _layer_pieces(self, state: _DotState):
+    def _layer_pieces(self, state: _DotState, raw: bool = False):
         """Per layer: ``(name, [(w, a, delta) per micro-step that reached it], sample index
-        or None when every micro-step did)``."""
+        or None when every micro-step did)``, delta in per-sample units; ``raw``: pieces
+        ``(w, a, delta, scale)`` with delta as kept (``scale`` None: in per-sample units, else
+        unscaled, see :class:`_Layer`)."""
         offsets, off = [], 0
         for p in state.parts:
             offsets.append(off)
@@ -365,7 +419,7 @@ class _CrossSample(Instrument):
             for p, o in zip(state.parts, offsets):
                 if name in p.layers:
                     lay = p.layers[name]
-                    pieces.append((lay.w, lay.a, lay.delta))
+                    pieces.append((lay.w, lay.a, lay.delta, lay.scale) if raw else (lay.w, lay.a, lay.units()))
                     idx.append(torch.arange(o, o + p.batch))
             yield name, pieces, (None if len(pieces) == len(state.parts) else torch.cat(idx))
 
@@ -390,10 +444,10 @@ class _CrossSample(Instrument):
         self._check_versions(state)
         n = state.num_samples
         K = torch.zeros(n, n, dtype=torch.float64)
-        for name, pieces, idx in self._layer_pieces(state):
+        for name, pieces, idx in self._layer_pieces(state, raw=True):
             kl = state.parts[0].layers[name].gram if len(state.parts) == 1 else None
-            if kl is None:
-                kl = _memo_layer_gram(stats, pieces)
+            if kl is None:  # from the factors as kept (unscaled ones: s_k s_l per block)
+                kl = _scale_blocks(_memo_layer_gram(stats, [p[:3] for p in pieces]), pieces)
             if idx is None:
                 K += kl
             else:
@@ -443,7 +497,8 @@ class _CrossSample(Instrument):
                         f"of a rank to reach layer {w.name!r} with the same per-sample shapes; "
                         f"use mode='sketch' (or Lens(..., process_group=False))"
                     )
-                a, d = (_cat_cached(ctx, [getattr(h, f) for h in have]) for f in ("a", "delta"))
+                a = _cat_cached(ctx, [h.a for h in have])
+                d = _cat_cached(ctx, [h.units() for h in have])
                 row += [float(_DTYPES.index(a.dtype)), float(_DTYPES.index(d.dtype))]
                 pieces += [a, d]
         losses = torch.cat([p.losses for p in parts]) if has_losses else torch.zeros(0, dtype=torch.float64)
