@@ -67,3 +67,39 @@ def test_hist2d_factor_path_equals_materialised(b, o, i, seed, grad_width, ties)
     slow.update(s_slow, "w", param, torch.einsum("no,ni->noi", delta, a))
     assert torch.equal(s_fast.counts, s_slow.counts)
     assert int(s_fast.clamped_grad) == int(s_slow.clamped_grad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 400), bins=st.integers(1, 12), lo=st.sampled_from([-3.0, -2.0, -1.25, -0.5, 0.0]),
+    width=st.sampled_from([0.5, 1.0, 2.5, 4.0, 6.0]),
+    seed=st.integers(0, 2**16), spread=st.sampled_from([0.05, 1.0, 5.0]), nan=st.booleans(),
+    dense=st.booleans(),
+)
+def test_dense_histograms_equal_oracle_inside_and_outside_the_range(n, bins, lo, width, seed, spread, nan, dense):
+    """GradHist1d / GradHist2d's dense update: a chunk with every element inside [lo, hi] takes
+    the short path (no per-element clamp checks), others the full one; both give the oracle's
+    counts by exact edges and the exact clamped counts (edge values and NaN included)."""
+    from gradlens.instruments import GradHist1d, GradHist2d
+    from oracle import hist_oracle
+
+    hi = lo + width
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * spread).float()
+    if dense:  # values exactly on the range's ends and on the zero edge
+        x[: min(n, 3)] = torch.tensor([lo, hi, 0.0])[: min(n, 3)]
+    if nan:
+        x[-1] = float("nan")
+    param = torch.zeros(n)
+    h1 = GradHist1d(bins=bins, range=(lo, hi))
+    s1 = h1.start_window()
+    for chunk in x.split(97):
+        h1.update(s1, "p", param[: len(chunk)], chunk.view(1, -1))
+    want, low, high = hist_oracle(x, lo, hi, bins)  # NaN: in the last bin and clamped high
+    assert torch.equal(s1.counts.to(torch.int64), want)
+    assert (int(s1.low), int(s1.high)) == (low, high)
+    h2 = GradHist2d(bins=(1, bins), range=((-1.0, 1.0), (lo, hi)))
+    s2 = h2.start_window()
+    h2.update(s2, "p", param, x.view(1, -1))
+    assert torch.equal(s2.counts.reshape(-1).to(torch.int64), want)
+    assert int(s2.clamped_grad) == low + high

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.instruments.outer_hist import _affine, bin_of, outer_hist1d, row_extremes, tally
+from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, outer_hist1d, row_extremes, tally
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
@@ -187,6 +187,12 @@ class GradHist1d(Instrument):
         x = grad_batch.detach()
         state.to(x.device)
         lo, hi = state.lo, state.hi
+        inside = extremes_inside(x, lo, hi)
+        if inside is not None:  # nothing clamped, no NaN: the bins alone
+            tally(state.counts, bin_of(x, lo, hi, self.bins, torch.int32, finite=True))
+            if self.adapt is not None:
+                self._extremes(state, torch.stack(inside))
+            return
         tally(state.counts, bin_of(x, lo, hi, self.bins, torch.int32))
         state.low += torch.count_nonzero(x < lo)  # (faster than a bool sum)
         state.high += torch.count_nonzero(x > hi) + torch.count_nonzero(x.isnan())
@@ -388,6 +394,12 @@ class GradHist2d(Instrument):
         state.to(x.device)
         off = self._theta(state, name, param).offsets
         lo, hi = state.grange
+        inside = extremes_inside(x, lo, hi)
+        if inside is not None:  # nothing clamped, no NaN: the bins alone
+            tally(state.counts, bin_of(x, lo, hi, self.bins[1], torch.int32, finite=True).add_(off))
+            if self.adapt is not None:
+                self._grad_extremes(state, *inside)
+            return
         tally(state.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(off))
         state.clamped_grad += (torch.count_nonzero(x < lo) + torch.count_nonzero(x > hi)
                                + torch.count_nonzero(x.isnan()))

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from gradlens.sync import device_paths
 
-__all__ = ["bin_of", "outer_hist1d", "row_extremes", "tally"]
+__all__ = ["bin_of", "extremes_inside", "outer_hist1d", "row_extremes", "tally"]
 
 
 def row_extremes(delta: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
@@ -41,18 +41,32 @@ def _affine(lo: float, hi: float, bins: int) -> tuple[float, float | None]:
     return s, None
 
 
-def bin_of(x: Tensor, lo: float, hi: float, bins: int, dtype: torch.dtype = torch.int64) -> Tensor:
+def bin_of(x: Tensor, lo: float, hi: float, bins: int, dtype: torch.dtype = torch.int64,
+           finite: bool = False) -> Tensor:
     """Integer (``dtype``) bins by the documented rule ``floor((x - lo) * bins / (hi - lo))``, clamped to
-    ``[0, bins - 1]`` (NaN in the last bin). When 0 is an edge it is computed as
-    ``z + floor(x * bins / (hi - lo))``, the same number without the rounding of ``x - lo``: the
-    sign of x alone decides the side of the zero edge (a tiny negative value is never rounded
-    into the bin right of zero)."""
+    ``[0, bins - 1]`` (NaN in the last bin; ``finite=True``: the caller knows there is none).
+    When 0 is an edge it is computed as ``z + floor(x * bins / (hi - lo))``, the same number
+    without the rounding of ``x - lo``: the sign of x alone decides the side of the zero edge (a
+    tiny negative value is never rounded into the bin right of zero)."""
     s, z = _affine(lo, hi, bins)
     if z is None:
-        idx = torch.floor((x - lo) * s)
+        idx = torch.mul(x - lo, s).floor_()
     else:
-        idx = torch.floor(x * s).add_(z)
-    return idx.nan_to_num_(nan=float(bins)).clamp_(0, bins - 1).to(dtype)
+        idx = torch.mul(x, s).floor_().add_(z)
+    if not finite:
+        idx.nan_to_num_(nan=float(bins))
+    return idx.clamp_(0, bins - 1).to(dtype)
+
+
+def extremes_inside(x: Tensor, lo: float, hi: float) -> tuple[Tensor, Tensor] | None:
+    """``(min, max)`` of ``x`` when every element lies in ``[lo, hi]`` (so none is clamped and
+    none is NaN), else None: one pass that spares the histograms' three exact comparisons per
+    element (below, above, NaN) in the common case. It reads the answer on the host, so it is
+    CPU-only: None on the device paths (:mod:`gradlens.sync`) and for empty ``x``."""
+    if x.numel() == 0 or device_paths(x):
+        return None
+    mn, mx = torch.aminmax(x)
+    return (mn, mx) if bool(mn >= lo) and bool(mx <= hi) else None
 
 
 def tally(counts: Tensor, idx: Tensor) -> None:
