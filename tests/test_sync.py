@@ -14,6 +14,7 @@ optimizer step) may sync and is not counted.
 from __future__ import annotations
 
 import collections
+import os
 import traceback
 
 import pytest
@@ -40,6 +41,10 @@ from gradlens.instruments import (
 )
 from gradlens.sync import device_paths, forced_device_paths
 
+#: gradlens' own source folder: host reads are counted in frames from files under it only (not
+#: from a virtual environment or a checkout that happens to sit in a folder named gradlens)
+_PACKAGE = os.path.dirname(os.path.abspath(gradlens.__file__)) + os.sep
+
 
 class HostReads:
     """Within the block, records every host-syncing torch call made from gradlens' code."""
@@ -59,11 +64,12 @@ class HostReads:
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
             if self.active and self._syncs(name, args, kwargs):
-                frames = [f for f in traceback.extract_stack()[:-1] if "/gradlens/" in f.filename
-                          and "/tests/" not in f.filename]
+                frames = [f for f in traceback.extract_stack()[:-1]
+                          if os.path.abspath(f.filename).startswith(_PACKAGE)]
                 if frames:
                     f = frames[-1]
-                    self.calls[f"{name} at {f.filename.split('/gradlens/')[-1]}:{f.lineno}"] += 1
+                    where = os.path.relpath(os.path.abspath(f.filename), _PACKAGE)
+                    self.calls[f"{name} at {where}:{f.lineno}"] += 1
             return fn(*args, **kwargs)
 
         return wrapper
