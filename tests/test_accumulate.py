@@ -44,6 +44,14 @@ def _window_data(case: SplitCase, seed: int = 1):
     return out
 
 
+def _fold_each(model, opt, batches):
+    """One micro-step per (x, y): backward of the mean loss, step(num_samples=len(x)), zero_grad."""
+    for x, y in batches:
+        mse_loss(model(x), y).backward()
+        opt.step(num_samples=len(x))
+        opt.zero_grad()
+
+
 def _run_reference(model, opt, windows, reduction="mean", scheduler=None, skip=()):
     lrs = []
     for w, micro in enumerate(windows):
@@ -302,17 +310,11 @@ def test_mid_window_checkpoint_resume(opt_name):
         opt = GradientAccumulateOptimizer(OPTIMIZERS[opt_name](list(model.parameters())), 3)
         return model, opt
 
-    def run(model, opt, batches):
-        for x, y in batches:
-            mse_loss(model(x), y).backward()
-            opt.step(num_samples=len(x))
-            opt.zero_grad()
-
     model_a, opt_a = fresh()
-    run(model_a, opt_a, micro)
+    _fold_each(model_a, opt_a, micro)
 
     model_b, opt_b = fresh()
-    run(model_b, opt_b, micro[:stop])
+    _fold_each(model_b, opt_b, micro[:stop])
     assert opt_b.micro_step == 2
     buffer = io.BytesIO()
     torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buffer)
@@ -323,7 +325,7 @@ def test_mid_window_checkpoint_resume(opt_name):
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
     assert opt_c.micro_step == 2 and opt_c.iterations == 1
-    run(model_c, opt_c, micro[stop:])
+    _fold_each(model_c, opt_c, micro[stop:])
     for p, q in zip(model_c.parameters(), model_a.parameters()):
         assert torch.equal(p, q)
     assert inner_step_count(opt_c.optimizer) == inner_step_count(opt_a.optimizer)
@@ -387,26 +389,20 @@ def test_in_memory_state_dict_survives_later_windows():
         model = make_mlp(0)
         return model, GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
 
-    def run(model, opt, batches):
-        for x, y in batches:
-            mse_loss(model(x), y).backward()
-            opt.step(num_samples=len(x))
-            opt.zero_grad()
-
     model_a, opt_a = fresh()
-    run(model_a, opt_a, micro)
+    _fold_each(model_a, opt_a, micro)
     model_b, opt_b = fresh()
-    run(model_b, opt_b, micro[:3])  # mid-window 2
+    _fold_each(model_b, opt_b, micro[:3])  # mid-window 2
     kept = {"model": copy.deepcopy(model_b.state_dict()), "opt": opt_b.state_dict()}
     before = [t.clone() for t in kept["opt"]["gradlens_accumulate"]["accumulators"].values()]
-    run(model_b, opt_b, micro[3:])  # the wrapper writes windows 2 and 3 into its buffers
+    _fold_each(model_b, opt_b, micro[3:])  # the wrapper writes windows 2 and 3 into its buffers
     after = list(kept["opt"]["gradlens_accumulate"]["accumulators"].values())
     assert len(before) == len(after) > 0
     assert all(torch.equal(u, v) for u, v in zip(before, after))
     model_c, opt_c = fresh()
     model_c.load_state_dict(kept["model"])
     opt_c.load_state_dict(kept["opt"])
-    run(model_c, opt_c, micro[3:])
+    _fold_each(model_c, opt_c, micro[3:])
     for p, q in zip(model_c.parameters(), model_a.parameters()):
         assert torch.equal(p, q)
 
@@ -421,16 +417,10 @@ def test_version_1_state_dict_still_loads():
         model = make_mlp(0)
         return model, GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), 3)
 
-    def run(model, opt, batches):
-        for x, y in batches:
-            mse_loss(model(x), y).backward()
-            opt.step(num_samples=len(x))
-            opt.zero_grad()
-
     model_a, opt_a = fresh()
-    run(model_a, opt_a, micro)
+    _fold_each(model_a, opt_a, micro)
     model_b, opt_b = fresh()
-    run(model_b, opt_b, micro[:5])
+    _fold_each(model_b, opt_b, micro[:5])
     saved = copy.deepcopy({"model": model_b.state_dict(), "opt": opt_b.state_dict()})
     section = saved["opt"]["gradlens_accumulate"]
     assert section["version"] == 2
@@ -440,7 +430,7 @@ def test_version_1_state_dict_still_loads():
     model_c, opt_c = fresh()
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
-    run(model_c, opt_c, micro[5:])
+    _fold_each(model_c, opt_c, micro[5:])
     assert_params_close(model_c, model_a, TOL)
 
 
