@@ -36,27 +36,15 @@ def _rows(model_fn, x, y, k: int) -> dict:
     n = len(x)
     loss_fn = nn.CrossEntropyLoss()
 
-    def weighted():
+    def torch_loop(factor):
+        """Plain torch: each micro-batch's mean loss times ``factor(B_k)`` before backward."""
         torch.manual_seed(0)
         model = model_fn().to(x.device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step():
             for xb, yb in parts:
-                (loss_fn(model(xb), yb) * (len(xb) / n)).backward()
-            opt.step()
-            opt.zero_grad()
-
-        return step
-
-    def divided():
-        torch.manual_seed(0)
-        model = model_fn().to(x.device)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step():
-            for xb, yb in parts:
-                (loss_fn(model(xb), yb) / k).backward()
+                (loss_fn(model(xb), yb) * factor(len(xb))).backward()
             opt.step()
             opt.zero_grad()
 
@@ -78,11 +66,11 @@ def _rows(model_fn, x, y, k: int) -> dict:
         return step
 
     return {
-        "weighted": weighted(),
-        "divided": divided(),
+        "weighted": torch_loop(lambda b: b / n),
+        "divided": torch_loop(lambda b: 1.0 / k),
         "wrapper": wrapped(False),
         "monitor": wrapped(True),
-        "weighted_again": weighted(),
+        "weighted_again": torch_loop(lambda b: b / n),
     }
 
 

@@ -426,11 +426,12 @@ class GradientAccumulateOptimizer(Optimizer):
         w_prev = st.weight
         w_new = w_prev + weight
         closing = st.micro_step + 1 >= self.accum_steps and grad_scale is None
-        unscale: Tensor | float = 1.0
+        share = weight / w_new if mean else 1.0  # this micro-step's share of the window so far
+        factor: Tensor | float = share  # ... and of its unscaled gradient
         if isinstance(grad_scale, Tensor):
-            unscale = 1.0 / grad_scale.double()
+            factor = share / grad_scale.double()
         elif grad_scale is not None:
-            unscale = 1.0 / grad_scale
+            factor = share / grad_scale
         for p in self._params():
             grad = p.grad
             if grad is None:
@@ -443,7 +444,7 @@ class GradientAccumulateOptimizer(Optimizer):
                 )
             dtype = torch.promote_types(self.accum_dtype, p.dtype)
             plain = grad_scale is None and grad.dtype == dtype and not grad.requires_grad
-            share = weight / w_new if mean else 1.0  # this micro-step's share of the window so far
+            f = factor.to(p.device, dtype) if isinstance(factor, Tensor) else factor
             acc = st.accumulators.get(p)
             if acc is None:
                 if closing and plain:  # p's only gradient of the window: it is the window gradient
@@ -458,8 +459,7 @@ class GradientAccumulateOptimizer(Optimizer):
                     if acc is None or acc.shape != p.shape or acc.dtype != dtype or acc.device != p.device:
                         acc = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                         st.pool[p] = acc
-                    factor = share * unscale
-                    torch.mul(grad.detach(), factor.to(acc.device, acc.dtype) if isinstance(factor, Tensor) else factor, out=acc)
+                    torch.mul(grad.detach(), f, out=acc)
                 st.accumulators[p] = acc
                 st.last_weight[p] = w_new
                 st.versions[p] = acc._version
@@ -482,11 +482,10 @@ class GradientAccumulateOptimizer(Optimizer):
             else:
                 if keep != 1.0:
                     acc.mul_(keep)
-                factor = share * unscale
-                if isinstance(factor, Tensor):
-                    acc.addcmul_(grad, factor.to(acc.device, acc.dtype))
+                if isinstance(f, Tensor):
+                    acc.addcmul_(grad, f)
                 else:
-                    acc.add_(grad, alpha=factor)
+                    acc.add_(grad, alpha=f)
             st.last_weight[p] = w_new
             st.versions[p] = acc._version
 
