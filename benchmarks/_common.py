@@ -39,9 +39,18 @@ def device_sync(device) -> Callable[[], None]:
     return lambda: None
 
 
-def interleaved_ms(steps: dict, rounds: int, warmup: int = 3, sync: Callable[[], None] | None = None) -> dict:
-    """Median ms per call of each step function, timed in interleaved rounds (one call of every
-    configuration per round) so that drift and load from other processes hit all rows alike.
+def interleaved_ms(
+    steps: dict, rounds: int, warmup: int = 3, sync: Callable[[], None] | None = None, block: int = 1
+) -> dict:
+    """Median ms per call of each step function, timed in interleaved rounds (``block``
+    consecutive calls of every configuration per round) so that drift and load from other
+    processes hit all rows alike.
+
+    ``block`` > 1 keeps work a step leaves running in the background (a deferred collective,
+    finished in the configuration's next step) charged to its own configuration: within a
+    block it finishes in the next call of the same configuration; only the block's last call
+    leaks it into the next configuration's first call, one call in ``block``, which the median
+    discounts.
 
     ``sync`` (e.g. :func:`device_sync`) runs before the timer starts and before it stops, so that
     on a GPU each time is the step's device work, not its launch; warm-up calls are synchronised
@@ -54,11 +63,12 @@ def interleaved_ms(steps: dict, rounds: int, warmup: int = 3, sync: Callable[[],
     times = {k: [] for k in steps}
     for _ in range(rounds):
         for k, st in steps.items():
-            sync()
-            t0 = time.perf_counter()
-            st()
-            sync()
-            times[k].append(time.perf_counter() - t0)
+            for _ in range(block):
+                sync()
+                t0 = time.perf_counter()
+                st()
+                sync()
+                times[k].append(time.perf_counter() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 

@@ -1,18 +1,21 @@
 """Step-time ratios of gradlens under DistributedDataParallel (gloo, CPU processes).
 
 Run:  python benchmarks/bench_ddp.py [--world 2] [--steps 30] [--batch 128] [--threads 1] [--repeats 1]
-                                     [--model mlp|cnn]
+                                     [--model mlp|cnn] [--block 5]
 
 Every rank trains the 784-512-512-10 MLP (``--model cnn``: the CNN) of bench_instruments.py on
 its own batch (``--batch`` samples per rank); one step is forward, backward (DDP all-reduces the gradient), SGD update,
-zero_grad. Rows, timed in interleaved rounds (median; both ranks run the same sequence, rank 0
-reports), as ratios to the plain DDP step:
+zero_grad. Rows, timed in interleaved rounds of ``--block`` consecutive steps of each configuration
+(median of about ``--steps`` steps each; both ranks run the same sequence, rank 0 reports; the
+blocks keep a deferred collective charged to its own row), as ratios to the plain DDP step:
 
   (a) the norm set BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale, merged across
       ranks (one all_reduce of the sums, one all_gather of batch_l2 per step);
   two-batch noise scale: NoiseScaleTwoBatch (rank-local vs global gradients: the sums it needs
       are merged by one all_reduce), with the default merge and with Lens(merge="deferred"),
       whose all_reduce runs in the background during the next step;
+  NoiseScaleDDP (no Lens: each rank's ||p.grad||^2 before DDP's all-reduce and its 1/R share of
+      the averaged one after it; the numbers of 10 windows travel in one small all_reduce);
   untracked window (a Lens whose schedule skips the step);
   a Lens with no instrument (capture hooks + the window's merge of its counts: the floor under
       every Lens row, a diagnostic added beside the rows above);
@@ -63,7 +66,9 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, args) -> None:
     import gradlens
     from gradlens import Lens
-    from gradlens.instruments import BatchL2, GradNorm, NoiseScale, NoiseScaleTwoBatch, NormTest, SumGradSquared
+    from gradlens.instruments import (
+        BatchL2, GradNorm, NoiseScale, NoiseScaleDDP, NoiseScaleTwoBatch, NormTest, SumGradSquared,
+    )
 
     from _common import cnn, interleaved_ms, mlp
 
@@ -80,12 +85,14 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         x = torch.randn(args.batch, *((1, 28, 28) if args.model == "mlp" else (3, 32, 32)))
         y = torch.randint(0, 10, (args.batch,))
 
-        def build(instruments=None, every=1, merge="sync"):
+        def build(instruments=None, every=1, merge="sync", noise_ddp=False):
             torch.manual_seed(0)
             model = net()
             if instruments is not None:
                 model = gradlens.extend(model)
             ddp = nn.parallel.DistributedDataParallel(model)
+            if noise_ddp:
+                monitors.append(NoiseScaleDDP(ddp, batch_size=args.batch))
             loss_fn = nn.CrossEntropyLoss()
             if instruments is not None:
                 loss_fn = gradlens.extend(loss_fn)
@@ -145,9 +152,11 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
             return step
 
+        monitors: list = []
         norm_set = lambda: [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()]  # noqa: E731
         steps = {
             "plain": build(),
+            "noise_ddp": build(noise_ddp=True),
             "norm_set": build(norm_set),
             "two_batch": build(lambda: [NoiseScaleTwoBatch()]),
             "two_batch_deferred": build(lambda: [NoiseScaleTwoBatch()], merge="deferred"),
@@ -161,14 +170,15 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         }
         runs = []
         for rep in range(args.repeats):
-            ms = interleaved_ms(steps, args.steps, warmup=3 if rep == 0 else 1)
+            ms = interleaved_ms(steps, max(1, args.steps // args.block), warmup=3 if rep == 0 else 1, block=args.block)
             base = 0.5 * (ms["plain"] + ms["plain_again"])
             acc = 0.5 * (ms["accum"] + ms["accum_again"])
-            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "two_batch_deferred", "untracked", "lens_floor")}
+            ratios = {k: ms[k] / base for k in ("norm_set", "two_batch", "two_batch_deferred", "noise_ddp", "untracked", "lens_floor")}
             ratios["accum_monitor"] = ms["accum_monitor"] / acc
             ratios["accum_monitor_torch"] = ms["accum_monitor"] / ms["accum_torch"]
             ratios["accum_plain_torch"] = acc / ms["accum_torch"]
             runs.append((ms, base, acc, ratios))
+        monitors[0].flush()  # on every rank (a collective): the windows since the last batch
         if rank == 0:
             med = statistics.median
             ms = {k: med(r[0][k] for r in runs) for k in runs[0][0]}
@@ -189,10 +199,12 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 ("norm_set", "(a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale"),
                 ("two_batch", "NoiseScaleTwoBatch (rank-local vs global)"),
                 ("two_batch_deferred", "same, Lens(merge='deferred') (the collective overlaps the next step)"),
+                ("noise_ddp", "NoiseScaleDDP (rank-local vs global, no Lens; one all_reduce per 10 windows)"),
                 ("untracked", "untracked window"),
                 ("lens_floor", "Lens with no instrument (capture + merge floor)"),
             ):
                 print(f"| {label} | {ms[key]:.2f} | {ratio(key)} |")
+            print(f"(NoiseScaleDDP recorded {monitors[0].values[-1]['window'] + 1} windows)")
             print()
             print(f"Accumulating DDP step, 2 micro-batches of {args.batch // 2} per rank (each all-reduced):")
             print("| configuration | ms | ratio to the GradientAccumulateOptimizer step | ratio to the plain-torch step |")
@@ -215,6 +227,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="only 'cpu': this benchmark runs gloo processes on CPU")
     parser.add_argument("--repeats", type=int, default=1, help="timing runs; medians over them")
+    parser.add_argument("--block", type=int, default=5,
+                        help="consecutive steps of a configuration per interleaved round (keeps a deferred "
+                             "collective charged to its own row; see _common.interleaved_ms)")
     args = parser.parse_args()
     if torch.device(args.device).type != "cpu":
         parser.error(f"--device {args.device}: bench_ddp.py is CPU-only (gloo processes on CPU cores, no "

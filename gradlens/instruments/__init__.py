@@ -5,7 +5,7 @@ from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
 from gradlens.instruments.hist import GradHist1d, GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
-from gradlens.instruments.noise import NoiseScaleMonitor, NoiseScaleTwoBatch
+from gradlens.instruments.noise import NoiseScaleDDP, NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared
 from gradlens.instruments.tests import MeanGSNR, NoiseScale, NormTest
 
@@ -22,6 +22,7 @@ __all__ = [
     "NoiseScale",
     "NoiseScaleTwoBatch",
     "NoiseScaleMonitor",
+    "NoiseScaleDDP",
     "BatchDot",
     "Alpha",
     "InnerTest",

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
 
-__all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "ParamGradSquares", "two_batch_estimates"]
+__all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
 
 
 def two_batch_estimates(S: float, Q: float, T: float, N: float) -> tuple[float, float]:
@@ -84,6 +84,10 @@ class _Smoother:
 
 def _values(S: float, Q: float, T: float, N: float, M: int, smoother: _Smoother) -> dict[str, Any]:
     g2, tr = two_batch_estimates(S, Q, T, N)
+    return _estimates_record(g2, tr, Q, N, M, smoother)
+
+
+def _estimates_record(g2: float, tr: float, Q: float, N: float, M: int, smoother: _Smoother) -> dict[str, Any]:
     b_simple = tr / g2 if g2 > 0 and math.isfinite(tr) else math.nan
     return {
         "grad_sq": g2,
@@ -297,3 +301,276 @@ class NoiseScaleMonitor:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def rank_average_estimates(
+    A: float, U: float, R: int, sum_a: float, sum_a2: float, sum_b: float
+) -> tuple[float, float]:
+    """``(|G|^2_est, tr(Sigma)_est)`` from R data-parallel ranks' gradients and their average
+    (the :class:`NoiseScaleDDP` estimator, unbiased for any per-rank batch sizes).
+
+    Rank r holds ``g_r = s_r / w_r`` (``s_r`` its gradient sum over B_r samples; w_r = B_r for a
+    mean loss, 1 for a sum), so E g_r = a_r G and Cov g_r = b_r Sigma with a_r = B_r / w_r and
+    b_r = B_r / w_r^2; DDP writes u = (1/R) sum_r g_r. With A = sum_r ||g_r||^2 and U = ||u||^2,
+    E[A] = sum a_r^2 |G|^2 + sum b_r tr and E[R^2 U] = (sum a_r)^2 |G|^2 + sum b_r tr, so
+
+        |G|^2_est = (R^2 U - A) / ((sum a_r)^2 - sum a_r^2),
+        tr_est    = (A - sum a_r^2 |G|^2_est) / sum b_r.
+
+    NaN, NaN for one rank. With equal B_r = b this is the paper's pair for b and N = R b.
+    """
+    den = sum_a * sum_a - sum_a2
+    if not (den > 0 and sum_b > 0):
+        return math.nan, math.nan
+    g2 = (R * R * U - A) / den
+    return g2, (A - sum_a2 * g2) / sum_b
+
+
+class NoiseScaleDDP:
+    """The two-batch noise scale of DistributedDataParallel training: small batches = each
+    rank's own gradient (before DDP's all-reduce), big batch = the all-reduced one. Any model, no
+    Lens, no per-sample kernel; DDP's all-reduce is untouched (no comm hook).
+
+    Each synchronised backward is one window. This rank's ``||p.grad||^2`` is read before DDP
+    writes the reduced gradient (a dot product per parameter: at the end of the backward, while
+    DDP's last all-reduce is in flight; with ``gradient_as_bucket_view=True``, whose ``p.grad``
+    is DDP's bucket, in hooks right after each gradient is accumulated); after DDP has written the averaged gradient (the same on every rank), each rank
+    takes the squared norm of its 1/R share of it. The per-rank numbers of ``sync_every``
+    windows (seven each, the shares of ``||p.grad||^2`` summed by it) travel in **one** small all_reduce
+    of DDP's process group, issued by every rank at the same backward, after which ``values``
+    gains their records (estimator: :func:`rank_average_estimates`). So records arrive in
+    batches of ``sync_every`` windows; :meth:`flush` (called on every rank) sends the rest.
+
+    Example::
+
+        ddp = DistributedDataParallel(model)
+        noise = NoiseScaleDDP(ddp, batch_size=64)      # samples per rank per synchronised backward
+        ...  loss_fn(ddp(x), y).backward(); opt.step(); opt.zero_grad()
+        noise.flush()                                   # every rank, e.g. before reading at the end
+        noise.values[-1]["b_simple_smoothed"]
+
+    Under ``ddp.no_sync()`` accumulation the window is all micro-batches up to the synchronised
+    one: ``batch_size`` counts them all, and ``p.grad`` must then be their mean gradient
+    (``reduction="mean"``: each micro-batch's mean loss divided by the number of micro-batches)
+    or their sum (``"sum"``). Every rank may use its own ``batch_size`` (set the attribute before
+    a window to change it); the estimates stay unbiased, though DDP's average then weights the
+    ranks' samples unequally. GradScaler scales are divided out (``scaler=``); a window with an
+    inf/NaN gradient gives NaN values, skipped by the smoothing.
+
+    Args:
+        ddp: the ``torch.nn.parallel.DistributedDataParallel`` module (2+ ranks, no comm hook,
+            no DDP mixed precision).
+        batch_size: this rank's samples per window.
+        reduction: ``"mean"`` (default) or ``"sum"``: what ``p.grad`` holds on each rank.
+        beta: EMA factor of the smoothing across windows (default 0.9).
+        sync_every: windows per all_reduce (default 10; the same on every rank).
+        scaler: a ``torch.amp.GradScaler`` whose scale multiplies the gradients, or None.
+        callback: optional ``callback(values: dict)`` per window as its record arrives.
+        history: records kept in ``values`` (the newest; default 10000).
+
+    Attributes:
+        values: a deque of dicts with the keys of :class:`NoiseScaleTwoBatch`'s record value
+            (``small_batches`` = R) and ``"window"``, the window's index from 0.
+    """
+
+    def __init__(
+        self,
+        ddp: Any,
+        *,
+        batch_size: float,
+        reduction: str = "mean",
+        beta: float = 0.9,
+        sync_every: int = 10,
+        scaler: Any = None,
+        callback: Callable[[dict[str, Any]], None] | None = None,
+        history: int = 10_000,
+    ):
+        import collections
+
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(
+                "NoiseScaleDDP(ddp, ...) needs the torch.nn.parallel.DistributedDataParallel module "
+                f"(it reads each rank's gradient before DDP's all-reduce), got {type(ddp).__name__}; "
+                "without DDP use NoiseScaleMonitor on a GradientAccumulateOptimizer"
+            )
+        world = dist.get_world_size(ddp.process_group)
+        if world < 2:
+            raise ValueError(
+                f"NoiseScaleDDP needs 2 or more ranks (its small batches are the ranks' batches), this "
+                f"DDP has {world}; with one process accumulate micro-batches and use NoiseScaleMonitor"
+            )
+        _check_plain_ddp(ddp)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum' (what p.grad holds), got {reduction!r}")
+        for name, v in (("sync_every", sync_every), ("history", history)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable(values) or None, got {type(callback).__name__}")
+        self.ddp = ddp
+        self.group = ddp.process_group
+        self.world = world
+        self.batch_size = batch_size
+        self.reduction = reduction
+        self.sync_every = sync_every
+        self.scaler = scaler
+        self.callback = callback
+        self._smoother = _Smoother(beta)
+        self.values: collections.deque = collections.deque(maxlen=history)
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        self.params = [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+        self._share = _rank_share(self.params, dist.get_rank(self.group), world)
+        self._windows = 0  # windows whose rows were sent
+        self._pending: list[tuple[Tensor, tuple[float, ...]]] = []  # ([A_r, U share], sizes)
+        self._armed = False
+        self._started = False
+        self._local: Tensor | None = None
+        self._in_hooks = bool(getattr(ddp, "gradient_as_bucket_view", False))
+        self._handles = [ddp.register_forward_pre_hook(self._on_forward)]
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    @property
+    def batch_size(self) -> float:
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"batch_size must be a positive number (this rank's samples per window), got {value!r}")
+        self._batch_size = float(value)
+
+    def __repr__(self) -> str:
+        return (f"NoiseScaleDDP(ranks={self.world}, batch_size={self._batch_size:g}, reduction={self.reduction!r}, "
+                f"sync_every={self.sync_every}, pending={len(self._pending)})")
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def _on_forward(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self._armed = bool(self.ddp.require_backward_grad_sync)
+
+    def _on_grad(self, p: Tensor) -> None:
+        # runs right after p.grad is accumulated, before DDP's own hook of p marks it ready
+        if not self._armed or p.grad is None:
+            return
+        first = not self._started
+        self._started = True
+        if self._in_hooks:  # p.grad is a view of DDP's bucket: read it before DDP reduces it
+            sq = sq_norm(p.grad)
+            self._local = sq if self._local is None else self._local + sq
+        if first:
+            # runs when the backward is done, before DDP's finalize (queued later in this backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._before_finalize)
+
+    @torch.no_grad()
+    def _before_finalize(self) -> None:
+        if not self._in_hooks:
+            # DDP reduces copies of the gradients and writes p.grad in its finalize, which runs
+            # after this: p.grad is still this rank's, and these dot products overlap DDP's
+            # all-reduces still in flight
+            self._local = _sum_sq([p.grad for p in self.params])
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_window)
+
+    @torch.no_grad()
+    def _end_window(self) -> None:
+        local, self._local, self._armed, self._started = self._local, None, False, False
+        if local is None:
+            return
+        # DDP's average, written by its finalize, is the same on every rank: each rank takes the
+        # squared norm of its 1/R share of it, and the all_reduce sums the shares
+        avg = local.new_zeros(())
+        for p, lo, hi in self._share:
+            if p.grad is not None:
+                g = p.grad.detach().reshape(-1)[lo:hi]
+                avg = avg + torch.dot(g, g).double()
+        scale = self._scale()
+        if scale is not None:
+            inv = scale.double().reciprocal().square()
+            local, avg = local * inv, avg * inv
+        b = self._batch_size
+        a, bb = (1.0, 1.0 / b) if self.reduction == "mean" else (b, b)
+        self._pending.append((torch.stack([local, avg]), (b, b * b, a, a * a, bb)))
+        if len(self._pending) >= self.sync_every:
+            self.flush()
+
+    def _scale(self) -> Tensor | None:
+        s = self.scaler
+        if s is None or not s.is_enabled():
+            return None
+        return s._get_scale_async()  # the scale of this backward (the update comes later)
+
+    # ---- records --------------------------------------------------------------------------
+    def flush(self) -> list[dict[str, Any]]:
+        """Send the pending windows' numbers (one all_reduce; call on every rank at the same
+        point, between backwards) and return their records (also appended to ``values``)."""
+        import torch.distributed as dist
+
+        if not self._pending:
+            return []
+        _check_plain_ddp(self.ddp)
+        pending, self._pending = self._pending, []
+        norms = torch.stack([r[0] for r in pending])
+        rows = torch.tensor([r[1] for r in pending], dtype=torch.float64, device=norms.device)
+        buf = torch.cat([rows, norms], dim=1)
+        dist.all_reduce(buf, group=self.group)
+        out = []
+        for row in buf.tolist():
+            N, Q, sa, sa2, sb, A, U = row
+            g2, tr = rank_average_estimates(A, U, self.world, sa, sa2, sb)
+            vals = _estimates_record(g2, tr, Q, N, self.world, self._smoother)
+            vals["window"] = self._windows
+            self._windows += 1
+            self.values.append(vals)
+            out.append(vals)
+            if self.callback is not None:
+                self.callback(vals)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The smoothing state and window count (pending windows are not in it: flush first,
+        on every rank, to keep them)."""
+        sm = self._smoother
+        return {"beta": sm.beta, "grad_sq_ema": sm.g2, "trace_sigma_ema": sm.tr, "windows": self._windows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._smoother = _Smoother(state["beta"])
+        self._smoother.g2 = float(state["grad_sq_ema"])
+        self._smoother.tr = float(state["trace_sigma_ema"])
+        self._windows = int(state["windows"])
+
+    def remove(self) -> None:
+        """Remove the hooks (idempotent); pending windows are dropped (flush first to keep them)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._pending = []
+
+
+def _rank_share(params: list[Tensor], rank: int, world: int) -> list[tuple[Tensor, int, int]]:
+    """``(p, lo, hi)`` flat element ranges of ``params`` making up rank ``rank``'s 1/world share
+    of all their elements (contiguous in parameter order; the shares of all ranks tile them)."""
+    total = sum(p.numel() for p in params)
+    start, stop = total * rank // world, total * (rank + 1) // world
+    out, off = [], 0
+    for p in params:
+        lo, hi = max(start - off, 0), min(stop - off, p.numel())
+        if lo < hi:
+            out.append((p, lo, hi))
+        off += p.numel()
+    return out
+
+
+def _check_plain_ddp(ddp: Any) -> None:
+    """Refuse a DDP whose all-reduced ``p.grad`` is not the plain average of the ranks' gradients."""
+    try:
+        hook = ddp._get_ddp_logging_data().get("comm_hook", "")
+    except Exception:  # pragma: no cover - private API moved
+        hook = ""
+    if hook or getattr(ddp, "mixed_precision", None) is not None:
+        raise ValueError(
+            "NoiseScaleDDP reads DDP's averaged gradient from p.grad; this DDP has "
+            + (f"a comm hook ({hook})" if hook else "mixed_precision set")
+            + ", which changes it: remove it, or use the Lens instrument NoiseScaleTwoBatch"
+        )
