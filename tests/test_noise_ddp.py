@@ -39,7 +39,7 @@ def _batch(name: str, window: int, rank: int, size: int):
     return x[:size], y[:size]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, name: str, reduction: str, bucket_view: bool):
+def _worker(rank: int, world: int, port: int, out_dir: str, name: str, reduction: str, ddp_kw: dict):
     _init(rank, world, port)
     try:
         calls = {"all_reduce": 0}
@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, name: str, reduction
 
         dist.all_reduce = counting  # DDP's own all-reduces run in C++ and are not counted
         model0 = make_problem(MODELS[name])[0]
-        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0), gradient_as_bucket_view=bucket_view)
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0), **ddp_kw)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         noise = NoiseScaleDDP(ddp, batch_size=1, reduction=reduction, sync_every=2, scaler=scaler)
         arrived = []
@@ -102,12 +102,21 @@ def _oracle(name: str, world: int, reduction: str):
 
 
 @pytest.mark.parametrize(
-    "world,name,reduction,bucket_view",
-    [(2, "mlp", "mean", False), (2, "cnn", "sum", True), (3, "seq", "mean", True), (3, "mlp", "sum", False)],
+    "world,name,reduction,ddp_kw",
+    [
+        (2, "mlp", "mean", {}),
+        (2, "cnn", "sum", {"gradient_as_bucket_view": True}),
+        (2, "mlp", "sum", {"static_graph": True}),
+        (2, "cnn", "mean", {"find_unused_parameters": True, "bucket_cap_mb": 0.001}),
+        (3, "seq", "mean", {"gradient_as_bucket_view": True}),
+        (3, "mlp", "sum", {}),
+    ],
 )
-def test_matches_float64_oracle(world, name, reduction, bucket_view):
+def test_matches_float64_oracle(world, name, reduction, ddp_kw):
+    """Every rank's records equal the oracle's, whatever DDP's options (buckets as gradient
+    views, a static graph, unused-parameter search with many small buckets)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        _spawn(_worker, world, out_dir, name, reduction, bucket_view)
+        _spawn(_worker, world, out_dir, name, reduction, ddp_kw)
         got = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     want = _oracle(name, world, reduction)
     for r in range(world):
@@ -204,6 +213,31 @@ def _errors_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         plain(torch.randn(4, 3)).sum().backward()
         messages["accepted"] = repr(noise)
         noise.remove()
+        # a restart: the smoothing state and window count continue from the checkpoint
+        resumed = NoiseScaleDDP(plain, batch_size=4)
+        resumed.load_state_dict({"beta": 0.5, "grad_sq_ema": 2.0, "trace_sigma_ema": 6.0, "windows": 7})
+        torch.manual_seed(rank)
+        plain.zero_grad()
+        plain(torch.randn(4, 3)).pow(2).sum().backward()
+        v = resumed.flush()[0]
+        messages["resumed"] = (v["window"], v["b_simple_smoothed"],
+                               (3.0 + 0.5 * v["trace_sigma"]) / (1.0 + 0.5 * v["grad_sq"]),
+                               resumed.state_dict()["windows"])
+        resumed.remove()
+        from torch.distributed.algorithms.join import Join
+
+        joined = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+        noise = NoiseScaleDDP(joined, batch_size=4)
+        try:
+            with Join([joined]):
+                joined(torch.randn(4, 3)).sum().backward()
+        except RuntimeError as err:
+            messages["join"] = str(err)
+        noise.flush()
+        noise.remove()  # the fix the message names: then Join runs
+        with Join([joined]):
+            joined(torch.randn(4, 3)).sum().backward()
+        messages["join_after_remove"] = joined.module.weight.grad is not None
         torch.save(messages, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -219,6 +253,10 @@ def test_errors_name_the_fix():
     assert msg["sync_every"].startswith("ValueError") and "sync_every" in msg["sync_every"]
     assert "comm hook" in msg["comm_hook"] and "fp16_compress_hook" in msg["comm_hook"]
     assert "pending=1" in msg["accepted"]
+    assert "Join" in msg["join"] and "noise.remove()" in msg["join"]
+    assert msg["join_after_remove"]
+    window, smoothed, expected, windows = msg["resumed"]
+    assert window == 7 and windows == 8 and math.isclose(smoothed, expected, rel_tol=1e-12)
 
 
 def test_one_process_is_refused(tmp_path):

@@ -334,7 +334,8 @@ class NoiseScaleDDP:
     Each synchronised backward is one window. This rank's ``||p.grad||^2`` is read before DDP
     writes the reduced gradient (a dot product per parameter: at the end of the backward, while
     DDP's last all-reduce is in flight; with ``gradient_as_bucket_view=True``, whose ``p.grad``
-    is DDP's bucket, in hooks right after each gradient is accumulated); after DDP has written the averaged gradient (the same on every rank), each rank
+    is DDP's bucket, or in a static graph's first iteration, in hooks right after each gradient
+    is accumulated); after DDP has written the averaged gradient (the same on every rank), each rank
     takes the squared norm of its 1/R share of it. The per-rank numbers of ``sync_every``
     windows (seven each, the shares of ``||p.grad||^2`` summed by it) travel in **one** small all_reduce
     of DDP's process group, issued by every rank at the same backward, after which ``values``
@@ -428,7 +429,8 @@ class NoiseScaleDDP:
         self._armed = False
         self._started = False
         self._local: Tensor | None = None
-        self._in_hooks = bool(getattr(ddp, "gradient_as_bucket_view", False))
+        self._bucket_view = bool(getattr(ddp, "gradient_as_bucket_view", False))
+        self._in_hooks = self._bucket_view
         self._handles = [ddp.register_forward_pre_hook(self._on_forward)]
         self._handles += [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -449,7 +451,25 @@ class NoiseScaleDDP:
     # ---- hooks ----------------------------------------------------------------------------
     def _on_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
-            self._armed = bool(self.ddp.require_backward_grad_sync)
+            ddp = self.ddp
+            join = getattr(ddp, "_join_config", None)
+            if join is not None and join.enable:
+                raise RuntimeError(
+                    "NoiseScaleDDP does not run under torch.distributed.algorithms.Join (a rank that "
+                    "has joined skips the backwards, and with them this monitor's collective): call "
+                    "noise.flush() and noise.remove() before entering Join, or give every rank the "
+                    "same number of batches"
+                )
+            self._armed = bool(ddp.require_backward_grad_sync)
+            # where this rank's gradient is read: in the hooks when p.grad is DDP's bucket, or
+            # when DDP reduces in a callback queued before the backward's first hook (a static
+            # graph's first iteration; parameters whose all-reduce DDP delays); else at the end
+            self._in_hooks = (
+                self._bucket_view
+                or bool(getattr(ddp, "_delay_all_reduce_params", None))
+                or (bool(getattr(ddp, "static_graph", False))
+                    and not getattr(ddp, "_static_graph_delay_allreduce_enqueued", False))
+            )
 
     def _on_grad(self, p: Tensor) -> None:
         # runs right after p.grad is accumulated, before DDP's own hook of p marks it ready
