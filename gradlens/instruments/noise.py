@@ -25,7 +25,7 @@ gradient. ``B_simple = tr(Sigma)_est / |G|^2_est``; one window's ratio is noisy 
 negative), so, as in the paper, numerator and denominator are smoothed separately across windows
 by exponential moving averages before dividing: ``b_simple_smoothed = EMA(tr) / EMA(|G|^2)``.
 
-Two routes produce S, Q, T:
+Three routes (the first two produce S, Q, T):
 
 * :class:`NoiseScaleTwoBatch`, an instrument of the :class:`~gradlens.Lens`: hooks on the
   tracked parameters see each micro-step's gradient before it is added to ``p.grad`` (and, under
@@ -36,6 +36,10 @@ Two routes produce S, Q, T:
 * :class:`NoiseScaleMonitor`, on a :class:`~gradlens.GradientAccumulateOptimizer`: reads
   ``p.grad`` at every micro-step and the running window sum (a few dot products per micro-step,
   no extra memory, one host sync per window); works for any model, no Lens needed.
+* :class:`NoiseScaleDDP`, on a ``DistributedDataParallel`` module: small batches are the ranks'
+  own gradients, the big batch DDP's average of them; the estimator works from that average
+  (:func:`rank_average_estimates`, unbiased for any per-rank sizes); one small all_reduce per
+  ``sync_every`` windows, no Lens.
 """
 
 from __future__ import annotations
