@@ -194,6 +194,8 @@ def _errors_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                                batch_size=4, reduction="avg"),
             "sync_every": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
                                                 batch_size=4, sync_every=0),
+            "scaler": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
+                                            batch_size=4, scaler=2.0**16),
         }.items():
             try:
                 make()
@@ -251,6 +253,7 @@ def test_errors_name_the_fix():
     assert msg["batch"].startswith("ValueError") and "batch_size" in msg["batch"]
     assert msg["reduction"].startswith("ValueError") and "'mean' or 'sum'" in msg["reduction"]
     assert msg["sync_every"].startswith("ValueError") and "sync_every" in msg["sync_every"]
+    assert msg["scaler"].startswith("TypeError") and "GradScaler" in msg["scaler"]
     assert "comm hook" in msg["comm_hook"] and "fp16_compress_hook" in msg["comm_hook"]
     assert "pending=1" in msg["accepted"]
     assert "Join" in msg["join"] and "noise.remove()" in msg["join"]

@@ -415,6 +415,8 @@ class NoiseScaleDDP:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable(values) or None, got {type(callback).__name__}")
+        if scaler is not None and not (hasattr(scaler, "_get_scale_async") and hasattr(scaler, "is_enabled")):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
         self.ddp = ddp
         self.group = ddp.process_group
         self.world = world
