@@ -656,11 +656,12 @@ class DDPGradRoute:
     @staticmethod
     def global_grad_sq(params: dict[str, Tensor], factor: float) -> Tensor:
         """||sum_n g_n||^2 of all ranks = factor^2 ||p.grad||^2 (0-d float64; nothing copied)."""
+        from gradlens.instruments.noise import _sum_sq
+
         with torch.no_grad():
-            total = torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device)
-            for p in params.values():
-                g = p.grad.detach().reshape(-1)
-                total = total + torch.dot(g, g).double()
+            total = _sum_sq([p.grad for p in params.values()])
+            if total is None:
+                total = torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device)
         return total * (factor * factor)
 
     def light_grad_sq(self, params: dict[str, Tensor]) -> Tensor:
