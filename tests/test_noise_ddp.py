@@ -9,6 +9,7 @@ linear-Gaussian model with known truth and unequal rank sizes; clear errors."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import tempfile
@@ -39,42 +40,56 @@ def _batch(name: str, window: int, rank: int, size: int):
     return x[:size], y[:size]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, name: str, reduction: str, ddp_kw: dict):
+def _run(worker, rank: int, world: int, port: int, *args) -> None:
+    """``worker(rank, world, *args)`` in an initialised gloo group. Its DDP modules are its own
+    locals, freed (with the hooks' cycles) before the group is destroyed: a DDP module still
+    alive at destroy_process_group, freed at interpreter exit, aborted about 1 run in 25 here
+    ("terminate called without an active exception"), with or without gradlens."""
     _init(rank, world, port)
     try:
-        calls = {"all_reduce": 0}
-        original = dist.all_reduce
-
-        def counting(*a, **k):
-            calls["all_reduce"] += 1
-            return original(*a, **k)
-
-        dist.all_reduce = counting  # DDP's own all-reduces run in C++ and are not counted
-        model0 = make_problem(MODELS[name])[0]
-        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0), **ddp_kw)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        noise = NoiseScaleDDP(ddp, batch_size=1, reduction=reduction, sync_every=2, scaler=scaler)
-        arrived = []
-        for w, plan in enumerate(PLANS[world]):
-            sizes = plan[rank]
-            noise.batch_size = sum(sizes)
-            for k, b in enumerate(sizes):
-                x, y = _batch(name, w, rank, b)
-                sync = k == len(sizes) - 1
-                with ddp.no_sync() if not sync else torch.enable_grad():
-                    loss = F.cross_entropy(ddp(x), y, reduction="sum")
-                    if reduction == "mean":
-                        loss = loss / sum(sizes)  # p.grad: the mean gradient of the window
-                    if w == SCALED_WINDOW:
-                        loss = scaler.scale(loss)
-                    loss.backward()
-            arrived.append(len(noise.values))
-            ddp.zero_grad()
-        arrived.append(len(noise.flush()))
-        torch.save({"values": list(noise.values), "arrived": arrived, "calls": calls["all_reduce"]},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        worker(rank, world, *args)
     finally:
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, *args) -> None:
+    _run(_oracle_run, rank, world, port, *args)
+
+
+def _oracle_run(rank: int, world: int, out_dir: str, name: str, reduction: str, ddp_kw: dict) -> None:
+    calls = {"all_reduce": 0}
+    original = dist.all_reduce
+
+    def counting(*a, **k):
+        calls["all_reduce"] += 1
+        return original(*a, **k)
+
+    dist.all_reduce = counting  # DDP's own all-reduces run in C++ and are not counted
+    model0 = make_problem(MODELS[name])[0]
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0), **ddp_kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    noise = NoiseScaleDDP(ddp, batch_size=1, reduction=reduction, sync_every=2, scaler=scaler)
+    arrived = []
+    for w, plan in enumerate(PLANS[world]):
+        sizes = plan[rank]
+        noise.batch_size = sum(sizes)
+        for k, b in enumerate(sizes):
+            x, y = _batch(name, w, rank, b)
+            sync = k == len(sizes) - 1
+            with ddp.no_sync() if not sync else torch.enable_grad():
+                loss = F.cross_entropy(ddp(x), y, reduction="sum")
+                if reduction == "mean":
+                    loss = loss / sum(sizes)  # p.grad: the mean gradient of the window
+                if w == SCALED_WINDOW:
+                    loss = scaler.scale(loss)
+                loss.backward()
+        arrived.append(len(noise.values))
+        ddp.zero_grad()
+    arrived.append(len(noise.flush()))
+    torch.save({"values": list(noise.values), "arrived": arrived, "calls": calls["all_reduce"]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.all_reduce = original
 
 
 def _oracle(name: str, world: int, reduction: str):
@@ -183,66 +198,66 @@ def test_one_rank_gives_nan():
 
 
 def _errors_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    _init(rank, world, port)
+    _run(_errors_run, rank, world, port, out_dir)
+
+
+def _errors_run(rank: int, world: int, out_dir: str) -> None:
+    messages = {}
+    model = nn.Linear(3, 2)
+    for key, make in {
+        "not_ddp": lambda: NoiseScaleDDP(model, batch_size=4),
+        "batch": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)), batch_size=0),
+        "reduction": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
+                                           batch_size=4, reduction="avg"),
+        "sync_every": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
+                                            batch_size=4, sync_every=0),
+        "scaler": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
+                                        batch_size=4, scaler=2.0**16),
+    }.items():
+        try:
+            make()
+        except (TypeError, ValueError) as err:
+            messages[key] = f"{type(err).__name__}: {err}"
+    hooked = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooked.register_comm_hook(None, default_hooks.fp16_compress_hook)
     try:
-        messages = {}
-        model = nn.Linear(3, 2)
-        for key, make in {
-            "not_ddp": lambda: NoiseScaleDDP(model, batch_size=4),
-            "batch": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)), batch_size=0),
-            "reduction": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
-                                               batch_size=4, reduction="avg"),
-            "sync_every": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
-                                                batch_size=4, sync_every=0),
-            "scaler": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
-                                            batch_size=4, scaler=2.0**16),
-        }.items():
-            try:
-                make()
-            except (TypeError, ValueError) as err:
-                messages[key] = f"{type(err).__name__}: {err}"
-        hooked = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        NoiseScaleDDP(hooked, batch_size=4)
+    except ValueError as err:
+        messages["comm_hook"] = f"ValueError: {err}"
+    # the fix the refusal names works: a DDP without a comm hook is accepted
+    plain = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    noise = NoiseScaleDDP(plain, batch_size=4)
+    plain(torch.randn(4, 3)).sum().backward()
+    messages["accepted"] = repr(noise)
+    noise.remove()
+    # a restart: the smoothing state and window count continue from the checkpoint
+    resumed = NoiseScaleDDP(plain, batch_size=4)
+    resumed.load_state_dict({"beta": 0.5, "grad_sq_ema": 2.0, "trace_sigma_ema": 6.0, "windows": 7})
+    torch.manual_seed(rank)
+    plain.zero_grad()
+    plain(torch.randn(4, 3)).pow(2).sum().backward()
+    v = resumed.flush()[0]
+    messages["resumed"] = (v["window"], v["b_simple_smoothed"],
+                           (3.0 + 0.5 * v["trace_sigma"]) / (1.0 + 0.5 * v["grad_sq"]),
+                           resumed.state_dict()["windows"])
+    resumed.remove()
+    from torch.distributed.algorithms.join import Join
 
-        hooked.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        try:
-            NoiseScaleDDP(hooked, batch_size=4)
-        except ValueError as err:
-            messages["comm_hook"] = f"ValueError: {err}"
-        # the fix the refusal names works: a DDP without a comm hook is accepted
-        plain = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
-        noise = NoiseScaleDDP(plain, batch_size=4)
-        plain(torch.randn(4, 3)).sum().backward()
-        messages["accepted"] = repr(noise)
-        noise.remove()
-        # a restart: the smoothing state and window count continue from the checkpoint
-        resumed = NoiseScaleDDP(plain, batch_size=4)
-        resumed.load_state_dict({"beta": 0.5, "grad_sq_ema": 2.0, "trace_sigma_ema": 6.0, "windows": 7})
-        torch.manual_seed(rank)
-        plain.zero_grad()
-        plain(torch.randn(4, 3)).pow(2).sum().backward()
-        v = resumed.flush()[0]
-        messages["resumed"] = (v["window"], v["b_simple_smoothed"],
-                               (3.0 + 0.5 * v["trace_sigma"]) / (1.0 + 0.5 * v["grad_sq"]),
-                               resumed.state_dict()["windows"])
-        resumed.remove()
-        from torch.distributed.algorithms.join import Join
-
-        joined = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
-        noise = NoiseScaleDDP(joined, batch_size=4)
-        try:
-            with Join([joined]):
-                joined(torch.randn(4, 3)).sum().backward()
-        except RuntimeError as err:
-            messages["join"] = str(err)
-        noise.flush()
-        noise.remove()  # the fix the message names: then Join runs
+    joined = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    noise = NoiseScaleDDP(joined, batch_size=4)
+    try:
         with Join([joined]):
             joined(torch.randn(4, 3)).sum().backward()
-        messages["join_after_remove"] = joined.module.weight.grad is not None
-        torch.save(messages, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    except RuntimeError as err:
+        messages["join"] = str(err)
+    noise.flush()
+    noise.remove()  # the fix the message names: then Join runs
+    with Join([joined]):
+        joined(torch.randn(4, 3)).sum().backward()
+    messages["join_after_remove"] = joined.module.weight.grad is not None
+    torch.save(messages, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_errors_name_the_fix():

@@ -443,8 +443,12 @@ class NoiseScaleDDP:
             raise TypeError(f"callback must be callable(values) or None, got {type(callback).__name__}")
         if scaler is not None and not (hasattr(scaler, "_get_scale_async") and hasattr(scaler, "is_enabled")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
-        self.ddp = ddp
-        self.group = ddp.process_group
+        import weakref
+
+        # weakly, and its process group not at all: the hooks on the DDP's parameters hold this
+        # monitor, so a strong reference would leave the DDP (or the group) to the garbage
+        # collector at interpreter exit, after destroy_process_group, which can abort the process
+        self._ddp = weakref.ref(ddp)
         self.world = world
         self.batch_size = batch_size
         self.reduction = reduction
@@ -455,7 +459,7 @@ class NoiseScaleDDP:
         self.values: collections.deque = collections.deque(maxlen=history)
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         self.params = [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
-        self._share = _rank_share(self.params, dist.get_rank(self.group), world)
+        self._share = _rank_share(self.params, dist.get_rank(ddp.process_group), world)
         self._windows = 0  # windows whose rows were sent
         self._pending: list[tuple[Tensor, tuple[float, ...]]] = []  # ([A_r, U share], sizes)
         self._armed = False
@@ -476,6 +480,11 @@ class NoiseScaleDDP:
             raise ValueError(f"batch_size must be a positive number (this rank's samples per window), got {value!r}")
         self._batch_size = float(value)
 
+    @property
+    def ddp(self) -> Any:
+        """The DistributedDataParallel module (None once it is freed; held weakly)."""
+        return self._ddp()
+
     def __repr__(self) -> str:
         return (f"NoiseScaleDDP(ranks={self.world}, batch_size={self._batch_size:g}, reduction={self.reduction!r}, "
                 f"sync_every={self.sync_every}, pending={len(self._pending)})")
@@ -483,7 +492,7 @@ class NoiseScaleDDP:
     # ---- hooks ----------------------------------------------------------------------------
     def _on_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
-            ddp = self.ddp
+            ddp = self._ddp()
             join = getattr(ddp, "_join_config", None)
             if join is not None and join.enable:
                 raise RuntimeError(
@@ -559,12 +568,18 @@ class NoiseScaleDDP:
 
         if not self._pending:
             return []
-        _check_plain_ddp(self.ddp)
+        ddp = self._ddp()
+        if ddp is None:
+            raise RuntimeError(
+                "NoiseScaleDDP.flush(): its DistributedDataParallel module was freed (this monitor "
+                "holds it weakly), so its process group is gone; flush before dropping the DDP module"
+            )
+        _check_plain_ddp(ddp)
         pending, self._pending = self._pending, []
         norms = torch.stack([r[0] for r in pending])
         rows = torch.tensor([r[1] for r in pending], dtype=torch.float64, device=norms.device)
         buf = torch.cat([rows, norms], dim=1)
-        dist.all_reduce(buf, group=self.group)
+        dist.all_reduce(buf, group=ddp.process_group)
         out = []
         for row in buf.tolist():
             N, Q, sa, sa2, sb, A, U = row
