@@ -213,6 +213,10 @@ def _errors_run(rank: int, world: int, out_dir: str) -> None:
                                             batch_size=4, sync_every=0),
         "scaler": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
                                         batch_size=4, scaler=2.0**16),
+        "history": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
+                                         batch_size=4, history=0),
+        "callback": lambda: NoiseScaleDDP(nn.parallel.DistributedDataParallel(nn.Linear(3, 2)),
+                                          batch_size=4, callback="print"),
     }.items():
         try:
             make()
@@ -243,6 +247,17 @@ def _errors_run(rank: int, world: int, out_dir: str) -> None:
                            (3.0 + 0.5 * v["trace_sigma"]) / (1.0 + 0.5 * v["grad_sq"]),
                            resumed.state_dict()["windows"])
     resumed.remove()
+    # the monitor holds its DDP module weakly: flushing after it is freed says so
+    gone = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    orphan = NoiseScaleDDP(gone, batch_size=4)
+    gone(torch.randn(4, 3)).sum().backward()
+    del gone
+    gc.collect()
+    try:
+        orphan.flush()
+    except RuntimeError as err:
+        messages["freed"] = str(err)
+    orphan.remove()
     from torch.distributed.algorithms.join import Join
 
     joined = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
@@ -269,6 +284,9 @@ def test_errors_name_the_fix():
     assert msg["reduction"].startswith("ValueError") and "'mean' or 'sum'" in msg["reduction"]
     assert msg["sync_every"].startswith("ValueError") and "sync_every" in msg["sync_every"]
     assert msg["scaler"].startswith("TypeError") and "GradScaler" in msg["scaler"]
+    assert msg["history"].startswith("ValueError") and "history must be an int >= 1" in msg["history"]
+    assert msg["callback"].startswith("TypeError") and "callback must be callable" in msg["callback"]
+    assert "was freed" in msg["freed"] and "flush before dropping the DDP module" in msg["freed"]
     assert "comm hook" in msg["comm_hook"] and "fp16_compress_hook" in msg["comm_hook"]
     assert "pending=1" in msg["accepted"]
     assert "Join" in msg["join"] and "noise.remove()" in msg["join"]

@@ -44,7 +44,9 @@ Three routes (the first two produce S, Q, T):
 
 from __future__ import annotations
 
+import collections
 import math
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -416,8 +418,6 @@ class NoiseScaleDDP:
         callback: Callable[[dict[str, Any]], None] | None = None,
         history: int = 10_000,
     ):
-        import collections
-
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -443,8 +443,6 @@ class NoiseScaleDDP:
             raise TypeError(f"callback must be callable(values) or None, got {type(callback).__name__}")
         if scaler is not None and not (hasattr(scaler, "_get_scale_async") and hasattr(scaler, "is_enabled")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
-        import weakref
-
         # weakly, and its process group not at all: the hooks on the DDP's parameters hold this
         # monitor, so a strong reference would leave the DDP (or the group) to the garbage
         # collector at interpreter exit, after destroy_process_group, which can abort the process
