@@ -516,7 +516,7 @@ class NoiseScaleDDP:
             return
         first = not self._started
         self._started = True
-        if self._in_hooks:  # p.grad is a view of DDP's bucket: read it before DDP reduces it
+        if self._in_hooks:  # DDP may reduce p.grad before the backward ends (see _on_forward): read it now
             sq = sq_norm(p.grad)
             self._local = sq if self._local is None else self._local + sq
         if first:
