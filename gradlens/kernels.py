@@ -1177,7 +1177,10 @@ class TransposedLinearKernel(_LinearSums):
         return Kernel.reduce(self, module, a, delta, want, names, acc, skip)
 
     def batch_l2(self, module, a, delta):
-        return super().batch_l2(self._AsLinear(module), a, delta)
+        lin = self._AsLinear(module)  # ||g_n||^2 is the same for the transposed weight
+        if delta.dim() != 2 and not self._use_gram(lin, delta[0].numel() // delta.shape[-1]):
+            return Kernel.batch_l2(self, module, a, delta)  # long sequences: materialised slices
+        return super().batch_l2(lin, a, delta)
 
     def sum_grad_squared(self, module, a, delta):
         if delta.dim() != 2:
