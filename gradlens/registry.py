@@ -93,14 +93,20 @@ def kernel_for(module: nn.Module) -> "K.Kernel | None":
 
 
 #: kernel classes that passed :func:`gradlens.kernels.check_kernel` (a factory makes a fresh
-#: kernel per module: each class is checked once, on the first module built)
+#: kernel per module: each class is checked once, on the first module built; an instance that
+#: sets a declared attribute itself, e.g. a kind given to its constructor, is checked each time)
 _CHECKED: set[type] = set()
+_DECLARED = frozenset({"kind", "factored", "mixes_samples", "per_micro_batch"})
 
 
 def _checked(kernel: "K.Kernel | None") -> "K.Kernel | None":
-    if kernel is not None and type(kernel) not in _CHECKED:
+    if kernel is None:
+        return None
+    own = not _DECLARED.isdisjoint(getattr(kernel, "__dict__", ()))
+    if own or type(kernel) not in _CHECKED:
         K.check_kernel(kernel)
-        _CHECKED.add(type(kernel))
+        if not own:
+            _CHECKED.add(type(kernel))
     return kernel
 
 

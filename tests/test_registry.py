@@ -154,3 +154,20 @@ def test_a_kernels_kind_is_fixed_by_its_class():
         "Linear": ("LinearKernel", "linear"),
         "BatchNorm1d": ("BatchNormEvalKernel", "bn"),
     }
+
+
+class _KindGiven(ScaleKernel):
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def test_a_kind_given_to_a_kernels_constructor_is_checked_for_every_kernel():
+    n = len(_KERNELS)
+    kinds = iter(["other", "linear"])
+    gradlens.register_kernel(Scale, lambda m: _KindGiven(next(kinds)), "closed form (test)")
+    try:
+        assert kernel_for(Scale(2)).kind == "other"
+        with pytest.raises(TypeError, match=r"_KindGiven.kind = 'linear' but _KindGiven does not define"):
+            kernel_for(Scale(2))
+    finally:
+        del _KERNELS[: len(_KERNELS) - n]
