@@ -63,7 +63,7 @@ One chunking rule: whatever materialises per-sample slices takes ``b`` samples a
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +71,7 @@ from torch import Tensor, nn
 
 from gradlens.sync import device_paths
 
-__all__ = ["Kernel", "CHUNK_ELEMENTS", "sample_chunks"]
+__all__ = ["Kernel", "KINDS", "CHUNK_ELEMENTS", "check_kernel", "sample_chunks"]
 
 #: elements of one transient block: a materialised ``[b, *param]`` slice, a ``T x T`` Gram
 #: chunk, a chunk of the per-operation vjp (:mod:`gradlens.ops`), a histogram product block
@@ -110,12 +110,26 @@ def _by_columns(fn: Callable[..., Tensor], *index: Tensor, width: int = 1) -> Te
 
 
 class Kernel:
-    """Default kernel: everything derived from materialised per-sample gradients."""
+    """Default kernel: everything derived from materialised per-sample gradients.
 
-    #: what the cross-micro-step instruments may assume of the layer's maths: ``"linear"``
-    #: (``F.linear`` factors), ``"conv"`` (a ``_conv_forward`` along a direction), ``"bn"``
-    #: (an affine map of fixed statistics), or ``"other"`` (materialise per-sample slices).
-    kind = "other"
+    What a kernel offers is declared in class attributes (checked by :func:`check_kernel` when
+    it is registered or first handed out by the registry); subclasses override only what they
+    change. A kernel must define :meth:`per_sample`; everything else has a default."""
+
+    #: the layer maths the cross-micro-step instruments may assume (one of :data:`KINDS`):
+    #: ``"linear"`` (``F.linear`` factors a, delta; shared uses concatenate positions),
+    #: ``"conv"`` (a ``_conv_forward`` along a direction), ``"bn"`` (an affine map of fixed
+    #: statistics), ``"other"`` (materialised per-sample slices)
+    kind: ClassVar[str] = "other"
+    #: ``batch_l2`` / ``sum_grad_squared`` / ``grad_sum`` (and ``reduce``) come from the layer's
+    #: factors without a ``[B, *param]`` tensor, so the Lens runs no materialising pass for them
+    factored: ClassVar[bool] = False
+    #: the layer's output mixes samples (batch statistics): the per-sample gradients of every
+    #: parameter before it are undefined (the capture marks them)
+    mixes_samples: ClassVar[bool] = False
+    #: the per-sample maths read statistics of the layer's own micro-batch: pieces of several
+    #: micro-steps must never be concatenated into one call
+    per_micro_batch: ClassVar[bool] = False
 
     def params(self, module: nn.Module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -310,6 +324,86 @@ class Kernel:
         return out
 
 
+#: the values of :attr:`Kernel.kind`
+KINDS = frozenset({"linear", "conv", "bn", "other"})
+
+#: methods a kind's cross-micro-step maths need beyond the materialising defaults of
+#: :class:`Kernel` (``sketch_factors`` has no default: the base raises)
+_KIND_METHODS = {
+    "linear": ("matrix_dims", "positions", "seq_factors", "use_tgram", "directional", "gram",
+               "sketch_factors"),
+    "conv": ("matrix_dims", "positions", "directional", "sketch_factors"),
+    "bn": ("directional",),
+    "other": (),
+}
+_FLAGS = ("factored", "mixes_samples", "per_micro_batch")
+_SUMS = ("batch_l2", "sum_grad_squared", "grad_sum")
+
+
+def _overrides(cls: type, name: str) -> bool:
+    return getattr(cls, name) is not getattr(Kernel, name)
+
+
+def check_kernel(kernel: object) -> None:
+    """Check what ``kernel`` declares (:attr:`Kernel.kind`, :attr:`Kernel.factored`,
+    :attr:`Kernel.mixes_samples`, :attr:`Kernel.per_micro_batch`) against what it implements;
+    raises ``TypeError`` / ``ValueError`` naming the class, the attribute and the fix.
+
+    Called by :func:`gradlens.registry.register_kernel` for a kernel instance, and by
+    :func:`gradlens.registry.kernel_for` on the first kernel of each class a factory returns
+    (when a Lens is built)."""
+    if isinstance(kernel, type):
+        raise TypeError(
+            f"kernel {kernel.__name__} is a class; pass an instance, e.g. {kernel.__name__}()"
+        )
+    if not isinstance(kernel, Kernel):
+        raise TypeError(
+            f"kernel must be a gradlens.kernels.Kernel, got {type(kernel).__name__} ({kernel!r}); "
+            "subclass gradlens.kernels.Kernel and define per_sample(self, module, a, delta, "
+            "start, stop, attrs=None)"
+        )
+    cls = type(kernel)
+    name = cls.__name__
+    if not _overrides(cls, "per_sample"):
+        raise TypeError(
+            f"{name} does not define per_sample; every kernel needs per_sample(self, module, a, "
+            "delta, start, stop, attrs=None) -> {attribute: [stop - start, *param]}"
+        )
+    for flag in _FLAGS:
+        value = getattr(kernel, flag)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{name}.{flag} must be True or False, got {value!r}; set the class attribute "
+                f"{flag} = True (or leave it out for False)"
+            )
+    kind = kernel.kind
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(
+            f"{name}.kind must be one of {sorted(KINDS)}, got {kind!r}; use kind = \"other\" "
+            "unless the kernel implements that kind's factor forms"
+        )
+    missing = [m for m in _KIND_METHODS[kind] if not _overrides(cls, m)]
+    if missing:
+        raise TypeError(
+            f"{name}.kind = {kind!r} but {name} does not define {missing}; define them, or set "
+            "kind = \"other\" (materialised per-sample slices)"
+        )
+    if kernel.factored:
+        missing = [m for m in _SUMS if not _overrides(cls, m)]
+        if missing:
+            raise TypeError(
+                f"{name}.factored = True but {name} does not define {missing} (Kernel's versions "
+                "materialise per-sample gradients); define them from the layer's factors, or set "
+                "factored = False"
+            )
+    if _overrides(cls, "matrix_dims") and not _overrides(cls, "sketch_factors"):
+        raise TypeError(
+            f"{name} defines matrix_dims but not sketch_factors, which sketches of matrix layers "
+            "call; define sketch_factors(self, module, a, delta, attrs, u, vw, vb), or do not "
+            "define matrix_dims"
+        )
+
+
 def _cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
     """``torch.cat`` without the copy when there is one tensor."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
@@ -352,11 +446,13 @@ def _addmm_into(acc: dict[str, Tensor], key: str, m1: Tensor, m2: Tensor) -> Non
     acc[key] = m1 @ m2 if out is None else torch.mm(m1, m2, out=out)
 
 
-class LinearKernel(Kernel):
-    """``nn.Linear`` with input ``[B, *, d_in]``; g_n = sum_t delta_nt a_nt^T."""
+class _LinearSums(Kernel):
+    """The per-sample sums of an affine map with input ``[B, *, d_in]`` and output gradient
+    ``[B, *, d_out]``: g_n = sum_t delta_nt a_nt^T (``[d_out, d_in]`` layout), from the
+    factors. :class:`LinearKernel` adds the cross-micro-step factor forms; Hugging Face's
+    transposed ``Conv1D`` (:class:`TransposedLinearKernel`) keeps the materialising ones."""
 
     factored = True
-    kind = "linear"
 
     @staticmethod
     def _flat(module, a, delta):
@@ -379,14 +475,6 @@ class LinearKernel(Kernel):
             if "bias" in attrs:
                 out["bias"] = d.sum(1)
         return out
-
-    def add_per_sample(self, module, a, delta, attr, out):
-        x, d = self._flat(module, a, delta)
-        if (self.kind == "linear" and attr == "weight" and delta.dim() != 2 and out.is_contiguous()
-                and out.dtype == delta.dtype and out.shape == (d.shape[0], d.shape[-1], x.shape[-1])):
-            out.view(d.shape[0], d.shape[-1], x.shape[-1]).baddbmm_(d.transpose(1, 2), x)
-            return
-        super().add_per_sample(module, a, delta, attr, out)
 
     def entries(self, module, a, delta, attr, j):
         # (index_select: several times faster than advanced indexing for column gathers)
@@ -539,33 +627,38 @@ class LinearKernel(Kernel):
         out = {"weight": d.t() @ x, "bias": d.sum(0)}
         return {n: out[n] for n in self.params(module)}
 
-    # ---- cross-micro-step maths: the factor forms (``kind == "linear"``; a subclass that sets
-    # another kind, such as transformers' Conv1D, keeps the materialising base versions)
+
+class LinearKernel(_LinearSums):
+    """``nn.Linear`` (and ``F.linear`` calls, :class:`OpLinear`) with input ``[B, *, d_in]``;
+    g_n = sum_t delta_nt a_nt^T. The sums come from the factors (:class:`_LinearSums`); the
+    cross-micro-step maths (Gram, projections, sketches) too."""
+
+    kind = "linear"
+
+    def add_per_sample(self, module, a, delta, attr, out):
+        x, d = self._flat(module, a, delta)
+        if (attr == "weight" and delta.dim() != 2 and out.is_contiguous()
+                and out.dtype == delta.dtype and out.shape == (d.shape[0], d.shape[-1], x.shape[-1])):
+            out.view(d.shape[0], d.shape[-1], x.shape[-1]).baddbmm_(d.transpose(1, 2), x)
+            return
+        super().add_per_sample(module, a, delta, attr, out)
+
+    # ---- cross-micro-step maths: the factor forms
     def matrix_dims(self, module):
-        if self.kind != "linear":
-            return super().matrix_dims(module)
         return module.out_features, module.in_features
 
     def positions(self, module, a, delta):
-        if self.kind != "linear":
-            return super().positions(module, a, delta)
         return delta[0].numel() // delta.shape[-1]
 
     def seq_factors(self, module, a, delta, attrs):
-        if self.kind != "linear":
-            return super().seq_factors(module, a, delta, attrs)
         x, d = self._flat(module, a, delta)
         return _with_bias_column(x, attrs), d
 
     def use_tgram(self, module, a, delta, n=None):
-        if self.kind != "linear":
-            return super().use_tgram(module, a, delta, n)
         d_out, d_in = self.matrix_dims(module)
         return tgram_cheaper(d_out, d_in, self.positions(module, a, delta), n)
 
     def directional(self, module, a, delta, direction, attrs):
-        if self.kind != "linear":
-            return super().directional(module, a, delta, direction, attrs)
         b = delta.shape[0]
         D = {key: v.to(delta.dtype) for key, v in direction.items()}
         out = delta.new_zeros(b)
@@ -580,8 +673,6 @@ class LinearKernel(Kernel):
     def gram(self, module, pieces, attrs):
         """Without a sequence axis: ``(A A^T + 1[bias]) * (Delta Delta^T)``. With one: ``T x T``
         factor products where :func:`tgram_cheaper`, else :meth:`_gram_row_blocks`."""
-        if self.kind != "linear":
-            return super().gram(module, pieces, attrs)
         if pieces[0][1].dim() != 2:
             n = sum(d.shape[0] for _, d in pieces)
             same_t = len({self.positions(module, a, d) for a, d in pieces}) == 1
@@ -601,7 +692,7 @@ class LinearKernel(Kernel):
         sequence input: the Gram of :meth:`gram`; where that materialises weight row blocks
         (:meth:`_gram_row_blocks`), the weight sum comes from the same blocks (what a fused
         Linear call takes as its dL/dW), else None."""
-        if self.kind != "linear" or delta.dim() == 2 or "weight" not in attrs or self.use_tgram(module, a, delta, delta.shape[0]):
+        if delta.dim() == 2 or "weight" not in attrs or self.use_tgram(module, a, delta, delta.shape[0]):
             return self.gram(module, [(a, delta)], attrs), None
         d_out, d_in = self.matrix_dims(module)
         wsum = delta.new_empty(d_out, d_in)  # every row block writes its rows once
@@ -644,19 +735,15 @@ class LinearKernel(Kernel):
         return K
 
     def gram_materialises(self, module, a, delta):
-        if self.kind == "linear":
-            return False  # factor forms, T x T blocks or bounded row blocks: never [n, D_l]
-        return super().gram_materialises(module, a, delta)
+        return False  # factor forms, T x T blocks or bounded row blocks: never [n, D_l]
 
     def mean_via_gram(self, module, a, delta, n):
-        if self.kind != "linear" or delta.dim() != 2:
+        if delta.dim() != 2:
             return super().mean_via_gram(module, a, delta, n)
         d_out, d_in = self.matrix_dims(module)
         return n * (d_out + d_in) < d_out * d_in
 
     def sketch_factors(self, module, a, delta, attrs, u, vw, vb):
-        if self.kind != "linear":
-            return super().sketch_factors(module, a, delta, attrs, u, vw, vb)
         b = delta.shape[0]
         ud = delta.reshape(b, -1, u.shape[1]) @ u.T  # [B, T, k]
         va = 0
@@ -679,22 +766,21 @@ def _with_bias_column(x: Tensor, attrs) -> Tensor:
 
 
 class _ConvMaths:
-    """Cross-micro-step maths of convolutions (``kind == "conv"``: a ``_conv_forward`` along a
-    direction); kernels of other kinds (transposed convolutions) keep the base versions."""
+    """Cross-micro-step maths of convolutions (``kind = "conv"``: a ``_conv_forward`` along a
+    direction), mixed in before :class:`Kernel`; transposed convolutions keep the base versions
+    (:class:`BackpackKernel`, :class:`VmapConvKernel`)."""
+
+    kind: ClassVar[str] = "conv"
 
     def matrix_dims(self, module):
-        if self.kind != "conv" or module.groups != 1:
+        if module.groups != 1:  # no single matrix: one sketch block per attribute
             return super().matrix_dims(module)
         return module.out_channels, module.weight[0].numel()
 
     def positions(self, module, a, delta):
-        if self.kind != "conv":
-            return super().positions(module, a, delta)
         return delta[0, 0].numel()
 
     def directional(self, module, a, delta, direction, attrs):
-        if self.kind != "conv":
-            return super().directional(module, a, delta, direction, attrs)
         D = {key: v.to(delta.dtype) for key, v in direction.items()}
         out = delta.new_zeros(delta.shape[0])
         if "weight" in D:
@@ -704,8 +790,6 @@ class _ConvMaths:
         return out
 
     def sketch_factors(self, module, a, delta, attrs, u, vw, vb):
-        if self.kind != "conv":
-            return super().sketch_factors(module, a, delta, attrs, u, vw, vb)
         ud = torch.einsum("kc,bct->bkt", u, delta.flatten(2))
         va = 0
         if "weight" in attrs:
@@ -773,8 +857,6 @@ class VmapConvKernel(Kernel):
 
 class Conv2dKernel(_ConvMaths, Kernel):
     """``nn.Conv2d`` (groups=1, zero padding): per-sample gradients via unfold + bmm."""
-
-    kind = "conv"
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         a, padding = _explicit_padding(module, a)
@@ -910,10 +992,9 @@ class EmbeddingKernel(Kernel):
         return {"weight": out.index_add_(0, idx.reshape(-1), d.reshape(-1, d.shape[-1]))}
 
 
-class BackpackKernel(_ConvMaths, Kernel):
-    """Any module with BackPACK derivatives: per-sample gradients through ``param_mjp``. The
-    registry sets ``kind = "conv"`` for Conv1d/2d/3d (the convolution forms of the
-    cross-micro-step maths apply) and ``"other"`` for the transposed ones."""
+class BackpackKernel(Kernel):
+    """Any module with BackPACK derivatives: per-sample gradients through ``param_mjp``
+    (transposed convolutions; :class:`BackpackConvKernel` for Conv1d/2d/3d)."""
 
     def __init__(self, derivatives):
         self.derivatives = derivatives
@@ -933,6 +1014,11 @@ class BackpackKernel(_ConvMaths, Kernel):
             del module.input0, module.output
 
 
+class BackpackConvKernel(_ConvMaths, BackpackKernel):
+    """``nn.Conv{1,2,3}d`` through BackPACK's derivatives, with the convolution forms of the
+    cross-micro-step maths (``kind = "conv"``)."""
+
+
 def _backpack_kernels() -> dict[type, Callable[[], Kernel]]:
     from backpack.core.derivatives.conv1d import Conv1DDerivatives
     from backpack.core.derivatives.conv2d import Conv2DDerivatives
@@ -942,9 +1028,9 @@ def _backpack_kernels() -> dict[type, Callable[[], Kernel]]:
     from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
 
     return {
-        nn.Conv1d: lambda: BackpackKernel(Conv1DDerivatives()),
-        nn.Conv2d: lambda: BackpackKernel(Conv2DDerivatives()),
-        nn.Conv3d: lambda: BackpackKernel(Conv3DDerivatives()),
+        nn.Conv1d: lambda: BackpackConvKernel(Conv1DDerivatives()),
+        nn.Conv2d: lambda: BackpackConvKernel(Conv2DDerivatives()),
+        nn.Conv3d: lambda: BackpackConvKernel(Conv3DDerivatives()),
         nn.ConvTranspose1d: lambda: BackpackKernel(ConvTranspose1DDerivatives()),
         nn.ConvTranspose2d: lambda: BackpackKernel(ConvTranspose2DDerivatives()),
         nn.ConvTranspose3d: lambda: BackpackKernel(ConvTranspose3DDerivatives()),
@@ -1056,11 +1142,10 @@ def _running_x_hat(module, a: Tensor) -> Tensor:
 
 
 # =============================================================================== Linear-likes
-class TransposedLinearKernel(LinearKernel):
+class TransposedLinearKernel(_LinearSums):
     """Hugging Face ``transformers``' ``Conv1D``: ``y = x @ W + b`` with ``W [d_in, d_out]``;
-    g_n(W) = sum_t a_nt delta_nt^T (the transpose of ``nn.Linear``'s)."""
-
-    kind = "other"
+    g_n(W) = sum_t a_nt delta_nt^T (the transpose of ``nn.Linear``'s). The sums come from the
+    factors; the cross-micro-step maths from materialised slices (``kind = "other"``)."""
 
     class _AsLinear:
         def __init__(self, module):
@@ -1092,7 +1177,10 @@ class TransposedLinearKernel(LinearKernel):
         return Kernel.reduce(self, module, a, delta, want, names, acc, skip)
 
     def batch_l2(self, module, a, delta):
-        return super().batch_l2(self._AsLinear(module), a, delta)
+        lin = self._AsLinear(module)  # ||g_n||^2 is the same for the transposed weight
+        if delta.dim() != 2 and not self._use_gram(lin, delta[0].numel() // delta.shape[-1]):
+            return Kernel.batch_l2(self, module, a, delta)  # long sequences: materialised slices
+        return super().batch_l2(lin, a, delta)
 
     def sum_grad_squared(self, module, a, delta):
         if delta.dim() != 2:

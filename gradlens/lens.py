@@ -42,7 +42,7 @@ from gradlens.distributed import (
     merge_window_start,
     resolve_group,
 )
-from gradlens.instruments.base import LIGHT_QUANTITIES, QUANTITIES, Accumulators, Instrument, WindowStats
+from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.instruments.noise import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
@@ -280,12 +280,7 @@ class Lens:
                     "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
                 )
         for inst in instruments:
-            unknown = set(inst.needs) - QUANTITIES
-            if unknown:
-                raise ValueError(
-                    f"{type(inst).__name__}.needs names {sorted(unknown)}, which no capture provides; "
-                    f"the quantities are {sorted(QUANTITIES)}"
-                )
+            check_instrument(inst)  # what it declares: key, needs, flags, the methods they call
         keys = [i.key for i in instruments]
         dupes = sorted({k for k in keys if keys.count(k) > 1})
         if dupes:

@@ -19,6 +19,11 @@ Users register kernels for their own layers::
     class MyKernel(gradlens.kernels.Kernel):
         def per_sample(self, module, a, delta, start, stop, attrs=None): ...
     gradlens.register_kernel(MyLayer, MyKernel())
+
+A kernel declares what it offers beyond the materialising defaults in class attributes
+(``kind``, ``factored``, ``mixes_samples``, ``per_micro_batch``: see
+:class:`~gradlens.kernels.Kernel`); :func:`register_kernel` checks them
+(:func:`gradlens.kernels.check_kernel`).
 """
 
 from __future__ import annotations
@@ -47,11 +52,15 @@ def register_kernel(module_type: type | str, kernel: "K.Kernel | KernelFactory",
             so that the library defining it need not be imported.
         kernel: a :class:`~gradlens.kernels.Kernel` instance, or a callable ``module -> Kernel |
             None`` (None: this configuration has no closed form; the module's parameters are then
-            captured per operation, exactly, at the cost of materialising them).
+            captured per operation, exactly, at the cost of materialising them). What the kernel
+            declares is checked (:func:`gradlens.kernels.check_kernel`): an instance here, a
+            factory's kernels when :func:`kernel_for` first hands one out.
         description: one line for the supported-layer table.
     """
     if not (isinstance(module_type, (type, str))):
         raise TypeError(f"register_kernel(module_type=...) takes a class or a dotted name, got {module_type!r}")
+    if isinstance(kernel, type) or not callable(kernel) or isinstance(kernel, K.Kernel):
+        K.check_kernel(kernel)  # a factory's kernels are checked when kernel_for hands them out
     factory = kernel if callable(kernel) and not isinstance(kernel, K.Kernel) else (lambda m, k=kernel: k)
     _KERNELS.insert(0, (module_type, factory, description or type(kernel).__name__))
 
@@ -79,8 +88,26 @@ def kernel_for(module: nn.Module) -> "K.Kernel | None":
             if key is cls or (isinstance(key, str) and key == _qualname(cls)):
                 if type(module).forward is not cls.forward:
                     return None
-                return factory(module)
+                return _checked(factory(module))
     return None
+
+
+#: kernel classes that passed :func:`gradlens.kernels.check_kernel` (a factory makes a fresh
+#: kernel per module: each class is checked once, on the first module built; an instance that
+#: sets a declared attribute itself, e.g. a kind given to its constructor, is checked each time)
+_CHECKED: set[type] = set()
+_DECLARED = frozenset({"kind", "factored", "mixes_samples", "per_micro_batch"})
+
+
+def _checked(kernel: "K.Kernel | None") -> "K.Kernel | None":
+    if kernel is None:
+        return None
+    own = not _DECLARED.isdisjoint(getattr(kernel, "__dict__", ()))
+    if own or type(kernel) not in _CHECKED:
+        K.check_kernel(kernel)
+        if not own:
+            _CHECKED.add(type(kernel))
+    return kernel
 
 
 def forward_for(module: nn.Module) -> Callable | None:
@@ -115,10 +142,8 @@ def _conv(m: nn.Module) -> "K.Kernel | None":
         return K.Conv2dKernel()  # string padding as explicit, possibly asymmetric, pads
     if _string_padding(m) or any(getattr(m, "output_padding", (0,))):
         return K.VmapConvKernel()  # BackPACK swaps string padding's roles, fails on output_padding
-    base = next(c for c in type(m).__mro__ if c in K._backpack_kernels())
-    kernel = K._backpack_kernels()[base]()
-    kernel.kind = "conv" if base in (nn.Conv1d, nn.Conv2d, nn.Conv3d) else "other"
-    return kernel
+    makers = K._backpack_kernels()  # the convolutions' kernel has kind "conv", transposed "other"
+    return makers[next(c for c in type(m).__mro__ if c in makers)]()
 
 
 def _batchnorm(m: nn.Module) -> "K.Kernel":

@@ -384,3 +384,53 @@ def test_instrument_needs_checked_when_the_lens_is_built():
     model = gradlens.extend(nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"Typo.needs names \['per_sampel'\].*quantities are"):
         Lens(model, [Typo()])
+
+
+class _Declared(gradlens.instruments.base.Instrument):
+    key = "declared"
+    needs = frozenset({"batch_l2"})
+
+    def finalize(self, stats, state):
+        return None
+
+
+def _subclass(name, **attrs):
+    return type(name, (_Declared,), attrs)()
+
+
+@pytest.mark.parametrize(
+    "inst, error, match",
+    [
+        (_subclass("NoKey", key=""), TypeError, r"NoKey.key must be a non-empty str \(the record key\), got ''; set the class attribute key = \"nokey\""),
+        (_subclass("NeedsStr", needs="batch_l2"), TypeError, r"NeedsStr.needs must be a frozenset of quantity names, got 'batch_l2'; e.g. needs = frozenset"),
+        (_subclass("NoLayer", needs=frozenset({"layer"})), TypeError, r"NoLayer.needs has \"layer\" but NoLayer does not define update_layer; define it, or drop"),
+        (_subclass("NoUpdate", needs=frozenset({"per_sample"})), TypeError, r"NoUpdate.needs has \"per_sample\" but NoUpdate does not define update;"),
+        (_subclass("NoSampled", needs=frozenset({"per_sample"}), sample=0.1, update=lambda *a: None), TypeError,
+         r"NoSampled.needs has \"per_sample\" with sample=0.1 but NoSampled does not define update_sampled"),
+        (_subclass("ScaleNoLayer", carries_scale=True), ValueError, r"ScaleNoLayer.carries_scale is True but \"layer\" is not in ScaleNoLayer.needs \(\['batch_l2'\]\); only update_layer uses it"),
+        (_subclass("FillsInt", fills_weight_grad=1), TypeError, r"FillsInt.fills_weight_grad must be True or False, got 1"),
+        (_subclass("SampleAll", sample=1.5), ValueError, r"SampleAll.sample must be None \(exact\) or the fraction of entries drawn, 0 < sample < 1, got 1.5"),
+    ],
+    ids=["key", "needs-type", "layer", "per-sample", "sampled", "carries-scale", "flag-type", "sample"],
+)
+def test_instrument_declarations_checked_when_the_lens_is_built(inst, error, match):
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(error, match=match):
+        Lens(model, [inst])
+    with pytest.raises(error, match=match):
+        gradlens.instruments.base.check_instrument(inst)
+
+
+def test_every_builtin_instrument_passes_its_check():
+    from gradlens.instruments import (Alpha, BatchDot, InnerTest, MeanGSNR, NoiseScale, NoiseScaleTwoBatch, NormTest,
+                                      OrthoTest, SumGradSquared)
+    from gradlens.instruments.base import check_instrument
+
+    insts = [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(), GradHist1d(sample=0.1), GradHist2d(),
+             GradHist2d(sample=0.2), NormTest(), NormTest(per_sample=True), NoiseScale(), MeanGSNR(),
+             BatchDot(), BatchDot(mode="sketch"), InnerTest(), InnerTest(mode="sketch"), OrthoTest(), Alpha(),
+             NoiseScaleTwoBatch()]
+    for inst in insts:
+        check_instrument(inst)
+    assert BatchDot().carries_scale and BatchDot().fills_weight_grad and not BatchDot(mode="sketch").carries_scale
+    assert InnerTest(mode="sketch").needs == {"layer", "grad_sum"}

@@ -77,3 +77,97 @@ def test_readme_table_names_every_registered_layer():
         short = layer.replace("nn._BatchNorm", "nn.BatchNorm").replace("nn._InstanceNorm", "nn.InstanceNorm")
         short = short.split(".")[-1]
         assert short in table, f"{layer} is registered but missing from the README table"
+
+
+class _NoMaths(Kernel):
+    pass
+
+
+class _BadKind(ScaleKernel):
+    kind = "convolution"
+
+
+class _LinearInName(ScaleKernel):
+    kind = "linear"
+
+
+class _FactoredInName(ScaleKernel):
+    factored = True
+
+
+class _FlagNotBool(ScaleKernel):
+    mixes_samples = "yes"
+
+
+class _MatrixWithoutSketch(ScaleKernel):
+    def matrix_dims(self, module):
+        return module.weight.shape[0], 1
+
+
+@pytest.mark.parametrize(
+    "kernel, error, match",
+    [
+        (_NoMaths(), TypeError, r"_NoMaths does not define per_sample; every kernel needs per_sample\(self, module"),
+        (_BadKind(), ValueError, r"_BadKind.kind must be one of \['bn', 'conv', 'linear', 'other'\], got 'convolution'; use kind = \"other\""),
+        (_LinearInName(), TypeError, r"_LinearInName.kind = 'linear' but _LinearInName does not define \['matrix_dims', 'positions', 'seq_factors', 'use_tgram', 'directional', 'gram', 'sketch_factors'\]; define them, or set kind = \"other\""),
+        (_FactoredInName(), TypeError, r"_FactoredInName.factored = True but _FactoredInName does not define \['batch_l2', 'sum_grad_squared', 'grad_sum'\].*or set factored = False"),
+        (_FlagNotBool(), TypeError, r"_FlagNotBool.mixes_samples must be True or False, got 'yes'; set the class attribute mixes_samples = True"),
+        (_MatrixWithoutSketch(), TypeError, r"_MatrixWithoutSketch defines matrix_dims but not sketch_factors.*define sketch_factors\(self, module"),
+        (ScaleKernel, TypeError, r"kernel ScaleKernel is a class; pass an instance, e.g. ScaleKernel\(\)"),
+        (3, TypeError, r"kernel must be a gradlens.kernels.Kernel, got int \(3\); subclass gradlens.kernels.Kernel"),
+    ],
+    ids=["no-per-sample", "unknown-kind", "linear-without-factors", "factored-without-sums", "flag-not-bool",
+         "matrix-without-sketch", "class-not-instance", "not-a-kernel"],
+)
+def test_register_kernel_checks_what_the_kernel_declares(kernel, error, match):
+    n = len(_KERNELS)
+    with pytest.raises(error, match=match):
+        gradlens.register_kernel(Scale, kernel)
+    assert len(_KERNELS) == n  # nothing registered
+
+
+def test_a_factorys_kernel_is_checked_when_the_lens_is_built():
+    n = len(_KERNELS)
+    gradlens.register_kernel(Scale, lambda m: _BadKind(), "closed form (test)")
+    try:
+        model = gradlens.extend(nn.Sequential(nn.Linear(3, 4), Scale(4)))
+        with pytest.raises(ValueError, match=r"_BadKind.kind must be one of .* got 'convolution'"):
+            Lens(model, [BatchL2()])
+    finally:
+        del _KERNELS[: len(_KERNELS) - n]
+
+
+def test_a_kernels_kind_is_fixed_by_its_class():
+    """The registry hands out a kernel class per kind; nothing sets ``kind`` on an instance."""
+    got = {}
+    for m in (nn.Conv1d(2, 2, 3), nn.Conv3d(1, 1, 2), nn.ConvTranspose1d(2, 2, 3), nn.Conv2d(2, 2, 3),
+              nn.Conv2d(2, 2, 3, padding="same", groups=2), nn.Linear(2, 2), nn.BatchNorm1d(2).eval()):
+        kernel = kernel_for(m)
+        assert "kind" not in vars(kernel), type(kernel).__name__
+        got[type(m).__name__ + ("-groups" if getattr(m, "groups", 1) > 1 else "")] = (type(kernel).__name__, kernel.kind)
+    assert got == {
+        "Conv1d": ("BackpackConvKernel", "conv"),
+        "Conv3d": ("BackpackConvKernel", "conv"),
+        "ConvTranspose1d": ("BackpackKernel", "other"),
+        "Conv2d": ("Conv2dKernel", "conv"),
+        "Conv2d-groups": ("VmapConvKernel", "other"),
+        "Linear": ("LinearKernel", "linear"),
+        "BatchNorm1d": ("BatchNormEvalKernel", "bn"),
+    }
+
+
+class _KindGiven(ScaleKernel):
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def test_a_kind_given_to_a_kernels_constructor_is_checked_for_every_kernel():
+    n = len(_KERNELS)
+    kinds = iter(["other", "linear"])
+    gradlens.register_kernel(Scale, lambda m: _KindGiven(next(kinds)), "closed form (test)")
+    try:
+        assert kernel_for(Scale(2)).kind == "other"
+        with pytest.raises(TypeError, match=r"_KindGiven.kind = 'linear' but _KindGiven does not define"):
+            kernel_for(Scale(2))
+    finally:
+        del _KERNELS[: len(_KERNELS) - n]

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES"]
+__all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
 
 QUANTITIES = frozenset(
     {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq"}
@@ -236,10 +236,28 @@ class Instrument:
     (``grad_batch``: ``[b, *param]``, per-sample units); ``merge(a, b)`` combines two states of
     the same window (micro-steps or ranks); ``finalize(stats, state)`` gives the record value;
     ``end_window(state)`` lets an instrument adapt for the next window (histogram ranges).
+
+    What an instrument needs is declared in the attributes below (checked once, when a Lens is
+    built, by :func:`check_instrument`). ``key`` and ``gram_in_backward`` are fixed per class;
+    the others have a class default that an instance may refine from its arguments (in
+    ``__init__``, or as a property: a sketch-mode test also needs ``"grad_sum"``).
     """
 
+    #: the record key this instrument writes, ``record[key]`` (unique within a Lens)
     key: ClassVar[str] = ""
-    needs: ClassVar[frozenset[str]] = frozenset()
+    #: the quantities of :data:`QUANTITIES` it reads (per-sample units; see the module docstring)
+    needs: frozenset[str] = frozenset()
+    #: ``None``, or the fraction of entries drawn: the Lens then calls :meth:`update_sampled`
+    #: with entries computed from the layer's factors instead of materialising ``[b, *param]``
+    sample: float | None = None
+    #: :meth:`update_layer` takes ``delta`` as autograd delivered it with its per-sample
+    #: ``scale=`` (no ``delta * scale`` copy); only for ``"layer"`` in ``needs``
+    carries_scale: bool = False
+    #: :meth:`update_layer` fills a fused Linear call's dL/dW from its own pass
+    #: (``weight_grad=``); only for ``"layer"`` in ``needs``
+    fills_weight_grad: bool = False
+    #: :meth:`update_layer` forms the micro-step's Gram in backward (BatchDot)
+    gram_in_backward: ClassVar[bool] = False
 
     def start_window(self) -> Any:
         return None
@@ -269,10 +287,6 @@ class Instrument:
         call :meth:`update` instead."""
         return False
 
-    #: sampled instruments (e.g. ``GradHist1d(sample=0.01)``) set a fraction here: the Lens
-    #: then calls :meth:`update_sampled` instead of materialising per-sample gradients
-    sample: float | None = None
-
     def update_sampled(self, state: Any, name: str, param: Tensor, entries, batch: int) -> None:
         """For ``sample`` set: ``entries(j)`` returns ``[batch, m]``, the entries g_n[j] of this
         use's per-sample gradients at the flat indices ``j [m]`` into ``param``, computed from
@@ -286,10 +300,16 @@ class Instrument:
         return None
 
     # ---- optional extension points (used by instruments that need more than the above) ----
-    def update_layer(self, state: Any, module: Any, a: Tensor, delta: Tensor) -> None:
-        """For ``"layer" in needs``: called once per watched module per micro-step with the
-        module's input ``a`` ``[B, ...]`` and per-sample-scaled output gradient ``delta``
-        (``module`` is a :class:`gradlens.capture.WatchedModule`: ``.module``, ``.params``)."""
+    def update_layer(self, state: Any, module: Any, a: Tensor, delta: Tensor, weight_grad: Any = None,
+                     scale: float | Tensor | None = None) -> None:
+        """For ``"layer" in needs``: called once per use of tracked parameters with a closed-form
+        kernel per micro-step, with the use's input ``a`` ``[B, ...]`` and output gradient
+        ``delta`` ``[B, ...]`` in per-sample units (``module`` is a
+        :class:`gradlens.capture.Site`: ``.name``, ``.module``, ``.kernel``, ``.params``).
+        ``weight_grad``: ``(WeightGrad, per-sample scale)`` of a fused Linear call still without
+        its dL/dW, passed only where :attr:`fills_weight_grad`. ``scale``: passed only where
+        :attr:`carries_scale`; ``delta`` is then unscaled and ``delta * scale`` its per-sample
+        units."""
         raise NotImplementedError(f"{type(self).__name__} does not take layer factors")
 
     def micro_done(self, state: Any, batch_size: int, reduction: str, losses: Tensor | None) -> None:
@@ -341,3 +361,69 @@ class Instrument:
         """The state of all ranks from the merged buffers of :meth:`to_buffers`: ``sums``
         (added), ``per_rank`` (``[R, ...]``), ``pieces`` (per piece, one tensor per rank)."""
         return state
+
+
+def _defines(cls: type, name: str) -> bool:
+    return getattr(cls, name) is not getattr(Instrument, name)
+
+
+def check_instrument(inst: Any) -> None:
+    """Check what ``inst`` declares (:attr:`Instrument.key`, ``needs``, ``sample``,
+    ``carries_scale``, ``fills_weight_grad``, ``gram_in_backward``) against
+    :data:`QUANTITIES` and the methods it defines; raises ``TypeError`` / ``ValueError`` naming
+    the class, the attribute and the fix. The Lens calls it once per instrument when built."""
+    cls = type(inst)
+    name = cls.__name__
+    if not isinstance(inst, Instrument):
+        raise TypeError(
+            f"instruments must be gradlens.instruments objects, got {inst!r}; subclass "
+            "gradlens.instruments.base.Instrument (or pass an instance, e.g. BatchL2())"
+        )
+    if not isinstance(inst.key, str) or not inst.key:
+        raise TypeError(
+            f"{name}.key must be a non-empty str (the record key), got {inst.key!r}; set the "
+            f"class attribute key = \"{name.lower()}\""
+        )
+    needs = inst.needs
+    if not isinstance(needs, (frozenset, set)) or not all(isinstance(q, str) for q in needs):
+        raise TypeError(
+            f"{name}.needs must be a frozenset of quantity names, got {needs!r}; e.g. "
+            "needs = frozenset({\"batch_l2\"})"
+        )
+    unknown = set(needs) - QUANTITIES
+    if unknown:
+        raise ValueError(
+            f"{name}.needs names {sorted(unknown)}, which no capture provides; "
+            f"the quantities are {sorted(QUANTITIES)}"
+        )
+    for flag in ("carries_scale", "fills_weight_grad", "gram_in_backward"):
+        value = getattr(inst, flag)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{name}.{flag} must be True or False, got {value!r}; set the class attribute "
+                f"(or a property returning a bool)"
+            )
+        if value and "layer" not in needs:
+            raise ValueError(
+                f"{name}.{flag} is True but \"layer\" is not in {name}.needs ({sorted(needs)}); "
+                f"only update_layer uses it: add \"layer\" to needs or set {flag} = False"
+            )
+    sample = inst.sample
+    if sample is not None and (isinstance(sample, bool) or not isinstance(sample, (int, float))
+                               or not 0 < sample < 1):
+        raise ValueError(
+            f"{name}.sample must be None (exact) or the fraction of entries drawn, 0 < sample < 1, "
+            f"got {sample!r}; e.g. sample=0.01"
+        )
+    wanted = []
+    if "layer" in needs:
+        wanted.append(("update_layer", "\"layer\""))
+    if "per_sample" in needs:
+        wanted.append(("update" if sample is None else "update_sampled",
+                       "\"per_sample\"" + ("" if sample is None else f" with sample={sample}")))
+    for method, why in wanted:
+        if not _defines(cls, method):
+            raise TypeError(
+                f"{name}.needs has {why} but {name} does not define {method}; define it, or "
+                "drop that quantity from needs"
+            )

@@ -122,7 +122,7 @@ def _own(t: Tensor) -> Tensor:
 # =============================================================================== state
 @dataclass
 class _Layer:
-    w: Any  # WatchedModule
+    w: Any  # gradlens.capture.Site
     a: Tensor
     #: the output gradient: in per-sample units, or (``scale`` set) as autograd delivered it
     delta: Tensor
@@ -179,7 +179,7 @@ class _DotState:
     parts: list[_Part] = field(default_factory=list)
     reduction: str = "mean"
     params: dict[str, Tensor] = field(default_factory=dict)  # qualified name -> parameter
-    modules: dict[str, Any] = field(default_factory=dict)  # layer name -> WatchedModule
+    modules: dict[str, Any] = field(default_factory=dict)  # layer name -> gradlens.capture.Site
     # Alpha, filled around the real update
     theta0: dict[str, Tensor] | None = None
     start: dict[str, Any] | None = None
