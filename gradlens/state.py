@@ -344,22 +344,23 @@ def _check_parameters(state: dict, lens: "Lens") -> None:
             f"the Lens state_dict tracks other parameters: saved but not tracked here {missing}, "
             f"tracked here but not saved {extra}; {fix}"
         )
-    for name in sorted(set(saved) & set(mine)):
-        (s_shape, s_dtype), (m_shape, m_dtype) = saved[name], mine[name]
-        if s_shape != m_shape:
-            raise StateDictError(
-                f"parameter {name!r} has shape {tuple(s_shape)} in the Lens state_dict and "
-                f"{tuple(m_shape)} here; {fix}"
-            )
-        if s_dtype != m_dtype:
-            raise StateDictError(
-                f"parameter {name!r} is {s_dtype} in the Lens state_dict and {m_dtype} here; "
-                f"cast the model to {s_dtype} as in the saved run, or start this Lens afresh"
-            )
+    common = [n for n in saved if n in mine]  # in the model's order
+    shapes = [n for n in common if saved[n][0] != mine[n][0]]
+    if shapes:
+        diffs = "; ".join(f"{n!r} {tuple(saved[n][0])} saved, {tuple(mine[n][0])} here" for n in shapes)
+        raise StateDictError(f"parameters of other shapes than in the Lens state_dict: {diffs}; {fix}")
+    dtypes = [n for n in common if saved[n][1] != mine[n][1]]
+    if dtypes:
+        diffs = "; ".join(f"{n!r} {saved[n][1]} saved, {mine[n][1]} here" for n in dtypes)
+        raise StateDictError(
+            f"parameters of other dtypes than in the Lens state_dict: {diffs}; cast the model as in "
+            "the saved run (e.g. model.to(torch.float64)), or start this Lens afresh"
+        )
 
 
-def _load_instruments(state: dict, lens: "Lens") -> None:
-    """Every instrument's state, or none: a failure restores the ones already loaded."""
+def _load_instruments(state: dict, lens: "Lens") -> list[dict]:
+    """Every instrument's state, or none: a failure restores the ones already loaded. Returns
+    their states from before (for :func:`_restore`)."""
     before = [i.state_dict() for i in lens.instruments]
     done = 0
     try:
@@ -367,9 +368,14 @@ def _load_instruments(state: dict, lens: "Lens") -> None:
             inst.load_state_dict(entry["state"])
             done += 1
     except BaseException:
-        for inst, old in zip(lens.instruments[:done], before):
-            inst.load_state_dict(old)
+        _restore(lens, before[:done])
         raise
+    return before
+
+
+def _restore(lens: "Lens", before: list[dict]) -> None:
+    for inst, old in zip(lens.instruments, before):
+        inst.load_state_dict(old)
 
 
 def load_lens_state_dict(lens: "Lens", state: Any) -> None:
@@ -389,11 +395,16 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
             f"the Lens state_dict was saved inside tracked window {state['step']}, which this "
             "Lens's schedule (every=...) does not track; use the same schedule"
         )
+    # every instrument checks its state (part of the header) before the blob is unpickled
+    before = _load_instruments(state, lens)  # before the window opens: its ranges start the window
     payload = None
-    if state["blob"] is not None:
-        payload = _loads(state["blob"], lens)
-        _check_payload(payload, state, lens)
-    _load_instruments(state, lens)  # before the window opens: its ranges start the window
+    try:
+        if state["blob"] is not None:
+            payload = _loads(state["blob"], lens)
+            _check_payload(payload, state, lens)
+    except BaseException:
+        _restore(lens, before)
+        raise
     lens.step = state["step"]
     lens.skipped_windows = state["skipped_windows"]
     lens._open_window()
