@@ -247,7 +247,7 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
 def _check_header(state: Any) -> None:
     """The plain part of a Lens state: its kind, version and the types of its entries."""
     if not isinstance(state, dict) or not ({"version", "blob"} <= set(state)):
-        got = type(state).__name__ if not isinstance(state, dict) else f"a dict with keys {sorted(map(str, state))}"
+        got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
         raise StateDictError(
             f"Lens.load_state_dict(state_dict=...) takes the dict from Lens.state_dict(), got {got}"
         )
@@ -261,14 +261,20 @@ def _check_header(state: Any) -> None:
         )
     if version != _version():
         raise StateDictError(
-            f"Lens state_dict version {version!r}; this gradlens reads version {_version()}: save "
-            "it again with this gradlens's Lens.state_dict()"
+            f"Lens state_dict version {version!r}; this gradlens reads version {_version()}: load "
+            "it with the gradlens that wrote it, or start this Lens afresh (do not call "
+            "load_state_dict)"
         )
     missing = sorted(_HEADER - set(state))
-    if missing or state.get("format") != _FORMAT:
+    if missing:
         raise StateDictError(
-            f"the Lens state_dict lacks {missing or ['format']}; pass the dict that "
-            "Lens.state_dict() returned, unchanged"
+            f"the Lens state_dict lacks {missing}; pass the dict that Lens.state_dict() returned, "
+            "unchanged"
+        )
+    if state["format"] != _FORMAT:
+        raise StateDictError(
+            f"the state_dict's format is {state['format']!r}, not {_FORMAT!r}: it is not a Lens "
+            "state; pass the dict that Lens.state_dict() returned"
         )
     bad = [
         k for k, ok in (
@@ -281,7 +287,8 @@ def _check_header(state: Any) -> None:
             ("undefined", isinstance(state["undefined"], list)),
             ("window", isinstance(state["window"], bool)),
             ("pending", state["pending"] is None or is_count(state["pending"])),
-            ("blob", state["blob"] is None or (isinstance(state["blob"], Tensor) and state["blob"].dtype == torch.uint8)),
+            ("blob", state["blob"] is None
+             or (isinstance(state["blob"], Tensor) and state["blob"].dtype == torch.uint8)),
         ) if not ok
     ]
     if not bad and (state["window"] or state["pending"] is not None) and state["blob"] is None:
