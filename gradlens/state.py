@@ -18,9 +18,10 @@ None)::
     "window":            bool: saved inside a tracked window that captured micro-steps
     "pending":           int or None: the step of the record waiting for the next window (Alpha)
     "blob":              uint8 tensor or None: a pickle of the partial window (its
-                         :class:`~gradlens.instruments.base.WindowStats` and each instrument's
-                         window state) and of the pending record with its states, in which
-                         parameters, modules and instruments are referred to by name or position
+                         :class:`~gradlens.instruments.base.WindowStats`, each instrument's
+                         window state and the uses measured so far) and of the pending record
+                         with its states, in which parameters, modules and instruments are
+                         referred to by name or position
 
 :func:`load_lens_state_dict` checks the header (version, instruments by type, key and order,
 parameter names, shapes and dtypes, every instrument's state) before it unpickles the blob: a
@@ -208,10 +209,11 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
     """The state of ``lens`` (format in the module docstring). Call with no merge in flight."""
     window = lens._window
     mid_window = window is not None and window.micro_steps > 0
-    payload: dict[str, Any] = {"window": None, "states": None, "pending": None}
+    payload: dict[str, Any] = {"window": None, "states": None, "sites": None, "pending": None}
     if mid_window:
         payload["window"] = window
         payload["states"] = [lens._states.get(id(i)) for i in lens.instruments]
+        payload["sites"] = dict(lens._window_sites)  # the uses measured so far (rank merging)
     pending_step = None
     if lens._pending is not None:
         record, states = lens._pending
@@ -418,6 +420,7 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
     if state["window"]:
         lens._window = payload["window"]
         lens._states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
+        lens._window_sites.update(payload["sites"])
     lens._empty_micro_steps = state["empty_micro_steps"]
     lens._pending = None
     if state["pending"] is not None:
@@ -430,10 +433,12 @@ def _check_payload(payload: Any, state: dict, lens: "Lens") -> None:
     from gradlens.records import Record
 
     n = len(lens.instruments)
-    ok = isinstance(payload, dict) and {"window", "states", "pending"} <= set(payload)
+    ok = isinstance(payload, dict) and {"window", "states", "sites", "pending"} <= set(payload)
     if ok and state["window"]:
-        ok = isinstance(payload["window"], WindowStats) and isinstance(payload["states"], list) and len(
-            payload["states"]) == n
+        ok = (
+            isinstance(payload["window"], WindowStats) and isinstance(payload["sites"], dict)
+            and isinstance(payload["states"], list) and len(payload["states"]) == n
+        )
     if ok and state["pending"] is not None:
         pend = payload["pending"]
         ok = (
