@@ -202,7 +202,15 @@ def _loads(blob: Tensor, lens: "Lens") -> Any:
                 "exclusions"
             )
 
-    return _Unpickler(io.BytesIO(blob.cpu().numpy().tobytes())).load()
+    try:
+        return _Unpickler(io.BytesIO(blob.cpu().numpy().tobytes())).load()
+    except StateDictError:
+        raise
+    except Exception as err:  # a cut or altered file: say so, not a pickle traceback
+        raise StateDictError(
+            f"the Lens state_dict's blob (the partial window / pending record) does not unpickle "
+            f"({type(err).__name__}: {err}); the checkpoint is damaged: resume from an earlier one"
+        ) from err
 
 
 def lens_state_dict(lens: "Lens") -> dict[str, Any]:
@@ -367,6 +375,20 @@ def _check_parameters(state: dict, lens: "Lens") -> None:
         )
 
 
+def _check_parameter_tensors(state: dict, lens: "Lens") -> None:
+    """Instrument states shaped like parameters (Alpha's last update) fit the tracked ones."""
+    shapes = {q: tuple(p.shape) for q, p in lens._tap.params.items()}
+    for inst, entry in zip(lens.instruments, state["instruments"]):
+        for key, tensors in inst.parameter_tensors(entry["state"]).items():
+            for q, t in tensors.items():
+                if isinstance(t, Tensor) and q in shapes and tuple(t.shape) != shapes[q]:
+                    raise StateDictError(
+                        f"the state of {label(inst)} has {key}[{q!r}] of shape {tuple(t.shape)}, "
+                        f"parameter {q!r} is {shapes[q]}; the checkpoint is damaged or of another "
+                        "model: resume from a checkpoint of this model"
+                    )
+
+
 def _load_instruments(state: dict, lens: "Lens") -> list[dict]:
     """Every instrument's state, or none: a failure restores the ones already loaded. Returns
     their states from before (for :func:`_restore`)."""
@@ -404,6 +426,7 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
             f"the Lens state_dict was saved inside tracked window {state['step']}, which this "
             "Lens's schedule (every=...) does not track; use the same schedule"
         )
+    _check_parameter_tensors(state, lens)
     # every instrument checks its state (part of the header) before the blob is unpickled
     before = _load_instruments(state, lens)  # before the window opens: its ranges start the window
     payload = None
@@ -448,5 +471,5 @@ def _check_payload(payload: Any, state: dict, lens: "Lens") -> None:
     if not ok:
         raise StateDictError(
             "the Lens state_dict's blob does not hold the partial window or pending record its "
-            "header announces; the checkpoint is damaged: save it again"
+            "header announces; the checkpoint is damaged: resume from an earlier one"
         )

@@ -346,6 +346,10 @@ def test_wrong_version_and_not_a_dict_are_refused():
         lens.load_state_dict({**sd, "format": "gradlens.Accumulate"})
     with pytest.raises(ValueError, match=r"lacks \['parameters'\]"):
         lens.load_state_dict({k: v for k, v in sd.items() if k != "parameters"})
+    cut = {**sd, "blob": sd["blob"][: len(sd["blob"]) // 2]}
+    with pytest.raises(ValueError, match=r"blob \(the partial window / pending record\) does not unpickle "
+                       r"\(.*\); the checkpoint is damaged: resume from an earlier one"):
+        lens.load_state_dict(cut)
     lens.load_state_dict(sd)  # the untouched dict still loads
     assert lens.step == 0 and lens._window.micro_steps == 1
 
@@ -413,3 +417,18 @@ def test_a_partial_window_needs_a_schedule_that_tracks_it(no_unpickling):
     with pytest.raises(ValueError, match=r"saved inside tracked window 0, which this Lens's schedule \(every=\.\.\.\) "
                        "does not track; use the same schedule"):
         _fresh([BatchL2()], every=lambda s: s > 0).load_state_dict(sd)
+
+
+def test_alpha_direction_of_another_shape_is_refused_at_load(no_unpickling):
+    model, loss_fn, opt, lens, _ = _setup(lambda: [Alpha()], "mean")
+    _run(model, loss_fn, opt, lens, range(4))
+    sd = lens.state_dict()
+    lens.close(write_pending=False)
+    assert sd["instruments"][0]["state"]["direction"]["0.weight"].shape == (6, 4)
+    sd["instruments"][0]["state"]["direction"]["0.weight"] = torch.zeros(5, 4, dtype=torch.float64)
+    fresh = _setup(lambda: [Alpha()], "mean", seed=1)[3]
+    with pytest.raises(ValueError, match=r"the state of Alpha \(record key 'alpha'\) has direction\['0.weight'\] "
+                       r"of shape \(5, 4\), parameter '0.weight' is \(6, 4\)"):
+        fresh.load_state_dict(sd)
+    assert fresh.instruments[0].state_dict()["direction"] is None
+

@@ -263,3 +263,7 @@ class Alpha(_CrossSample):
         self._token = state["token"]
         d = state["direction"]
         self._direction = None if d is None else {"token": state["direction_token"], "d": dict(d)}
+
+    def parameter_tensors(self, state: dict[str, Any]) -> dict[str, dict[str, Tensor]]:
+        d = state.get("direction") if isinstance(state, dict) else None
+        return {"direction": d} if isinstance(d, dict) else {}

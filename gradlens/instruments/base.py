@@ -359,3 +359,9 @@ class Instrument:
         settings raises :class:`gradlens.state.StateDictError` (a ``ValueError``) naming this
         instrument and the key."""
         check_state(self, state)
+
+    def parameter_tensors(self, state: dict[str, Any]) -> dict[str, dict[str, Tensor]]:
+        """The parts of a :meth:`state_dict` shaped like the tracked parameters: key ->
+        {qualified name -> ``[*param]``} (the Lens checks their names and shapes against the
+        model before :meth:`load_state_dict`). Default: none."""
+        return {}
