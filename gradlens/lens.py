@@ -49,7 +49,7 @@ from gradlens.records import Record
 
 __all__ = ["Lens"]
 
-_LENS_STATE_VERSION = 1
+_LENS_STATE_VERSION = 2  # the checkpoint format of gradlens.state (which reads it here)
 
 
 @dataclass
@@ -1271,120 +1271,46 @@ class Lens:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this Lens in a fresh process, exactly.
 
-        Holds the window index ``step`` (the schedule's position), ``skipped_windows``, each
-        instrument's own state between windows (adaptive histogram ranges, Alpha's last update
-        direction), the pending record (Alpha's record waits for the next window) and, when
+        Holds the window index ``step`` (the schedule's position), ``skipped_windows``, the
+        instruments (type, record key, order) with each one's state between windows
+        (:meth:`~gradlens.instruments.Instrument.state_dict`: adaptive histogram ranges,
+        sampling streams, Alpha's last update direction, ...), the tracked parameters (names,
+        shapes, dtypes), the pending record (Alpha's record waits for the next window) and, when
         saved mid-window, the partial window itself (the sums, per-sample norms, histogram counts
         and factors of the micro-steps captured so far). Save it together with the model's and
         the optimizer's state dicts (a :class:`~gradlens.GradientAccumulateOptimizer` saves its
         own partial window); a new Lens on the loaded model then gives the same records as the
         run that was not interrupted.
 
-        Format: ``{"version", "step", "skipped_windows", "blob"}``; ``blob`` is a uint8 tensor
-        (a pickle in which parameters, watched layers and instruments are referred to by name or
-        position), so ``torch.save`` / ``torch.load(weights_only=True)`` carry it. Like any
-        pickle, load only checkpoints you trust.
+        Format: :mod:`gradlens.state` (version 2), plain data that
+        ``torch.load(weights_only=True)`` reads; the partial window and the pending record are a
+        pickle inside a uint8 tensor. Like any pickle, load only checkpoints you trust.
         """
-        import io
-        import pickle
+        from gradlens.state import lens_state_dict
 
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
-        ids = self._object_ids()
-        payload = {
-            "instruments": [
-                {k: v for k, v in vars(i).items() if k not in getattr(i, "_not_saved", ())}
-                for i in self.instruments
-            ],
-            "window": self._window,
-            "states": [self._states.get(id(i)) for i in self.instruments] if self._window else None,
-            "pending": None,
-        }
-        if self._pending is not None:
-            record, states = self._pending
-            payload["pending"] = (
-                record,
-                {n: states[id(i)] for n, i in enumerate(self.instruments) if id(i) in states},
-            )
-
-        class _Pickler(pickle.Pickler):
-            def persistent_id(self, obj):
-                return ids.get(id(obj))
-
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-        return {
-            "version": _LENS_STATE_VERSION,
-            "step": self.step,
-            "skipped_windows": self.skipped_windows,
-            "blob": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8),
-        }
+        return lens_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (of a Lens with the same instruments on the same
         model). The records, the log lines and the pending record continue where the saved
-        Lens stopped.
+        Lens stopped. Everything is checked before anything changes (:mod:`gradlens.state`).
 
         Raises:
-            TypeError / ValueError: not a gradlens Lens state dict, another version, other
-                instruments, or parameters / layers this Lens does not track.
+            gradlens.state.StateDictError (a ValueError and a TypeError): not a gradlens Lens
+                state dict, another version, other instruments (set, order, keys, settings such
+                as bins or seeds), other tracked parameters (names, shapes, dtypes), or a
+                partial window that this Lens's schedule does not track.
         """
-        import io
-        import pickle
+        from gradlens.state import load_lens_state_dict
 
         self._check_open()
-        if not isinstance(state_dict, dict) or "blob" not in state_dict:
-            raise TypeError(
-                "Lens.load_state_dict(state_dict=...) takes the dict from Lens.state_dict(), got "
-                f"{type(state_dict).__name__}"
-            )
-        if state_dict.get("version") != _LENS_STATE_VERSION:
-            raise ValueError(
-                f"Lens state_dict version {state_dict.get('version')!r}; this gradlens reads "
-                f"version {_LENS_STATE_VERSION}"
-            )
-        objs = {pid: obj for obj, pid in self._object_ids(by_pid=True)}
-
-        class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid):
-                if pid not in objs:
-                    kind = {"p": "parameter", "w": "watched layer", "m": "module", "i": "instrument"}
-                    raise ValueError(
-                        f"the Lens state_dict refers to {kind.get(pid[0], pid[0])} {pid[1]!r}, "
-                        "which this Lens does not have; build it on the same model with the "
-                        "same instruments (in the same order) and exclusions"
-                    )
-                return objs[pid]
-
-        blob = state_dict["blob"].cpu().numpy().tobytes()
-        payload = _Unpickler(io.BytesIO(blob)).load()
-        saved = payload["instruments"]
-        if len(saved) != len(self.instruments):
-            raise ValueError(
-                f"the Lens state_dict has {len(saved)} instruments, this Lens {len(self.instruments)}; "
-                "create the Lens with the same instruments in the same order"
-            )
-        for inst, attrs in zip(self.instruments, saved):
-            inst.__dict__.update(attrs)
-        self.step = int(state_dict["step"])
-        self.skipped_windows = int(state_dict["skipped_windows"])
-        self._open_window()
-        if payload["window"] is not None:
-            if self._window is None:
-                raise ValueError(
-                    f"the Lens state_dict was saved inside tracked window {self.step}, which this "
-                    "Lens's schedule (every=...) does not track; use the same schedule"
-                )
-            self._window = payload["window"]
-            self._states = {id(i): st for i, st in zip(self.instruments, payload["states"])}
-        self._pending = None
-        if payload["pending"] is not None:
-            record, states = payload["pending"]
-            self._pending = (record, {id(self.instruments[n]): st for n, st in states.items()})
+        load_lens_state_dict(self, state_dict)
 
     def _object_ids(self, by_pid: bool = False):
-        """Objects a saved state refers to by name: tracked parameters, watched layers, the
-        model's modules, the instruments and the buffer pools."""
-        pairs = [(self._pools, ("pools", ""))]
+        """Objects a saved state refers to by name: tracked parameters, the model's modules,
+        the instruments and the buffer pools of the window sums."""
+        pairs = [(pool, ("pools", name)) for name, pool in self._pools.items()]
         pairs += [(p, ("p", q)) for q, p in self._tap.params.items()]
         pairs += [(m, ("m", n)) for n, m in self.model.named_modules()]
         pairs += [(i, ("i", str(n))) for n, i in enumerate(self.instruments)]

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import WindowStats
 from gradlens.instruments.crosssample import _CrossSample, _DotState, _nbytes
+from gradlens.state import COUNT, TENSORS, StateDictError, check_state, label, optional
 
 __all__ = ["Alpha", "alpha_fit"]
 
@@ -235,3 +236,34 @@ class Alpha(_CrossSample):
         record.meta["alpha"] = self.mode_name if value is not None else f"missing: {note}"
         if note and value is not None:
             record.meta["alpha_note"] = note
+
+    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The settings of :meth:`_CrossSample.state_dict` and what Alpha keeps between windows:
+        ``token`` (the count of updates seen, which pairs a pending record with the next
+        window's projections), ``direction`` (the last update d = theta_{t+1} - theta_t,
+        parameter name -> ``[*param]``, or None) and ``direction_token`` (its token)."""
+        d = self._direction
+        return {
+            **self._settings(),
+            "token": self._token,
+            "direction_token": None if d is None else d["token"],
+            "direction": None if d is None else dict(d["d"]),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        checks = {"token": COUNT, "direction_token": optional(COUNT), "direction": optional(TENSORS)}
+        check_state(self, state, checks, same=self._settings())
+        if (state["direction"] is None) != (state["direction_token"] is None):
+            raise StateDictError(
+                f"the state of {label(self)} has direction_token={state['direction_token']!r} "
+                "but " + ("no direction" if state["direction"] is None else "a direction") + "; "
+                "the checkpoint is damaged: save it again"
+            )
+        self._token = state["token"]
+        d = state["direction"]
+        self._direction = None if d is None else {"token": state["direction_token"], "d": dict(d)}
+
+    def parameter_tensors(self, state: dict[str, Any]) -> dict[str, dict[str, Tensor]]:
+        d = state.get("direction") if isinstance(state, dict) else None
+        return {"direction": d} if isinstance(d, dict) else {}

@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from gradlens.state import check_state
+
 __all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
 
 QUANTITIES = frozenset(
@@ -361,6 +363,28 @@ class Instrument:
         """The state of all ranks from the merged buffers of :meth:`to_buffers`: ``sums``
         (added), ``per_rank`` (``[R, ...]``), ``pieces`` (per piece, one tensor per rank)."""
         return state
+
+    # ---- checkpoints (gradlens.state) --------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What this instrument keeps BETWEEN windows (the window state itself is saved by the
+        Lens), as plain data that ``torch.load(weights_only=True)`` reads: tensors, and dicts /
+        lists / str / int / float / bool / None. Default: ``{}`` (nothing kept). An instrument
+        whose attributes change after ``__init__`` (an adaptive range, a random stream, a
+        moving average) overrides this and :meth:`load_state_dict`."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Checks every key and value first
+        (:func:`gradlens.state.check_state`): a state of another instrument or with other
+        settings raises :class:`gradlens.state.StateDictError` (a ``ValueError``) naming this
+        instrument and the key."""
+        check_state(self, state)
+
+    def parameter_tensors(self, state: dict[str, Any]) -> dict[str, dict[str, Tensor]]:
+        """The parts of a :meth:`state_dict` shaped like the tracked parameters: key ->
+        {qualified name -> ``[*param]``} (the Lens checks their names and shapes against the
+        model before :meth:`load_state_dict`). Default: none."""
+        return {}
 
 
 def _defines(cls: type, name: str) -> bool:

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.state import check_state
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 
@@ -240,8 +241,6 @@ class _CrossSample(Instrument):
     """Shared machinery: keeps layer factors (exact) or sketches (sketch) of the window's g_n."""
 
     needs = frozenset({"layer"})
-
-    _not_saved = ("_sketcher",)  # rebuilt from (k, seed) (Lens.state_dict leaves it out)
 
     def __init__(
         self,
@@ -543,6 +542,19 @@ class _CrossSample(Instrument):
             out.parts.append(part)
         self._check_budget(out)
         return out
+
+    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    def state_dict(self) -> dict:
+        """The settings that give window states their meaning, checked on load: ``mode``,
+        ``k`` and ``seed`` (the sketch's random map is drawn again from them). Nothing else is
+        kept between windows (``max_bytes`` is a budget and may change)."""
+        return self._settings()
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, same=self._settings())
+
+    def _settings(self) -> dict:
+        return {"mode": self.mode, "k": self.k, "seed": self.seed}
 
 
 # =============================================================================== window memo

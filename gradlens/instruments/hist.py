@@ -32,6 +32,7 @@ from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, ou
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
+from gradlens.state import COUNT, RANGE, check_state
 from gradlens.sync import device_paths
 
 
@@ -274,6 +275,21 @@ class GradHist1d(Instrument):
         mn, mx = _merged_extremes(per_rank)
         var = sums[3] if len(sums) > 3 else None
         return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], mn, mx, var)
+
+    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    def state_dict(self) -> dict:
+        """Settings that give the kept state its meaning (``bins``, ``adapt``, ``sample``,
+        ``seed``: checked on load) and what changes between windows: ``range`` (the next
+        window's ``[lo, hi]``, adapted) and ``draws`` (the sampling stream's counter)."""
+        return {**self._settings(), "range": list(self.range), "draws": self._draws.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, {"range": RANGE, "draws": COUNT}, same=self._settings())
+        self.range = (float(state["range"][0]), float(state["range"][1]))
+        self._draws.count = state["draws"]
+
+    def _settings(self) -> dict:
+        return {"bins": self.bins, "adapt": self.adapt, "sample": self.sample, "seed": self._draws.seed}
 
 
 @dataclass
@@ -577,6 +593,24 @@ class GradHist2d(Instrument):
         mn, mx = _merged_extremes(per_rank)
         var = sums[2] if len(sums) > 2 else None
         return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache, var=var)
+
+    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    def state_dict(self) -> dict:
+        """As :meth:`GradHist1d.state_dict`, with ``param_range`` and ``grad_range``."""
+        return {
+            **self._settings(), "param_range": list(self.param_range),
+            "grad_range": list(self.grad_range), "draws": self._draws.count,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        checks = {"param_range": RANGE, "grad_range": RANGE, "draws": COUNT}
+        check_state(self, state, checks, same=self._settings())
+        self.param_range = (float(state["param_range"][0]), float(state["param_range"][1]))
+        self.grad_range = (float(state["grad_range"][0]), float(state["grad_range"][1]))
+        self._draws.count = state["draws"]
+
+    def _settings(self) -> dict:
+        return {"bins": list(self.bins), "adapt": self.adapt, "sample": self.sample, "seed": self._draws.seed}
 
 
 def _extremes_row(mn: Tensor | None, mx: Tensor | None) -> Tensor:

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.state import FLOAT, check_state
 
 __all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
 
@@ -141,6 +142,19 @@ class NoiseScaleTwoBatch(Instrument):
             float(stats.micro_grad_sq), stats.micro_size_sq, float(stats.grad_sum_sq_norm()),
             float(stats.num_samples), stats.micro_steps, self._smoother,
         )
+
+    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    def state_dict(self) -> dict:
+        """``beta`` (checked on load) and the moving averages ``grad_sq_ema`` and
+        ``trace_sigma_ema`` (the keys of :meth:`NoiseScaleDDP.state_dict`)."""
+        sm = self._smoother
+        return {"beta": sm.beta, "grad_sq_ema": sm.g2, "trace_sigma_ema": sm.tr}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, {"grad_sq_ema": FLOAT, "trace_sigma_ema": FLOAT},
+                    same={"beta": self._smoother.beta})
+        self._smoother.g2 = float(state["grad_sq_ema"])
+        self._smoother.tr = float(state["trace_sigma_ema"])
 
 
 class ParamGradSquares:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.state import check_state
 
 __all__ = ["NormTest", "MeanGSNR", "NoiseScale", "ShiftedMoments"]
 
@@ -145,6 +146,15 @@ class _TraceInstrument(Instrument):
             return tr, g2, stats.num_samples
         tr, g2 = _trace_cov(stats)
         return tr, g2, stats.num_samples
+
+    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    def state_dict(self) -> dict:
+        """``per_sample`` (checked on load: it decides the window state); nothing else is kept
+        between windows."""
+        return {"per_sample": self.per_sample}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, same={"per_sample": self.per_sample})
 
 
 class NormTest(_TraceInstrument):
