@@ -272,6 +272,19 @@ class Lens:
                 "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
                 "instruments"
             )
+        if isinstance(instruments, Instrument) or (
+            isinstance(instruments, type) and issubclass(instruments, Instrument)
+        ):
+            name = instruments.__name__ if isinstance(instruments, type) else type(instruments).__name__
+            raise TypeError(
+                f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
+                f"list: Lens(model, [{name}()])"
+            )
+        if isinstance(instruments, (str, bytes)) or not isinstance(instruments, Iterable):
+            raise TypeError(
+                f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
+                "list, e.g. Lens(model, [BatchL2(), GradNorm()])"
+            )
         instruments = list(instruments)
         for inst in instruments:
             if not isinstance(inst, Instrument):
@@ -290,6 +303,13 @@ class Lens:
         dupes = sorted({k for k in keys if keys.count(k) > 1})
         if dupes:
             raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
+        reserved = ("loss",)  # record keys the Lens writes itself (see _emit)
+        taken = [f"{type(i).__name__}.key={i.key!r}" for i in instruments if i.key in reserved]
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} is a record key the Lens writes itself (reserved: "
+                f"{list(reserved)}); give the instrument another key, e.g. key = 'my_loss'"
+            )
         if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
             raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -334,6 +354,15 @@ class Lens:
         params = tracked_parameters(model, self._exclude)
         if not params:
             raise ValueError("the model has no trainable parameters left to track after exclusions")
+        on_meta = [n for n, p in params.items() if p.is_meta]
+        if on_meta:
+            shown = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+            raise RuntimeError(
+                f"the model's parameters {shown} ({len(on_meta)} of {len(params)}) are on the meta "
+                "device (shapes without values); materialise them before building the Lens: "
+                "model.to_empty(device='cpu') then initialise them (e.g. each module's "
+                "reset_parameters()) or model.load_state_dict(weights)"
+            )
         self._needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
         self._per_sample_insts = [i for i in instruments if "per_sample" in i.needs]
         # sampled histograms take entries from the factors; the rest see g_n (or its factors)

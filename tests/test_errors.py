@@ -384,3 +384,53 @@ def test_instrument_needs_checked_when_the_lens_is_built():
     model = gradlens.extend(nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"Typo.needs names \['per_sampel'\].*quantities are"):
         Lens(model, [Typo()])
+
+
+# ---------------------------------------------------------------- issue 20: misuse rows
+def test_instruments_not_a_list_names_the_fix():
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"takes a list of instruments, got BatchL2\(\).*Lens\(model, \[BatchL2\(\)\]\)"):
+        Lens(model, BatchL2())
+    with pytest.raises(TypeError, match=r"takes a list of instruments.*Lens\(model, \[GradNorm\(\)\]\)"):
+        Lens(model, GradNorm)
+    with pytest.raises(TypeError, match=r"takes a list of instruments, got None.*pass a list"):
+        Lens(model, None)
+    Lens(model, [BatchL2()]).close()  # the fix as written
+
+
+def test_instrument_key_loss_is_reserved():
+    class MyLoss(gradlens.instruments.base.Instrument):
+        key = "loss"
+        needs = frozenset({"batch_l2"})
+
+        def finalize(self, stats, state):
+            return 123.0
+
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"MyLoss.key='loss' is a record key the Lens writes itself \(reserved: \['loss'\]\).*key = 'my_loss'"):
+        Lens(model, [MyLoss()])
+
+    class Fixed(MyLoss):
+        key = "my_loss"
+
+    lens = Lens(model, [Fixed()])
+    rec = _run(model, lens, X, Y)
+    assert rec["my_loss"] == 123.0
+    ref = nn.functional.cross_entropy(model(X), Y).item()
+    assert rec["loss"] == pytest.approx(ref, rel=1e-6)  # the Lens' own loss, not the instrument's
+
+
+def test_model_on_the_meta_device_refused_at_lens():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))
+    model = gradlens.extend(model)
+    with pytest.raises(RuntimeError, match=r"parameters 0.weight, 0.bias, 2.weight, \.\.\. \(4 of 4\) are on the meta device.*model.to_empty\(device='cpu'\).*reset_parameters\(\)"):
+        Lens(model, [BatchL2(), GradHist1d()])
+    # the fix as written
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    lens = Lens(model, [BatchL2(), GradHist1d()])
+    rec = _run(model, lens, X, Y)
+    assert rec.num_samples == 6 and rec["grad_hist_1d"].total == 6 * sum(p.numel() for p in model.parameters())
