@@ -434,3 +434,57 @@ def test_model_on_the_meta_device_refused_at_lens():
     lens = Lens(model, [BatchL2(), GradHist1d()])
     rec = _run(model, lens, X, Y)
     assert rec.num_samples == 6 and rec["grad_hist_1d"].total == 6 * sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- issue 20: size bounds
+def test_histogram_bins_bounded_with_the_estimate():
+    from gradlens.instruments import hist
+
+    with pytest.raises(ValueError, match=r"GradHist1d\(bins=10000000\) has 10000000 bins: 80.0 MB of counts.*about 200.0 MB in every log line.*MAX_BINS = 16384; use fewer bins"):
+        GradHist1d(bins=10**7)
+    with pytest.raises(ValueError, match=r"GradHist2d\(bins=\(100000, 100000\)\) has 10000000000 bins: 80.0 GB"):
+        GradHist2d(bins=(10**5, 10**5))
+    with pytest.raises(ValueError, match=r"GradHist1d\(bins=20000\) has 20000 bins: 320.0 KB"):
+        GradHist1d(bins=20000, sample=0.5)  # sampled: float64 estimates and variances
+    assert hist.MAX_BINS == 1 << 14
+    GradHist2d(bins=(128, 128))  # at the cap: accepted
+
+
+def test_histogram_at_the_cap_keeps_its_log_line_bounded(tmp_path):
+    from gradlens.instruments.hist import MAX_BINS
+
+    model = gradlens.extend(nn.Linear(4, 4))
+    log = tmp_path / "log.jsonl"
+    lens = Lens(model, [GradHist1d(bins=MAX_BINS, range=(-1.0, 1.0))], log=log)
+    rec = _run(model, lens, X, Y)
+    lens.close()
+    assert rec["grad_hist_1d"].counts.numel() == MAX_BINS
+    assert rec["grad_hist_1d"].total == 6 * 20
+    line = log.read_bytes()
+    assert line.count(b"\n") == 1 and len(line) < 400_000, len(line)
+    back = gradlens.load_log(log)[0]["grad_hist_1d"]
+    assert torch.equal(back.counts, rec["grad_hist_1d"].counts)
+
+
+def test_sketch_dimension_bounded_at_construction_and_first_use():
+    from gradlens.instruments import BatchDot
+
+    with pytest.raises(ValueError, match=r"BatchDot\(mode='sketch', k=1000000000\) needs at least 16.0 GB .*over max_bytes=1073741824; use a smaller k"):
+        BatchDot(mode="sketch", k=10**9)
+    # at the first use, where the layer sizes are known: Linear(4, 32) is a [32, 4 + 1] block
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 4)))
+    lens = Lens(model, [BatchDot(mode="sketch", k=4096, max_bytes=1 << 20)])
+    with pytest.raises(RuntimeError, match=r"BatchDot\(mode='sketch', k=4096\) needs (\d+\.\d KB) for the random sketch matrices of layer '\d' \(.*k x \(rows \+ cols\) = 4096 x \(\d+ \+ \d+\) numbers of 4 bytes.*over max_bytes=1048576; use a smaller k"):
+        _run(model, lens, X, Y)
+    lens.close()
+    # the sketches [N, k] count too: 12 samples x k=256 float32 = 12 KB, with the matrices
+    # (256 x (4 + 5) float32 = 9.2 KB) over 16 KB
+    model = gradlens.extend(nn.Linear(4, 4))
+    lens = Lens(model, [BatchDot(mode="sketch", k=256, max_bytes=16 << 10)])
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    with pytest.raises(RuntimeError, match=r"BatchDot\(mode='sketch', k=256\) keeps (\d+\.\d KB) of \[N, k\] sketches for the \d+ samples of this window so far, plus 9.2 KB of random matrices, over max_bytes=16384"):
+        for xb, yb in zip(X.repeat(2, 1).split(3), Y.repeat(2).split(3)):
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+    lens.close()
