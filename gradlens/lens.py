@@ -34,10 +34,14 @@ from gradlens.capture import (
     trainable_split,
 )
 from gradlens.distributed import (
+    DEFAULT_TIMEOUT_S,
     DDPGradRoute,
     MergeContext,
     check_not_sharded,
+    check_ranks_agree,
+    check_timeout,
     is_writer,
+    lens_fingerprint,
     merge_window,
     merge_window_start,
     resolve_group,
@@ -224,6 +228,15 @@ class Lens:
             order records become final (a record waiting for the next window, e.g. for
             ``Alpha``, is written when that window closes), ``close`` once by :meth:`close`.
             E.g. :class:`gradlens.integrations.wandb.WandbSink`.
+        timeout: under ``torch.distributed``, the seconds each of the Lens's collectives (the
+            configuration check when it is built, each window's merge) waits for the other
+            ranks before it raises a ``RuntimeError`` naming the window (default
+            :data:`gradlens.distributed.DEFAULT_TIMEOUT_S`, 300 s; ``None``: the process group's
+            own timeout, 30 min by default). When built, the Lens checks once (one small
+            all_reduce) that every rank has the same instruments and settings, schedule
+            (``every``, counted from each rank's first window; a callable is compared on 64
+            windows), merge mode and tracked parameters, and raises on every rank naming what
+            differs.
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -254,6 +267,7 @@ class Lens:
         grad_scaler: Any = None,
         sinks: Iterable[Any] = (),
         merge: str = "sync",
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -410,6 +424,7 @@ class Lens:
                 "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
             )
         self.merge = merge
+        self.timeout = check_timeout(timeout)
         self._merge_pending = None  # the current window's collective, issued and not finished
         self._inflight: tuple | None = None  # (step, window, states, empty micro-steps, merge)
         # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
@@ -440,6 +455,15 @@ class Lens:
             from gradlens.sinks import TensorBoardSink
 
             self._sinks.append(TensorBoardSink(tensorboard))
+        if self._group is not None:  # once, with the final first step (log_mode="resume")
+            try:
+                check_ranks_agree(
+                    self._group, lens_fingerprint(instruments, every, self.step, merge, params), self.timeout
+                )
+            except BaseException:
+                for sink in self._sinks:  # the sinks this Lens opened (not the user's)
+                    sink.close()
+                raise
         self._sinks.extend(extra_sinks)
 
         self._hooks = []
@@ -508,7 +532,8 @@ class Lens:
         if self._group is None or self._window is None or self._merged:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
-        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo)
+        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo,
+                           timeout=self.timeout, step=self.step)
         if self.merge == "deferred" and not defer_off:
             self._finish_inflight()  # the previous window's collective came first: finish it first
             self._merge_pending = merge_window_start(self._window, self.instruments, self._states, self._group, ctx)
