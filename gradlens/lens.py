@@ -461,8 +461,8 @@ class Lens:
                     self._group, lens_fingerprint(instruments, every, self.step, merge, params), self.timeout
                 )
             except BaseException:
-                for sink in self._sinks:  # the sinks this Lens opened (not the user's)
-                    sink.close()
+                if log is not None and writer and self._sinks[0] is not log:
+                    self._sinks[0].close()  # the JsonlSink this Lens opened on the path
                 raise
         self._sinks.extend(extra_sinks)
 
