@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.crosssample import _human
 from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, outer_hist1d, row_extremes, tally
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
@@ -71,13 +72,6 @@ def _check_size(total: int, sampled: bool, call: str) -> None:
             f"gradlens.instruments.hist.MAX_BINS = {MAX_BINS}; use fewer bins (e.g. 100 to "
             f"1000 per axis), or raise gradlens.instruments.hist.MAX_BINS where that is intended"
         )
-
-
-def _human(nbytes: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{int(nbytes)} bytes"
 
 
 def _check_range(rng, what: str) -> tuple[float, float]:
