@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -71,6 +72,15 @@ def _check_reduction(reduction: Any) -> str:
             f"(a sum), got {reduction!r}."
         )
     return reduction
+
+
+def _grads_finite(params: Sequence[Tensor]) -> bool:
+    """Whether every ``p.grad`` of ``params`` is finite: one reduction, one host read."""
+    flags = [
+        torch.isfinite(g._values() if g.is_sparse else g).all()
+        for g in (p.grad for p in params) if g is not None
+    ]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 @dataclass
@@ -190,6 +200,13 @@ class GradientAccumulateOptimizer(Optimizer):
             ``.grad`` in place. E.g. ``functools.partial(torch.nn.utils.clip_grad_norm_,
             max_norm=1.0)``, :func:`gradlens.agc.adaptive_clip_grad_`, or
             ``lambda _: adaptive_clip_grad_(model, exclude=("fc.weight",))``.
+        skip_nonfinite: without a GradScaler, what a window whose gradient holds inf/nan does:
+            ``False`` (default) updates with it and warns (``RuntimeWarning`` naming the
+            window), ``True`` skips the update as a GradScaler would (``has_updated`` False,
+            counted in ``skipped_windows``, with a warning). Either way the check is one
+            ``torch.isfinite`` reduction over the window gradient and one host read, at the
+            real update only (never on accumulating micro-steps). Windows through a GradScaler
+            are always skipped (see AMP above).
 
     Attributes:
         optimizer: the inner optimizer.
@@ -210,6 +227,7 @@ class GradientAccumulateOptimizer(Optimizer):
         accum_dtype: torch.dtype = torch.float32,
         clip: ClipFn | None = None,
         grad_scaler: Any = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if isinstance(optimizer, GradientAccumulateOptimizer):
             raise TypeError(
@@ -234,6 +252,12 @@ class GradientAccumulateOptimizer(Optimizer):
             raise TypeError(
                 f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
             )
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(
+                f"skip_nonfinite must be True or False, got {skip_nonfinite!r}; e.g. "
+                "GradientAccumulateOptimizer(opt, accum_steps=4, skip_nonfinite=True)"
+            )
+        self.skip_nonfinite = skip_nonfinite
         # Optimizer.__init__ is not called: param_groups and state are the inner optimizer's.
         # The hooks live in the wrapper's own registries (public RemovableHandle objects).
         self._hooks: dict[str, OrderedDict[int, Callable]] = {
@@ -513,6 +537,7 @@ class GradientAccumulateOptimizer(Optimizer):
     def _close_window(self) -> bool:
         """Write the window gradient into ``p.grad``, clip, and run the inner step once."""
         st = self.accum_state
+        via_scaler = bool(st.via_scaler)
         if st.via_scaler and not self._window_finite():
             st.reset_window()
             st.has_updated = False
@@ -543,6 +568,27 @@ class GradientAccumulateOptimizer(Optimizer):
                 if p.grad is acc:  # p.grad is the buffer now: the next window takes a new one
                     st.pool.pop(p, None)
             params.append(p)
+        if not via_scaler and not _grads_finite(params):
+            window = st.iterations + st.skipped_windows
+            fix = (
+                "the update was skipped (skip_nonfinite=True)" if self.skip_nonfinite else
+                "the update was applied with them; use a torch.amp.GradScaler "
+                "(GradientAccumulateOptimizer(..., grad_scaler=scaler)) or "
+                "GradientAccumulateOptimizer(..., skip_nonfinite=True) to skip such windows"
+            )
+            warnings.warn(
+                f"GradientAccumulateOptimizer: window {window} (0-based; {st.iterations} real "
+                f"updates so far) has an inf/nan gradient; {fix}",
+                RuntimeWarning,
+                stacklevel=4,  # the caller of step() / flush() (through torch.no_grad's wrapper)
+            )
+            if self.skip_nonfinite:
+                st.reset_window()
+                st.has_updated = False
+                st.skipped_windows += 1
+                st.folded = {p: (weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None}
+                self._fire_window_end(False)
+                return False
         for hook in list(getattr(self, "_window_grad_hooks", {}).values()):
             hook(self)  # window_grad(p): the window gradient, before clipping and the update
         st.reset_window()

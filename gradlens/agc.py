@@ -61,6 +61,8 @@ def unitwise_norm(x: Tensor, dim: Dim = None) -> Tensor:
         if x.dim() <= 1:
             return compute_norm(x, None, keepdim=True)
         dim = tuple(range(1, x.dim()))
+    else:
+        _check_dim(dim, max(x.dim(), 1), "unitwise_norm(dim=...)")
     return compute_norm(x, dim, keepdim=True)
 
 
@@ -77,6 +79,11 @@ def _named(parameters: ParamsArg) -> tuple[list[tuple[str | None, Tensor]], dict
         return list(parameters.named_parameters()), auto_dims
     if isinstance(parameters, Tensor):
         return [(None, parameters)], auto_dims
+    if isinstance(parameters, (str, bytes)) or not isinstance(parameters, Iterable):
+        raise TypeError(
+            f"parameters must be the model, model.named_parameters(), model.parameters() or a "
+            f"tensor, got {parameters!r}; e.g. adaptive_clip_grad_(model, clip_factor=0.01)"
+        )
     out: list[tuple[str | None, Tensor]] = []
     for i, item in enumerate(parameters):
         if isinstance(item, Tensor):
@@ -115,6 +122,11 @@ def _resolve(
     parameters: ParamsArg, exclude: Iterable[str], dims: Mapping[str, Dim] | None
 ) -> tuple[list[tuple[str | None, Tensor]], set[str], dict[str, Dim]]:
     named, auto_dims = _named(parameters)
+    if dims is not None and not isinstance(dims, Mapping):
+        raise TypeError(
+            f"dims must map parameter names to the dims to reduce, got {dims!r}; e.g. "
+            "dims={'deconv.weight': (0, 2, 3)}"
+        )
     excluded = {exclude} if isinstance(exclude, str) else set(exclude)
     overrides = dict(auto_dims)
     overrides.update(dims or {})
@@ -131,7 +143,28 @@ def _resolve(
                 f"exclude/dims name parameters {unknown} that are not among the parameters given; "
                 f"use names from model.named_parameters(), e.g. {sorted(names)[:4]}."
             )
+        shapes = dict(named)
+        for name, dim in (dims or {}).items():
+            _check_dim(dim, max(shapes[name].dim(), 1), f"dims[{name!r}]")
     return named, excluded, overrides
+
+
+def _check_dim(dim: Dim, ndim: int, what: str) -> None:
+    """Refuse dims that are not ints in ``[-ndim, ndim)`` (torch's rule), naming ``what``."""
+    if dim is None:
+        return
+    items = (dim,) if isinstance(dim, int) else dim
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (dim,)
+    bad = [d for d in items if isinstance(d, bool) or not isinstance(d, int) or not -ndim <= d < ndim]
+    if bad:
+        raise ValueError(
+            f"{what}={dim!r} is out of range for a tensor of {ndim} dim(s); give the dims to "
+            f"reduce as ints in [-{ndim}, {ndim - 1}], e.g. {tuple(range(1, ndim)) or None!r} "
+            "(every dim but the output unit's)"
+        )
 
 
 def _clip_one(w: Tensor, g: Tensor, clip_factor: float, eps: float, dim: Dim) -> Tensor:

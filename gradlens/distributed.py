@@ -23,6 +23,16 @@ What travels (one window, R ranks):
 Untracked windows call nothing. Without ``torch.distributed`` initialised (or with
 ``Lens(process_group=False)``) nothing of this runs.
 
+**Checks.** When a Lens is built under torch.distributed, :func:`check_ranks_agree` compares,
+in one small all_reduce, what every rank must share for the windows to pair up: the
+instruments (types, keys, public settings such as histogram bins and range or the sketch k),
+the schedule (``every`` as an int with the phase of the Lens's first step, or a callable's
+values on the 64 windows from it) with the merge mode, and the tracked parameters (names,
+shapes, dtypes); a difference is a RuntimeError on every rank naming it. Every collective of the
+Lens waits at most ``Lens(timeout=...)`` seconds (default :data:`DEFAULT_TIMEOUT_S`; ``None``:
+the process group's own timeout, 30 min by default), then raises a RuntimeError naming the
+window, instead of hanging while another rank stalls.
+
 **The global gradient sum from DDP** (:class:`DDPGradRoute`). ``grad_sum`` (D floats) need not
 travel when DistributedDataParallel has already all-reduced the gradient: after its backward,
 ``p.grad = (1/R) sum_r U_r`` with U_r rank r's own dL/dp, and when every micro-step of every
@@ -50,7 +60,10 @@ of samples: the records describe the global batch of per-sample gradients, not D
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import weakref
+from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -61,8 +74,15 @@ from gradlens.instruments.base import LIGHT_QUANTITIES
 
 __all__ = [
     "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
-    "merge_window_start", "exchange", "exchange_start", "is_writer",
+    "merge_window_start", "exchange", "exchange_start", "is_writer", "DEFAULT_TIMEOUT_S",
+    "check_timeout", "lens_fingerprint", "check_ranks_agree",
 ]
+
+#: seconds a Lens's collective waits for the other ranks before it raises (``Lens(timeout=...)``)
+DEFAULT_TIMEOUT_S = 300.0
+
+#: windows of a callable schedule compared across ranks (from the Lens's first step)
+SCHEDULE_PROBE = 64
 
 #: dimensions of a gathered piece described in the per-rank block (shapes with more dims refused)
 _MAX_DIMS = 6
@@ -125,6 +145,112 @@ def resolve_group(process_group: Any) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
+def check_timeout(timeout: Any) -> float | None:
+    """``Lens(timeout=...)``: seconds > 0 (finite), or None (the process group's own)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+        math.isfinite(timeout) and timeout > 0
+    ):
+        raise ValueError(
+            f"timeout must be a number of seconds > 0 or None (the process group's own timeout), "
+            f"got {timeout!r}; e.g. Lens(..., timeout={DEFAULT_TIMEOUT_S:g})"
+        )
+    return float(timeout)
+
+
+def wait(work: Any, timeout: float | None, what: str) -> None:
+    """``work.wait()`` of an ``async_op=True`` collective, at most ``timeout`` seconds (None: the
+    process group's timeout); a collective that fails or times out raises a RuntimeError naming
+    ``what`` and ``Lens(timeout=...)``."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as err:
+        limit = "the process group's timeout (timeout=None)" if timeout is None else f"timeout={timeout:g} s"
+        raise RuntimeError(
+            f"{what} across ranks failed or did not complete within {limit}: another rank has "
+            "not reached it (stalled, crashed, or its Lens tracks other windows). Make every rank "
+            "run the same windows with the same Lens; Lens(..., timeout=seconds) sets how long "
+            f"to wait. ({type(err).__name__}: {err})"
+        ) from err
+
+
+def _settings(inst: Any) -> str:
+    """An instrument's type, key and public scalar settings, as text (the same on every rank)."""
+    plain = (bool, int, float, str, type(None))
+    parts = []
+    for name, value in sorted(vars(inst).items()):
+        if name.startswith("_"):
+            continue
+        if isinstance(value, (tuple, list)):
+            flat = [v for item in value for v in (item if isinstance(item, (tuple, list)) else (item,))]
+            if not all(isinstance(v, plain) for v in flat):
+                continue
+        elif not isinstance(value, plain):
+            continue
+        parts.append(f"{name}={value!r}")
+    cls = type(inst)
+    return f"{cls.__module__}.{cls.__qualname__}({', '.join([f'key={inst.key!r}', *parts])})"
+
+
+def lens_fingerprint(instruments: Sequence[Any], every: Any, step: int, merge: str,
+                     params: dict[str, Tensor]) -> dict[str, str]:
+    """What every rank's Lens must share, by part: ``instruments``, ``schedule``, ``parameters``
+    (each a short text; :func:`check_ranks_agree` compares their hashes)."""
+    # what decides which windows pair up: the tracked windows counted from each rank's first
+    # window (whose step may differ, e.g. rank 0 resumed from its log), not the step numbers
+    if callable(every):
+        offsets = [s - step for s in range(step, step + SCHEDULE_PROBE) if every(s)]
+        schedule = f"every=<callable> tracking windows first + {offsets} of the next {SCHEDULE_PROBE}"
+    else:
+        schedule = f"every={every} with the first window at phase {step % every}"
+    return {
+        "instruments": "[" + "; ".join(_settings(i) for i in instruments) + "]",
+        "schedule": f"{schedule}, merge={merge!r}",
+        "parameters": "; ".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params.items()),
+    }
+
+
+def _hash52(text: str) -> float:
+    """52 bits of sha256 of ``text``, as an exactly representable float64 integer."""
+    return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 12)
+
+
+def check_ranks_agree(group: Any, fingerprint: dict[str, str], timeout: float | None) -> None:
+    """Once, when a Lens is built: every rank of ``group`` has the same ``fingerprint``
+    (:func:`lens_fingerprint`). One all_reduce of ``[R, parts]`` float64 hashes (rank r writes
+    row r); a difference raises on every rank a RuntimeError naming the parts that differ, the
+    ranks, and this rank's own value."""
+    dist = _dist()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    names = list(fingerprint)
+    buf = torch.zeros(world, len(names), dtype=torch.float64, device=device)
+    buf[rank] = torch.tensor([_hash52(fingerprint[n]) for n in names], dtype=torch.float64)
+    wait(dist.all_reduce(buf, group=group, async_op=True), timeout, "the Lens configuration check")
+    rows = buf.cpu()
+    differ = []
+    for j, name in enumerate(names):
+        other = [r for r in range(world) if rows[r, j] != rows[0, j]]
+        if other:
+            shown = fingerprint[name]
+            shown = shown if len(shown) <= 300 else shown[:300] + "..."
+            differ.append(f"{name}: ranks {other} differ from rank 0 (this rank, {rank}: {shown})")
+    if differ:
+        raise RuntimeError(
+            "the Lens differs across ranks, so its windows would not pair up: "
+            + "; ".join(differ)
+            + ". Build the Lens with the same instruments (and settings), the same every= and "
+            "tracked parameters on every rank (and start every rank at the same step: resume "
+            "with Lens.load_state_dict on every rank rather than from rank 0's log)"
+        )
+
+
 def is_writer(group: Any) -> bool:
     """Whether this process writes records to the sinks: rank 0 of ``group`` (always without one)."""
     return group is None or _dist().get_rank(group) == 0
@@ -169,10 +295,11 @@ INLINE_GATHER_MAX = 1 << 16
 
 
 def exchange(
-    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
+    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None,
+    timeout: float | None = None, what: str = "a gradlens collective",
 ):
     """:func:`exchange_start` and, at once, its ``finish()`` (the results below)."""
-    return exchange_start(parts, group, device, memo).finish()
+    return exchange_start(parts, group, device, memo, timeout, what).finish()
 
 
 class Pending:
@@ -202,15 +329,18 @@ def _started(steps) -> Pending:
 
 
 def exchange_start(
-    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
+    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None,
+    timeout: float | None = None, what: str = "a gradlens collective",
 ) -> Pending:
     """Issue :func:`exchange`'s all_reduce without waiting (the buffers are built now; the
-    collective runs in the background); ``.finish()`` completes it."""
-    return _started(_exchange(parts, group, device, memo))
+    collective runs in the background); ``.finish()`` completes it, waiting at most ``timeout``
+    seconds per collective (None: the process group's timeout; see :func:`wait`)."""
+    return _started(_exchange(parts, group, device, memo, timeout, what))
 
 
 def _exchange(
-    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None
+    parts: Sequence[DistParts], group: Any, device: torch.device | None = None, memo: dict | None = None,
+    timeout: float | None = None, what: str = "a gradlens collective",
 ):
     """All-reduce every ``sums``, share every ``per_rank``, gather every ``pieces``.
 
@@ -295,7 +425,7 @@ def _exchange(
         # else: this rank's shapes differ from the prediction; seen by every rank below
     work = dist.all_reduce(buf, group=group, async_op=True)
     yield
-    work.wait()
+    wait(work, timeout, what)
 
     meta_end = sum_len + world * meta_len
     meta = buf[sum_len:meta_end].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
@@ -339,7 +469,7 @@ def _exchange(
                     goff += t.numel()
         gathered = torch.empty(world * longest, dtype=f64, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, send, group=group)
+        wait(gather(gathered, send, group=group, async_op=True), timeout, what)
         gathered = gathered.view(world, longest)
 
     out = []
@@ -441,6 +571,10 @@ class MergeContext:
     route: Any = None
     #: kept by the Lens across windows: last window's gathered shapes (see :func:`exchange`)
     memo: dict | None = None
+    #: seconds each collective waits (``Lens(timeout=...)``; None: the process group's)
+    timeout: float | None = None
+    #: the window's step (for messages)
+    step: int | None = None
 
 
 def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
@@ -478,7 +612,8 @@ def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: 
             # the instruments read ||sum g_n||^2 only: ||p.grad||^2 now, before the update
             light_sq = route.light_grad_sq(ctx.params)
     own_scale = route.cmin if route is not None else None  # the route moves on to the next window
-    pending = exchange_start(parts, group, memo=ctx.memo)
+    what = "the merge of window " + (str(ctx.step) if ctx.step is not None else "(this one)")
+    pending = exchange_start(parts, group, memo=ctx.memo, timeout=ctx.timeout, what=what)
     yield
     got = pending.finish()
     merged = window.from_buffers(wctx, *got[0])
@@ -496,7 +631,7 @@ def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: 
                 merged.grad_sum = route.global_grad_sum(window, ctx.params, factor)
         elif fast:  # the verdict fell through: grad_sum travels after all (exact)
             gctx = dataclasses.replace(ctx, needs=frozenset({"grad_sum"}))
-            merged.grad_sum = window.from_buffers(gctx, *exchange([window.to_buffers(gctx)], group)[0]).grad_sum
+            merged.grad_sum = window.from_buffers(gctx, *exchange([window.to_buffers(gctx)], group, timeout=ctx.timeout, what=what)[0]).grad_sum
         route.fast = scale is not None
     return merged, new_states
 

@@ -34,10 +34,14 @@ from gradlens.capture import (
     trainable_split,
 )
 from gradlens.distributed import (
+    DEFAULT_TIMEOUT_S,
     DDPGradRoute,
     MergeContext,
     check_not_sharded,
+    check_ranks_agree,
+    check_timeout,
     is_writer,
+    lens_fingerprint,
     merge_window,
     merge_window_start,
     resolve_group,
@@ -224,6 +228,15 @@ class Lens:
             order records become final (a record waiting for the next window, e.g. for
             ``Alpha``, is written when that window closes), ``close`` once by :meth:`close`.
             E.g. :class:`gradlens.integrations.wandb.WandbSink`.
+        timeout: under ``torch.distributed``, the seconds each of the Lens's collectives (the
+            configuration check when it is built, each window's merge) waits for the other
+            ranks before it raises a ``RuntimeError`` naming the window (default
+            :data:`gradlens.distributed.DEFAULT_TIMEOUT_S`, 300 s; ``None``: the process group's
+            own timeout, 30 min by default). When built, the Lens checks once (one small
+            all_reduce) that every rank has the same instruments and settings, schedule
+            (``every``, counted from each rank's first window; a callable is compared on 64
+            windows), merge mode and tracked parameters, and raises on every rank naming what
+            differs.
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -254,6 +267,7 @@ class Lens:
         grad_scaler: Any = None,
         sinks: Iterable[Any] = (),
         merge: str = "sync",
+        timeout: float | None = DEFAULT_TIMEOUT_S,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
@@ -272,6 +286,19 @@ class Lens:
                 "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
                 "instruments"
             )
+        if isinstance(instruments, Instrument) or (
+            isinstance(instruments, type) and issubclass(instruments, Instrument)
+        ):
+            name = instruments.__name__ if isinstance(instruments, type) else type(instruments).__name__
+            raise TypeError(
+                f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
+                f"list: Lens(model, [{name}()])"
+            )
+        if isinstance(instruments, (str, bytes)) or not isinstance(instruments, Iterable):
+            raise TypeError(
+                f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
+                "list, e.g. Lens(model, [BatchL2(), GradNorm()])"
+            )
         instruments = list(instruments)
         for inst in instruments:
             if not isinstance(inst, Instrument):
@@ -285,6 +312,13 @@ class Lens:
         dupes = sorted({k for k in keys if keys.count(k) > 1})
         if dupes:
             raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
+        reserved = ("loss",)  # record keys the Lens writes itself (see _emit)
+        taken = [f"{type(i).__name__}.key={i.key!r}" for i in instruments if i.key in reserved]
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} is a record key the Lens writes itself (reserved: "
+                f"{list(reserved)}); give the instrument another key, e.g. key = 'my_loss'"
+            )
         if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
             raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -329,6 +363,15 @@ class Lens:
         params = tracked_parameters(model, self._exclude)
         if not params:
             raise ValueError("the model has no trainable parameters left to track after exclusions")
+        on_meta = [n for n, p in params.items() if p.is_meta]
+        if on_meta:
+            shown = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+            raise RuntimeError(
+                f"the model's parameters {shown} ({len(on_meta)} of {len(params)}) are on the meta "
+                "device (shapes without values); materialise them before building the Lens: "
+                "model.to_empty(device='cpu') then initialise them (e.g. each module's "
+                "reset_parameters()) or model.load_state_dict(weights)"
+            )
         self._needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
         self._per_sample_insts = [i for i in instruments if "per_sample" in i.needs]
         # sampled histograms take entries from the factors; the rest see g_n (or its factors)
@@ -376,6 +419,7 @@ class Lens:
                 "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
             )
         self.merge = merge
+        self.timeout = check_timeout(timeout)
         self._merge_pending = None  # the current window's collective, issued and not finished
         self._inflight: tuple | None = None  # (step, window, states, empty micro-steps, merge)
         # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
@@ -406,6 +450,15 @@ class Lens:
             from gradlens.sinks import TensorBoardSink
 
             self._sinks.append(TensorBoardSink(tensorboard))
+        if self._group is not None:  # once, with the final first step (log_mode="resume")
+            try:
+                check_ranks_agree(
+                    self._group, lens_fingerprint(instruments, every, self.step, merge, params), self.timeout
+                )
+            except BaseException:
+                if log is not None and writer and self._sinks[0] is not log:
+                    self._sinks[0].close()  # the JsonlSink this Lens opened on the path
+                raise
         self._sinks.extend(extra_sinks)
 
         self._hooks = []
@@ -474,7 +527,8 @@ class Lens:
         if self._group is None or self._window is None or self._merged:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
-        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo)
+        ctx = MergeContext(dict(self._tap.params), sites, self._needs, route=self._ddp_route, memo=self._merge_memo,
+                           timeout=self.timeout, step=self.step)
         if self.merge == "deferred" and not defer_off:
             self._finish_inflight()  # the previous window's collective came first: finish it first
             self._merge_pending = merge_window_start(self._window, self.instruments, self._states, self._group, ctx)

@@ -755,3 +755,60 @@ def test_wrapper_keeps_no_torch_private_internals():
     src = inspect.getsource(acc)
     for private in ("_patch_step_function", "_optimizer_step_pre_hooks", "found_inf", "hooked"):
         assert private not in src, private
+
+
+# ---------------------------------------------------------------- issue 20: inf/nan without a scaler
+def _nan_run(skip: bool):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    start = copy.deepcopy(model.state_dict())
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, skip_nonfinite=skip)
+    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
+    updates = []
+    for w in range(3):
+        for k in range(2):
+            sl = slice(6 * (w % 2) + 3 * k, 6 * (w % 2) + 3 * k + 3)
+            loss = mse_loss(model(x[sl]), y[sl])
+            if w == 1 and k == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        updates.append(opt.has_updated)
+    return model, start, opt, updates, x, y
+
+
+def test_nonfinite_window_without_scaler_warns_and_is_applied():
+    with pytest.warns(RuntimeWarning, match=r"window 1 \(0-based; 1 real updates so far\) has an inf/nan gradient; the update was applied.*grad_scaler=scaler.*skip_nonfinite=True"):
+        model, _, opt, updates, _, _ = _nan_run(skip=False)
+    assert updates == [True, True, True] and opt.iterations == 3
+    assert torch.isnan(model.weight).all()  # what the warning says: applied
+
+
+def test_nonfinite_window_skipped_with_skip_nonfinite():
+    with pytest.warns(RuntimeWarning, match=r"window 1 \(0-based; 1 real updates so far\) has an inf/nan gradient; the update was skipped \(skip_nonfinite=True\)"):
+        model, start, opt, updates, x, y = _nan_run(skip=True)
+    assert updates == [True, False, True] and opt.iterations == 2 and opt.skipped_windows == 1
+    # reference: plain SGD on the two finite windows (the same samples, one batch each)
+    ref = nn.Linear(3, 2).double()
+    ref.load_state_dict(start)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for w in (0, 2):
+        sl = slice(6 * (w % 2), 6 * (w % 2) + 6)
+        mse_loss(ref(x[sl]), y[sl]).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_finite_windows_give_no_warning_and_skip_nonfinite_checked(recwarn):
+    model = nn.Linear(3, 2)
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    for _ in range(4):
+        model(torch.randn(3, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.iterations == 2 and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False, got 'yes'"):
+        GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 2, skip_nonfinite="yes")

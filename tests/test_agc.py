@@ -158,3 +158,37 @@ def test_bad_input():
         adaptive_clip_grad(model, [torch.zeros(1)])
     with pytest.raises(TypeError, match=r"parameters\[0\] must be a tensor or a \(name, tensor\) pair"):
         adaptive_clip_grad([3.0])
+
+
+# ---------------------------------------------------------------- misuse (issue 20)
+def test_parameters_none_is_a_clear_type_error():
+    with pytest.raises(TypeError, match=r"parameters must be the model.*got None.*adaptive_clip_grad_\(model"):
+        adaptive_clip_grad_(None, clip_factor=0.01)
+    with pytest.raises(TypeError, match=r"parameters must be the model.*got None"):
+        adaptive_clip_grad(None)
+
+
+def test_dims_not_a_mapping_and_dims_out_of_range_are_clear():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model(torch.randn(2, 3)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"dims must map parameter names.*got \(5,\).*dims=\{'deconv.weight'"):
+        adaptive_clip_grad_(model, dims=(5,))
+    with pytest.raises(ValueError, match=r"dims\['0.weight'\]=\(5,\) is out of range for a tensor of 2 dim.*\[-2, 1\]"):
+        adaptive_clip_grad_(model, dims={"0.weight": (5,)})
+    with pytest.raises(ValueError, match=r"dims\['1.bias'\]=\(0, 1\) is out of range for a tensor of 1 dim"):
+        adaptive_clip_grad(model, dims={"1.bias": (0, 1)})
+    # nothing was clipped by the refused calls
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)
+    # the fix as written works: a valid override is accepted and clips
+    adaptive_clip_grad_(model, clip_factor=1e-6, dims={"0.weight": (1,)})
+    w, g0 = model[0].weight, before[0]
+    expected = g0 * (1e-6 * w.norm(dim=1, keepdim=True).clamp(min=1e-3) / g0.norm(dim=1, keepdim=True)).clamp(max=1)
+    torch.testing.assert_close(model[0].weight.grad, expected, rtol=1e-6, atol=0)
+
+
+def test_unitwise_norm_dim_out_of_range():
+    with pytest.raises(ValueError, match=r"unitwise_norm\(dim=...\)=3 is out of range for a tensor of 2 dim"):
+        unitwise_norm(torch.ones(2, 3), dim=3)
+    torch.testing.assert_close(unitwise_norm(torch.ones(2, 3), dim=-1), torch.full((2, 1), 3.0).sqrt())

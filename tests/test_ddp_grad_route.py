@@ -49,16 +49,18 @@ def _windows():
     return model, data
 
 
-def _run_plan(rank: int, instruments, after_update=lambda lens: None, **lens_kwargs):
+def _run_plan(rank: int, instruments, after_update=lambda lens: None, on_build=lambda lens: None, **lens_kwargs):
     """The PLAN's windows under DDP on this rank's share of each window (micro-steps before the
-    last under no_sync), through a Lens; ``after_update(lens)`` after every update. Returns
-    (lens, the model's state dict at the start of every window and at the end)."""
+    last under no_sync), through a Lens; ``on_build(lens)`` once the Lens is built,
+    ``after_update(lens)`` after every update. Returns (lens, the model's state dict at the
+    start of every window and at the end)."""
     model0, data = _windows()
     model = gradlens.extend(copy.deepcopy(model0))
     ddp = nn.parallel.DistributedDataParallel(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     lens = Lens(model, instruments, optimizer=opt, **lens_kwargs)
+    on_build(lens)
     thetas = [copy.deepcopy(model0).state_dict()]
     for (micro_sizes, event), (x, y) in zip(PLAN, data):
         n = sum(micro_sizes)
@@ -94,8 +96,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         gather_fns = {fn: getattr(dist, fn) for fn in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, fn)}
         for fn, orig in gather_fns.items():
             setattr(dist, fn, lambda *a, _orig=orig, **k: (gathers.append(1), _orig(*a, **k))[1])
-        calls, fast = [], []
+        calls, fast, built = [], [], []
         mark = [0, 0]  # collectives counted when the window started
+
+        def on_build(lens):  # the Lens's one configuration check: one all_reduce of [R, 3] hashes
+            built.append((list(sizes), len(gathers)))
+            mark[:] = [len(sizes), len(gathers)]
 
         def after_update(lens):
             calls.append((sizes[mark[0]:], len(gathers) - mark[1]))
@@ -103,12 +109,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             fast.append(lens._ddp_route.fast)
 
         insts = [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), NoiseScaleTwoBatch()]
-        lens, thetas = _run_plan(rank, insts, after_update)
+        lens, thetas = _run_plan(rank, insts, after_update, on_build)
         dist.all_reduce = original
         for fn, orig in gather_fns.items():
             setattr(dist, fn, orig)
         records = [(r.num_samples, r.micro_steps, dict(r.values)) for r in lens.records]
-        torch.save((records, thetas, calls, fast), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save((records, thetas, calls, fast, built), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -118,7 +124,8 @@ def test_global_grad_sum_from_ddp_grad_equals_oracle():
         _spawn(_worker, WORLD, out_dir)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     model0, data = _windows()
-    records, thetas, calls, fast = results[0]
+    records, thetas, calls, fast, built = results[0]
+    assert built == [([WORLD * 3], 0)]  # building the Lens: its configuration check only
     tracked = sum(p.numel() for p in model0.parameters())
     n_params = len(list(model0.parameters()))
     # the all_reduce carries grad_sum only where the route cannot be used

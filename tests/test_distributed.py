@@ -526,3 +526,153 @@ def test_process_group_argument_checked():
         Lens(model, [GradNorm()], process_group=object())
     lens = Lens(model, [GradNorm()], process_group=False)  # explicit local: fine
     lens.close()
+
+
+# ------------------------------------------------------------------- issue 20: rank agreement
+def _config_cases(rank: int, tmp: str):
+    """(name, kwargs of Lens) per case, for this rank: the ranks differ where the name says."""
+    log = os.path.join(tmp, "resumed.jsonl")
+    return [
+        ("same", dict(instruments=[GradNorm(), GradHist1d(bins=10)], every=2)),
+        ("every", dict(instruments=[GradNorm()], every=1 if rank == 0 else 2)),
+        ("bins", dict(instruments=[GradNorm(), GradHist1d(bins=10 if rank == 0 else 20)])),
+        ("instrument list", dict(instruments=[GradNorm()] + ([BatchL2()] if rank == 1 else []))),
+        ("parameters", dict(instruments=[GradNorm()], exclude=("2",) if rank == 1 else ())),
+        ("sketch k", dict(instruments=[BatchDot(mode="sketch", k=64 if rank == 0 else 32)])),
+        # a callable is compared on 64 windows (documented): these agree there
+        ("callable same", dict(instruments=[GradNorm()],
+                               every=(lambda s: s % 2 == 0) if rank == 0 else (lambda s: s < 10**6 and s % 2 == 0))),
+        ("callable", dict(instruments=[GradNorm()],
+                          every=(lambda s: s % 2 == 0) if rank == 0 else (lambda s: s % 3 == 0))),
+        # rank 0 resumes its log at step 5 (the other ranks start at 0): every=2 pairs window
+        # 5 of rank 0 with window 0 of rank 1; every=1 pairs every window, which is fine
+        ("resumed phase", dict(instruments=[GradNorm()], every=2, log=log)),
+        ("resumed every=1", dict(instruments=[GradNorm()], every=1, log=log)),
+    ]
+
+
+def _agree_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    try:
+        from gradlens.records import Record
+        from gradlens.sinks import JsonlSink
+
+        if rank == 0:
+            with JsonlSink(os.path.join(out_dir, "resumed.jsonl")) as sink:
+                sink.write(Record(4, 1, 1, {"loss": 0.0}))
+        dist.barrier()
+        out = {}
+        for name, kw in _config_cases(rank, out_dir):
+            model = gradlens.extend(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)))
+            instruments = kw.pop("instruments")
+            try:
+                lens = Lens(model, instruments, **kw)
+                out[name] = ("ok", lens.step)
+                lens.close()
+            except RuntimeError as err:
+                out[name] = ("error", str(err))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_lens_configurations_are_refused_on_every_rank():
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_agree_worker, 2, out_dir)
+        outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    expect = {
+        "every": (r"schedule: ranks \[1\] differ from rank 0 \(this rank, {r}: every={every} with the "
+                  r"first window at phase 0, merge='sync'\)", {0: {"every": 1}, 1: {"every": 2}}),
+        "bins": (r"instruments: ranks \[1\] differ from rank 0 \(this rank, {r}: \[.*GradHist1d\(key="
+                 r"'grad_hist_1d', adapt=None, bins={bins},", {0: {"bins": 10}, 1: {"bins": 20}}),
+        "instrument list": (r"instruments: ranks \[1\] differ from rank 0", {}),
+        "parameters": (r"parameters: ranks \[1\] differ from rank 0 \(this rank, {r}: 0.weight:\(6, 4\)"
+                       r":torch.float32; 0.bias", {}),
+        "sketch k": (r"instruments: ranks \[1\] differ.*BatchDot\(key='batch_dot', k={k}, ",
+                     {0: {"k": 64}, 1: {"k": 32}}),
+        "callable": (r"schedule: ranks \[1\] differ from rank 0 \(this rank, {r}: every=<callable> "
+                     r"tracking windows first \+ \[0, {second}, ", {0: {"second": 2}, 1: {"second": 3}}),
+        "resumed phase": (r"schedule: ranks \[1\] differ from rank 0 \(this rank, {r}: every=2 with the "
+                          r"first window at phase {phase}", {0: {"phase": 1}, 1: {"phase": 0}}),
+    }
+    import re
+
+    for r, out in enumerate(outs):
+        assert out["same"] == ("ok", 0)
+        assert out["callable same"] == ("ok", 0)
+        assert out["resumed every=1"] == ("ok", 5 if r == 0 else 0)
+        for name, (pattern, fill) in expect.items():
+            kind, msg = out[name]
+            assert kind == "error", (name, r, out[name])
+            assert re.search(pattern.format(r=r, **fill.get(r, {})), msg), (name, r, msg)
+            assert "Build the Lens with the same instruments" in msg
+            # only the part that differs is named
+            others = {"instruments", "schedule", "parameters"} - {pattern.split(":")[0]}
+            assert not any(f"{o}: ranks" in msg for o in others), (name, msg)
+
+
+def _stall_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    done = os.path.join(out_dir, "done")
+    try:
+        late = dist.new_group([0, 1])  # its own group: a timed-out collective spoils its group
+        model = gradlens.extend(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        result = {}
+        # 1. a rank that never builds its Lens: the configuration check times out
+        if rank == 0:
+            t0 = time.monotonic()
+            try:
+                Lens(model, [GradNorm()], process_group=late, timeout=2)
+                result["build"] = ("no error", 0.0)
+            except RuntimeError as err:
+                result["build"] = (str(err), time.monotonic() - t0)
+        dist.barrier()  # rank 1 waits here for case 1 to end
+        # 2. both build the Lens; rank 1 never enters the window's merge
+        lens = Lens(model, [BatchL2(), GradNorm()], timeout=2)
+        if rank == 0:
+            x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+            loss = loss_fn(model(x), y)
+            with lens.capture():
+                loss.backward()
+            t0 = time.monotonic()
+            try:
+                lens.flush()
+                result["merge"] = ("no error", 0.0)
+            except RuntimeError as err:
+                result["merge"] = (str(err), time.monotonic() - t0)
+            torch.save(result, os.path.join(out_dir, "rank0.pt"))
+            open(done, "w").close()
+        else:
+            while not os.path.exists(done):
+                time.sleep(0.05)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # no destroy_process_group: the other rank left a collective unmatched
+
+
+def test_a_stalled_rank_times_out_instead_of_hanging():
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_stall_worker, 2, out_dir)
+        out = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    msg, took = out["build"]
+    assert msg.startswith("the Lens configuration check across ranks failed or did not complete within timeout=2 s"), msg
+    assert 1.5 < took < 6.0, took
+    msg, took = out["merge"]
+    assert msg.startswith("the merge of window 0 across ranks failed or did not complete within timeout=2 s: "
+                          "another rank has not reached it"), msg
+    assert "Lens(..., timeout=seconds)" in msg
+    assert 1.5 < took < 6.0, took
+    assert time.monotonic() - t0 < 40.0
+
+
+def test_timeout_argument_checked():
+    model = gradlens.extend(nn.Linear(3, 2))
+    for bad in (0, -1.0, float("inf"), "30", True):
+        with pytest.raises(ValueError, match=r"timeout must be a number of seconds > 0 or None.*Lens\(\.\.\., timeout=300\)"):
+            Lens(model, [GradNorm()], timeout=bad)
+    Lens(model, [GradNorm()], timeout=None).close()

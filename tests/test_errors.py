@@ -434,3 +434,106 @@ def test_every_builtin_instrument_passes_its_check():
         check_instrument(inst)
     assert BatchDot().carries_scale and BatchDot().fills_weight_grad and not BatchDot(mode="sketch").carries_scale
     assert InnerTest(mode="sketch").needs == {"layer", "grad_sum"}
+
+# ---------------------------------------------------------------- issue 20: misuse rows
+def test_instruments_not_a_list_names_the_fix():
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"takes a list of instruments, got BatchL2\(\).*Lens\(model, \[BatchL2\(\)\]\)"):
+        Lens(model, BatchL2())
+    with pytest.raises(TypeError, match=r"takes a list of instruments.*Lens\(model, \[GradNorm\(\)\]\)"):
+        Lens(model, GradNorm)
+    with pytest.raises(TypeError, match=r"takes a list of instruments, got None.*pass a list"):
+        Lens(model, None)
+    Lens(model, [BatchL2()]).close()  # the fix as written
+
+
+def test_instrument_key_loss_is_reserved():
+    class MyLoss(gradlens.instruments.base.Instrument):
+        key = "loss"
+        needs = frozenset({"batch_l2"})
+
+        def finalize(self, stats, state):
+            return 123.0
+
+    model = gradlens.extend(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"MyLoss.key='loss' is a record key the Lens writes itself \(reserved: \['loss'\]\).*key = 'my_loss'"):
+        Lens(model, [MyLoss()])
+
+    class Fixed(MyLoss):
+        key = "my_loss"
+
+    lens = Lens(model, [Fixed()])
+    rec = _run(model, lens, X, Y)
+    assert rec["my_loss"] == 123.0
+    ref = nn.functional.cross_entropy(model(X), Y).item()
+    assert rec["loss"] == pytest.approx(ref, rel=1e-6)  # the Lens' own loss, not the instrument's
+
+
+def test_model_on_the_meta_device_refused_at_lens():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4))
+    model = gradlens.extend(model)
+    with pytest.raises(RuntimeError, match=r"parameters 0.weight, 0.bias, 2.weight, \.\.\. \(4 of 4\) are on the meta device.*model.to_empty\(device='cpu'\).*reset_parameters\(\)"):
+        Lens(model, [BatchL2(), GradHist1d()])
+    # the fix as written
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    lens = Lens(model, [BatchL2(), GradHist1d()])
+    rec = _run(model, lens, X, Y)
+    assert rec.num_samples == 6 and rec["grad_hist_1d"].total == 6 * sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- issue 20: size bounds
+def test_histogram_bins_bounded_with_the_estimate():
+    from gradlens.instruments import hist
+
+    with pytest.raises(ValueError, match=r"GradHist1d\(bins=10000000\) has 10000000 bins: 80.0 MB of counts.*about 200.0 MB in every log line.*MAX_BINS = 16384; use fewer bins"):
+        GradHist1d(bins=10**7)
+    with pytest.raises(ValueError, match=r"GradHist2d\(bins=\(100000, 100000\)\) has 10000000000 bins: 80.0 GB"):
+        GradHist2d(bins=(10**5, 10**5))
+    with pytest.raises(ValueError, match=r"GradHist1d\(bins=20000\) has 20000 bins: 320.0 KB"):
+        GradHist1d(bins=20000, sample=0.5)  # sampled: float64 estimates and variances
+    assert hist.MAX_BINS == 1 << 14
+    GradHist2d(bins=(128, 128))  # at the cap: accepted
+
+
+def test_histogram_at_the_cap_keeps_its_log_line_bounded(tmp_path):
+    from gradlens.instruments.hist import MAX_BINS
+
+    model = gradlens.extend(nn.Linear(4, 4))
+    log = tmp_path / "log.jsonl"
+    lens = Lens(model, [GradHist1d(bins=MAX_BINS, range=(-1.0, 1.0))], log=log)
+    rec = _run(model, lens, X, Y)
+    lens.close()
+    assert rec["grad_hist_1d"].counts.numel() == MAX_BINS
+    assert rec["grad_hist_1d"].total == 6 * 20
+    line = log.read_bytes()
+    assert line.count(b"\n") == 1 and len(line) < 400_000, len(line)
+    back = gradlens.load_log(log)[0]["grad_hist_1d"]
+    assert torch.equal(back.counts, rec["grad_hist_1d"].counts)
+
+
+def test_sketch_dimension_bounded_at_construction_and_first_use():
+    from gradlens.instruments import BatchDot
+
+    with pytest.raises(ValueError, match=r"BatchDot\(mode='sketch', k=1000000000\) needs at least 16.0 GB .*over max_bytes=1073741824; use a smaller k"):
+        BatchDot(mode="sketch", k=10**9)
+    # at the first use, where the layer sizes are known: Linear(4, 32) is a [32, 4 + 1] block
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 4)))
+    lens = Lens(model, [BatchDot(mode="sketch", k=4096, max_bytes=1 << 20)])
+    with pytest.raises(RuntimeError, match=r"BatchDot\(mode='sketch', k=4096\) needs (\d+\.\d KB) for the random sketch matrices of layer '\d' \(.*k x \(rows \+ cols\) = 4096 x \(\d+ \+ \d+\) numbers of 4 bytes.*over max_bytes=1048576; use a smaller k"):
+        _run(model, lens, X, Y)
+    lens.close()
+    # the sketches [N, k] count too: 12 samples x k=256 float32 = 12 KB, with the matrices
+    # (256 x (4 + 5) float32 = 9.2 KB) over 16 KB
+    model = gradlens.extend(nn.Linear(4, 4))
+    lens = Lens(model, [BatchDot(mode="sketch", k=256, max_bytes=16 << 10)])
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    with pytest.raises(RuntimeError, match=r"BatchDot\(mode='sketch', k=256\) keeps (\d+\.\d KB) of \[N, k\] sketches for the \d+ samples of this window so far, plus 9.2 KB of random matrices, over max_bytes=16384"):
+        for xb, yb in zip(X.repeat(2, 1).split(3), Y.repeat(2).split(3)):
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+    lens.close()

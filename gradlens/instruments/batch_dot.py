@@ -25,8 +25,9 @@ class BatchDot(_CrossSample):
     Args:
         mode: ``"exact"`` (default) or ``"sketch"``.
         k: sketch dimension (sketch mode).
-        max_bytes: memory budget of exact mode, bytes kept for the window (default 1 GiB);
-            exceeding it raises ``RuntimeError``.
+        max_bytes: memory budget, bytes kept for the window (default 1 GiB): exact mode's
+            factors, sketch mode's random matrices and ``[N, k]`` sketches; exceeding it raises
+            an error with the estimate.
         seed: seed of the sketch.
     """
 

@@ -26,7 +26,10 @@ instruments of one Lens share them). When the window-end vector is known it eval
   at a time), each reduced with one matmul.
 
 The memory kept is bounded by ``max_bytes`` (default 1 GiB); exceeding it raises a
-``RuntimeError`` that names the bounded-memory mode. Inputs and output gradients are kept by
+``RuntimeError`` that names the bounded-memory mode. In sketch mode the same budget bounds the
+random matrices (``k * (rows + cols)`` numbers per parameter block, checked before each is drawn,
+with the estimate in the message) and the ``[N, k]`` sketches; ``k`` whose smallest possible
+matrices alone exceed it (``16 k`` bytes) is refused at construction. Inputs and output gradients are kept by
 reference (a slice of a larger tensor, such as a micro-batch from ``x.split``, is copied), so a
 tensor modified in place before the window closes is detected (version counter) and refused.
 
@@ -78,13 +81,32 @@ class _Sketcher:
     and how its sketch is computed (from the factors where it can), is the kernel's business
     (:meth:`gradlens.kernels.Kernel.sketch`); the sketcher only holds the random matrices."""
 
-    def __init__(self, k: int, seed: int):
+    def __init__(self, k: int, seed: int, max_bytes: int | None = None, owner: str = "BatchDot"):
         self.k, self.seed = k, seed
+        self.max_bytes, self.owner = max_bytes, owner  # budget of the cached matrices (None: none)
         self._cache: dict[tuple[str, str, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+        self.nbytes = 0  # bytes of the cached matrices
+
+    def _check_room(self, w, block: str, rows: int, cols: int, like: Tensor) -> int:
+        """Bytes the pair of ``block`` of layer ``w`` will keep, refused before it is drawn when
+        the cached matrices would exceed ``max_bytes`` (the int64 draws are a transient 2x)."""
+        need = self.k * (rows + cols) * like.element_size()
+        if self.max_bytes is not None and self.nbytes + need > self.max_bytes:
+            raise RuntimeError(
+                f"{self.owner}(mode='sketch', k={self.k}) needs {_human(need)} for the random sketch "
+                f"matrices of layer {w.name!r} ({block}: k x (rows + cols) = {self.k} x "
+                f"({rows} + {cols}) numbers of {like.element_size()} bytes, plus a transient "
+                f"{_human(self.k * (rows + cols) * 8)} while they are drawn), "
+                f"{_human(self.nbytes + need)} with the layers before, over max_bytes={self.max_bytes}; "
+                f"use a smaller k (a dot product's error is at most sqrt(8/k) ||x|| ||y||: 9% at "
+                f"k=1024), or raise max_bytes"
+            )
+        return need
 
     def _pair(self, w, block: str, rows: int, cols: int, like: Tensor) -> tuple[Tensor, Tensor]:
         key = (w.name, block, like.dtype, like.device)
         if key not in self._cache:
+            self.nbytes += self._check_room(w, block, rows, cols, like)
             gen = torch.Generator().manual_seed(
                 (self.seed * 1_000_003 + zlib.crc32(f"{w.name}/{block}".encode())) % (1 << 62)
             )
@@ -237,6 +259,14 @@ def _nbytes(t: Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _human(nbytes: float) -> str:
+    """``nbytes`` as a short size (``"24.0 GB"``), decimal units."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 class _CrossSample(Instrument):
     """Shared machinery: keeps layer factors (exact) or sketches (sketch) of the window's g_n."""
 
@@ -256,8 +286,15 @@ class _CrossSample(Instrument):
             raise ValueError(f"k (sketch dimension) must be a positive int, got {k!r}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be a non-negative int (bytes), got {max_bytes!r}")
+        if mode == "sketch" and 16 * k > max_bytes:  # u, v of the smallest block, as drawn (int64)
+            raise ValueError(
+                f"{type(self).__name__}(mode='sketch', k={k}) needs at least {_human(16 * k)} for "
+                f"its random sketch matrices (k x (rows + cols) numbers per parameter block, "
+                f"drawn as int64; k x 8 bytes per sample for the [N, k] sketches), over "
+                f"max_bytes={max_bytes}; use a smaller k (e.g. k=1024), or raise max_bytes"
+            )
         self.mode, self.k, self.max_bytes, self.seed = mode, k, max_bytes, seed
-        self._sketcher = _Sketcher(k, seed) if mode == "sketch" else None
+        self._sketcher = _Sketcher(k, seed, max_bytes, type(self).__name__) if mode == "sketch" else None
 
     @property
     def mode_name(self) -> str:
@@ -351,9 +388,17 @@ class _CrossSample(Instrument):
         return 0
 
     def _check_budget(self, state: _DotState) -> None:
-        if self.mode != "exact":
-            return
         used = self._bytes(state)
+        if self.mode != "exact":
+            kept = self._sketcher.nbytes if self._sketcher is not None else 0
+            if used + kept > self.max_bytes:
+                raise RuntimeError(
+                    f"{type(self).__name__}(mode='sketch', k={self.k}) keeps {_human(used)} of "
+                    f"[N, k] sketches for the {state.num_samples} samples of this window so far, "
+                    f"plus {_human(kept)} of random matrices, over max_bytes={self.max_bytes}; "
+                    "use a smaller k, fewer samples per window, or raise max_bytes"
+                )
+            return
         if used > self.max_bytes:
             raise RuntimeError(
                 f"{type(self).__name__}(mode='exact') needs {used} bytes for the "

@@ -17,6 +17,11 @@ shortcuts that touch far fewer than B x D elements (:mod:`gradlens.instruments.o
 are counted with small matmuls). On an accelerator the per-micro-step work makes no host read
 (:mod:`gradlens.sync`). The range is fixed within a window, so micro-step counts add; ``adapt``
 sets the next window's range from this window's extremes.
+
+Size: a histogram has at most :data:`MAX_BINS` bins (2D: ``param_bins * grad_bins``), checked
+at construction with the memory and log size in the message: its counts live in every window
+and micro-step state and every record, and a log line (:class:`gradlens.sinks.JsonlSink`)
+writes them in full, so ``bins=10**7`` would be a 174 MB line per window.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.crosssample import _human
 from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, outer_hist1d, row_extremes, tally
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
@@ -41,11 +47,32 @@ __all__ = ["GradHist1d", "GradHist2d"]
 
 _ADAPT = (None, "abs_max", "min_max")
 
+#: most bins of one histogram (2D: param_bins * grad_bins): 128 KB of int64 counts per state and
+#: a log line of about 0.3 MB (counts and edges, ~20 bytes a bin); raise it here
+#: (gradlens.instruments.hist.MAX_BINS = ...) only where that memory and log size are intended
+MAX_BINS = 1 << 14
+
+#: bytes of a log line per bin (a count and an edge as JSON), for the estimate in the message
+_LOG_BYTES_PER_BIN = 20
+
 
 def _check_bins(bins, what: str) -> int:
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"{what} must be a positive int, got {bins!r}")
     return bins
+
+
+def _check_size(total: int, sampled: bool, call: str) -> None:
+    """Refuse a histogram of more than :data:`MAX_BINS` bins, with what it would cost."""
+    if total > MAX_BINS:
+        per_bin = 16 if sampled else 8  # sampled: float64 estimates and their variances
+        raise ValueError(
+            f"{call} has {total} bins: {_human(per_bin * total)} of counts in every window and "
+            f"micro-step state and every record, and about {_human(_LOG_BYTES_PER_BIN * total)} "
+            f"in every log line, over "
+            f"gradlens.instruments.hist.MAX_BINS = {MAX_BINS}; use fewer bins (e.g. 100 to "
+            f"1000 per axis), or raise gradlens.instruments.hist.MAX_BINS where that is intended"
+        )
 
 
 def _check_range(rng, what: str) -> tuple[float, float]:
@@ -154,6 +181,7 @@ class GradHist1d(Instrument):
         self.range = _check_range(range, "range")
         self.adapt = _check_adapt(adapt)
         self.sample = check_sample(sample)
+        _check_size(self.bins, self.sample is not None, f"GradHist1d(bins={self.bins})")
         self._draws = Draws(seed)
 
     def __repr__(self) -> str:
@@ -368,6 +396,7 @@ class GradHist2d(Instrument):
         self.grad_range = _check_range(gr, "range[1] (gradient range)")
         self.adapt = _check_adapt(adapt)
         self.sample = check_sample(sample)
+        _check_size(self.bins[0] * self.bins[1], self.sample is not None, f"GradHist2d(bins={self.bins})")
         self._draws = Draws(seed)
 
     def __repr__(self) -> str:
