@@ -189,9 +189,15 @@ class Lens:
             :class:`gradlens.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
             values written in full, ...).
         log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default)
-            appends, and a Lens at step 0 continues counting from the step after the log's
-            last record; ``"append"`` appends and keeps this Lens's steps; ``"overwrite"``
-            starts a new log. An existing log is never truncated unless asked.
+            appends in a new *segment* of the log: a fresh Lens starts a new run (its steps
+            count from 0, and :func:`gradlens.load_log` returns the last run, ``run=i`` an
+            earlier one); a Lens loaded from a checkpoint (:meth:`load_state_dict`) at step
+            ``s`` continues the log's last run, and its records replace those ``>= s`` that the
+            stopped run wrote after the checkpoint (``load_log`` keeps, per step, the latest
+            segment's record: each step once). ``"append"`` is the same (the older name).
+            ``"overwrite"`` starts a new log. An existing log is never truncated unless asked.
+            One Lens writes a log at a time: a second one on a log that is open (in this or
+            another process) is refused with a ``RuntimeError`` (a lock on the file).
         grad_scaler: the ``torch.amp.GradScaler`` of a loop with a plain ``torch.optim``
             optimizer: a window whose step it skipped (inf/nan) is then dropped, not merged
             into the next (one ``get_scale()`` host read per tracked window). Not needed with
@@ -396,17 +402,19 @@ class Lens:
 
             self._grad_sq_hooks = ParamGradSquares(list(self._tap.params.values()), self._on_grad_sq)
 
-        self._sinks: list[Any] = []
+        from gradlens.sinks import SinkSet
+
+        self._sinks = SinkSet()  # a sink that fails is reported and retried, never raised here
         writer = is_writer(self._group)  # under torch.distributed: rank 0 writes
         if log is not None and writer:
             from gradlens.sinks import JsonlSink
 
+            # a new segment of the log (JsonlSink.begin_segment at the first record): a fresh
+            # Lens starts a new run, a Lens loaded from a checkpoint replaces the records after it
             sink = log if isinstance(log, JsonlSink) else JsonlSink(
                 log, mode="overwrite" if log_mode == "overwrite" else "append"
             )
             self._sinks.append(sink)
-            if log_mode == "resume" and sink.next_step is not None:
-                self.step = sink.next_step
         if tensorboard is not None and writer:
             from gradlens.sinks import TensorBoardSink
 
@@ -621,6 +629,8 @@ class Lens:
         """The record of a closed window (merged across ranks when distributed), to
         :attr:`records` and the sinks; None if it was not tracked or captured nothing."""
         record = None
+        if self._sinks.first_window is None:  # where this Lens's log segment starts
+            self._sinks.first_window = step
         captured = window is not None and bool(window.micro_steps)
         self._settle_pending(
             None if captured else f"window {step} (the next one) was not tracked or captured nothing",
@@ -656,8 +666,7 @@ class Lens:
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
                 self._pending = (record, deferring)
             else:
-                for sink in self._sinks:
-                    sink.write(record)
+                self._sinks.write(record)  # failures warn; the window still closes
         return record
 
     def discard_window(self) -> None:
@@ -754,8 +763,7 @@ class Lens:
         for i in self.instruments:
             if id(i) in states:
                 i.settle(record, states[id(i)], None if reason else closing[id(i)], reason)
-        for sink in self._sinks:
-            sink.write(record)
+        self._sinks.write(record)
 
     # ------------------------------------------------------------------ capture
     @contextmanager
@@ -1425,8 +1433,7 @@ class Lens:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for sink in self._sinks:
-            sink.close()
+        self._sinks.close()  # a sink that fails to close warns; the others still close
 
     def __enter__(self) -> "Lens":
         return self
