@@ -405,6 +405,7 @@ class Lens:
         from gradlens.sinks import SinkSet
 
         self._sinks = SinkSet()  # a sink that fails is reported and retried, never raised here
+        self._loss_unknown: set[int] = set()  # windows with a micro-step whose loss was unknown
         writer = is_writer(self._group)  # under torch.distributed: rank 0 writes
         if log is not None and writer:
             from gradlens.sinks import JsonlSink
@@ -631,6 +632,9 @@ class Lens:
         record = None
         if self._sinks.first_window is None:  # where this Lens's log segment starts
             self._sinks.first_window = step
+        unknown = step in self._loss_unknown  # a micro-step had no loss to read (see _fold)
+        if self._loss_unknown:
+            self._loss_unknown = {s for s in self._loss_unknown if s > step}
         captured = window is not None and bool(window.micro_steps)
         self._settle_pending(
             None if captured else f"window {step} (the next one) was not tracked or captured nothing",
@@ -639,12 +643,17 @@ class Lens:
         if captured:
             values = {i.key: i.finalize(window, states[id(i)]) for i in self.instruments}
             loss_value = window.window_loss()
-            values["loss"] = None if math.isnan(loss_value) else loss_value
+            values["loss"] = None if unknown else loss_value
             record = Record(step, window.num_samples, window.micro_steps, values)
             record.meta["coverage"] = self._window_coverage  # as of the window's opening
-            if values["loss"] is None:
+            if unknown:
                 record.meta["loss"] = (
                     "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
+                )
+            elif not math.isfinite(loss_value):
+                record.meta["loss"] = (
+                    f"non-finite: the window's loss is {loss_value} (a micro-step's loss was nan or "
+                    "inf); the value is kept as it is"
                 )
             if empty:
                 record.meta["empty_micro_steps"] = empty
@@ -920,6 +929,7 @@ class Lens:
             s.loss_sum = micro.losses.detach().double().sum()
         else:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
+            self._loss_unknown.add(self.step)  # _emit: say "unknown", not "non-finite"
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
         if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
