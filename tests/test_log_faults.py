@@ -6,9 +6,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -165,44 +162,41 @@ def test_a_line_cut_by_a_failed_write_is_ended_before_the_next(tmp_path):
         torch.testing.assert_close(record["batch_l2"], want, rtol=1e-10, atol=1e-12)
 
 
-_FSIZE_CHILD = textwrap.dedent(
-    """
-    import json, resource, signal, sys, warnings
-    sys.path[:0] = [sys.argv[2]]
-    import test_log_faults as t
+def _fsize_child(path, result):
+    """In a forked process: a file-size limit cuts window 2's line, lifted at window 4."""
+    import os
+    import resource
+    import signal
+
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-    path = sys.argv[1]
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
 
     def between(w, lens):
-        import os
-        if w == 2:  # a file-size limit in the middle of window 2's line
+        if w == 2:
             resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 100, hard))
         if w == 4:
             resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        lens, expected = t._train({"log": path}, 6, between=between)
+        lens, expected = _train({"log": path}, 6, between=between)
     lens.close()
-    print(json.dumps({
+    Path(result).write_text(json.dumps({
         "step": lens.step,
         "warnings": [str(w.message) for w in caught if "could not write" in str(w.message)],
         "expected": [e.tolist() for e in expected],
     }))
-    """
-)
 
 
 def test_a_file_size_limit_cuts_a_line_and_the_log_recovers(tmp_path):
-    path = tmp_path / "run.jsonl"
-    here = str(Path(__file__).parent)
-    done = subprocess.run(
-        [sys.executable, "-c", _FSIZE_CHILD, str(path), here],
-        capture_output=True, text=True, timeout=120, cwd=here,
-    )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    import multiprocessing as mp
+
+    path, result = tmp_path / "run.jsonl", tmp_path / "result.json"
+    child = mp.get_context("fork").Process(target=_fsize_child, args=(str(path), str(result)))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    out = json.loads(result.read_text())
     assert out["step"] == 6
     (msg,) = out["warnings"]
     assert "record of step 2 to the sink JsonlSink(" in msg and "OSError: [Errno 27] File too large" in msg
