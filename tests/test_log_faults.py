@@ -271,3 +271,42 @@ def test_a_writer_in_another_process_is_refused_until_it_dies(tmp_path):
         child.join(30)
     with JsonlSink(path):  # the dead process's lock is gone
         pass
+
+
+# --------------------------------------------------------------------------- the loss note
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_nan_loss_is_reported_as_non_finite_and_an_unknown_one_as_unknown(tmp_path, reduction):
+    import math
+
+    torch.manual_seed(0)
+    model = gradlens.extend(mlp().double())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    x, y = _data(0)
+    with torch.no_grad():
+        per_sample = nn.functional.cross_entropy(copy.deepcopy(model)(x), y, reduction="none")
+    want = float(per_sample.mean() if reduction == "mean" else per_sample.sum())  # float64 oracle
+    bad = x.clone()
+    bad[3, 0] = float("nan")  # one sample's loss is nan
+    path = tmp_path / "run.jsonl"
+    lens = Lens(model, [BatchL2(), GradNorm()], log=path)
+    records = []
+    for inputs, kwargs in ((x, {}), (bad, {}), (x, {"reduction": reduction, "multiplier": 1.0})):
+        for xs, ys in zip(inputs.split(SPLIT), y.split(SPLIT)):
+            out = model(xs)
+            loss = loss_fn(out, ys) if not kwargs else nn.functional.cross_entropy(out, ys, reduction=reduction)
+            with lens.capture(**kwargs):
+                loss.backward()
+            model.zero_grad()
+        records.append(lens.flush())
+    lens.close()
+    known, nan, unknown = records
+    assert known["loss"] == pytest.approx(want, rel=1e-12) and "loss" not in known.meta
+    assert math.isnan(nan["loss"])  # the value stays nan
+    assert nan.meta["loss"].startswith("non-finite: the window's loss is nan (a micro-step's loss was nan")
+    assert "functional" not in nan.meta["loss"]
+    assert unknown["loss"] is None
+    assert unknown.meta["loss"].startswith("unknown: a functional loss without loss=")
+    back = load_log(path)
+    assert math.isnan(back[1]["loss"]) and back[1].meta == nan.meta and back[2]["loss"] is None
