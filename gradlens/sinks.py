@@ -129,7 +129,7 @@ class JsonlSink:
         self.arrays_dir = arrays_dir(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.next_step: int | None = None
-        self._lock_fd = _lock_log(self.path)  # before anything is truncated
+        self._lock = _lock_log(self.path)  # before anything is truncated; released on close
         self._header: bytes | None = None  # a segment header waiting for the first record
         self._run = 0
         try:
@@ -145,7 +145,7 @@ class JsonlSink:
                 self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
                 self._cut = _ends_mid_line(self.path)  # a writer killed mid-line
         except BaseException:
-            os.close(self._lock_fd)
+            self._lock.close()
             raise
 
     @property
@@ -252,7 +252,7 @@ class JsonlSink:
             try:
                 self._file.close()
             finally:
-                os.close(self._lock_fd)
+                self._lock.close()
 
     def __enter__(self) -> JsonlSink:
         return self
@@ -268,17 +268,19 @@ class JsonlSink:
 SEGMENT_KEY = "__gradlens_segment__"
 
 
-def _lock_log(path: Path) -> int:
-    """An fd of ``path`` (created if missing) holding an exclusive flock, or a RuntimeError."""
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+def _lock_log(path: Path) -> Any:
+    """``path`` (created if missing) opened and holding an exclusive flock, or a RuntimeError.
+    The lock goes with the returned file object: released when it is closed (or collected) and
+    when the process dies."""
+    lock = open(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb", buffering=0)  # noqa: SIM115
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not a POSIX system: no lock
-        return fd
+        return lock
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        os.close(fd)
+        lock.close()
         if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
         raise RuntimeError(
@@ -286,7 +288,7 @@ def _lock_log(path: Path) -> int:
             "another process, which holds its lock); close that one first (lens.close()), or "
             "give this run its own log path, e.g. Lens(..., log='run-2.jsonl')"
         ) from None
-    return fd
+    return lock
 
 
 def arrays_dir(log_path: PathLike) -> Path:

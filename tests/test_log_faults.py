@@ -256,9 +256,10 @@ def test_a_writer_in_another_process_is_refused_until_it_dies(tmp_path):
     ready = ctx.Event()
 
     def hold():
-        JsonlSink(path)  # noqa: F841 - held until the process is killed
+        sink = JsonlSink(path)  # held until the process is killed
         ready.set()
         signal.pause()
+        sink.close()  # never reached
 
     child = ctx.Process(target=hold)
     child.start()
