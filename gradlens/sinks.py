@@ -630,8 +630,22 @@ class SinkSet(list):
             )
 
     def close(self) -> None:
-        """Close every sink (a sink that fails to close is reported, the others still close)."""
+        """Write what a sink still holds (once more), then close every sink; a sink that fails
+        either way is reported, the others still close."""
         for sink in list(self):
+            held = self._held.pop(id(sink), [])
+            for n, r in enumerate(held):
+                try:
+                    sink.write(r)
+                except Exception as err:  # noqa: BLE001
+                    warnings.warn(
+                        f"gradlens could not write the records of steps {[q.step for q in held[n:]]} "
+                        f"to the sink {sink!r} before closing it ({type(err).__name__}: {err}); "
+                        "they are lost for it",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    break
             try:
                 sink.close()
             except Exception as err:  # noqa: BLE001

@@ -311,3 +311,22 @@ def test_a_nan_loss_is_reported_as_non_finite_and_an_unknown_one_as_unknown(tmp_
     assert unknown.meta["loss"].startswith("unknown: a functional loss without loss=")
     back = load_log(path)
     assert math.isnan(back[1]["loss"]) and back[1].meta == nan.meta and back[2]["loss"] is None
+
+
+def test_records_a_sink_still_holds_are_written_at_close_or_named():
+    class FromStep4(FlakySink):
+        def write(self, record):
+            self.always = record.step >= 4
+            super().write(record)
+
+    late, dead = FlakySink(fail={4}), FromStep4()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lens, _ = _train({"sinks": [late, dead]}, 5)  # both fail at the last record, step 4
+        assert late.steps == dead.steps == [0, 1, 2, 3]
+        lens.close()
+    assert late.steps == [0, 1, 2, 3, 4] and late.closed == 1  # the held record, at close
+    assert dead.steps == [0, 1, 2, 3] and dead.closed == 1
+    assert len(_messages(caught, "could not write the record of step 4 to the sink")) == 2
+    (lost,) = _messages(caught, "before closing it")
+    assert "records of steps [4] to the sink FlakySink() before closing it (OSError" in lost
