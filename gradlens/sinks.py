@@ -552,7 +552,8 @@ class SinkSet(list):
     one ``RuntimeWarning`` naming the sink and the error; the records it could not take (at most
     ``max_failures``) are held and written again, in order, before the next record; after
     ``max_failures`` failed writes in a row the sink is closed and dropped, with a warning that
-    names the steps it lost. A sink that recovers writes what it held and goes on.
+    names the steps it lost. A sink that recovers writes what it held and goes on; :meth:`close`
+    tries what a sink still holds once more before closing it.
 
     Attributes:
         first_window: the first window index the Lens closed (set by the Lens); a sink with
