@@ -23,6 +23,8 @@ _LAZY = {
     "Hist1d": "gradlens.records",
     "Hist2d": "gradlens.records",
     "load_log": "gradlens.sinks",
+    "save_checkpoint": "gradlens.checkpoint",
+    "load_checkpoint": "gradlens.checkpoint",
     "register_kernel": "gradlens.registry",
     "register_forward": "gradlens.registry",
     "supported_layers": "gradlens.registry",
@@ -39,7 +41,7 @@ _LAZY = {
     "convert_accum_batchnorm": "gradlens.batchnorm",
     "follow_optimizer": "gradlens.batchnorm",
 }
-_SUBMODULES = {"instruments", "plot", "cli", "records", "sinks", "capture", "lens", "registry", "kernels", "ops"}
+_SUBMODULES = {"instruments", "plot", "cli", "records", "sinks", "checkpoint", "capture", "lens", "registry", "kernels", "ops"}
 
 __all__ = sorted(_LAZY) + ["__version__"]
 

@@ -193,9 +193,15 @@ class Lens:
             :class:`gradlens.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
             values written in full, ...).
         log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default)
-            appends, and a Lens at step 0 continues counting from the step after the log's
-            last record; ``"append"`` appends and keeps this Lens's steps; ``"overwrite"``
-            starts a new log. An existing log is never truncated unless asked.
+            appends in a new *segment* of the log: a fresh Lens starts a new run (its steps
+            count from 0, and :func:`gradlens.load_log` returns the last run, ``run=i`` an
+            earlier one); a Lens loaded from a checkpoint (:meth:`load_state_dict`) at step
+            ``s`` continues the log's last run, and its records replace those ``>= s`` that the
+            stopped run wrote after the checkpoint (``load_log`` keeps, per step, the latest
+            segment's record: each step once). ``"append"`` is the same (the older name).
+            ``"overwrite"`` starts a new log. An existing log is never truncated unless asked.
+            One Lens writes a log at a time: a second one on a log that is open (in this or
+            another process) is refused with a ``RuntimeError`` (a lock on the file).
         grad_scaler: the ``torch.amp.GradScaler`` of a loop with a plain ``torch.optim``
             optimizer: a window whose step it skipped (inf/nan) is then dropped, not merged
             into the next (one ``get_scale()`` host read per tracked window). Not needed with
@@ -435,17 +441,20 @@ class Lens:
 
             self._grad_sq_hooks = ParamGradSquares(list(self._tap.params.values()), self._on_grad_sq)
 
-        self._sinks: list[Any] = []
+        from gradlens.sinks import SinkSet
+
+        self._sinks = SinkSet()  # a sink that fails is reported and retried, never raised here
+        self._loss_unknown: set[int] = set()  # windows with a micro-step whose loss was unknown
         writer = is_writer(self._group)  # under torch.distributed: rank 0 writes
         if log is not None and writer:
             from gradlens.sinks import JsonlSink
 
+            # a new segment of the log (JsonlSink.begin_segment at the first record): a fresh
+            # Lens starts a new run, a Lens loaded from a checkpoint replaces the records after it
             sink = log if isinstance(log, JsonlSink) else JsonlSink(
                 log, mode="overwrite" if log_mode == "overwrite" else "append"
             )
             self._sinks.append(sink)
-            if log_mode == "resume" and sink.next_step is not None:
-                self.step = sink.next_step
         if tensorboard is not None and writer:
             from gradlens.sinks import TensorBoardSink
 
@@ -670,6 +679,11 @@ class Lens:
         """The record of a closed window (merged across ranks when distributed), to
         :attr:`records` and the sinks; None if it was not tracked or captured nothing."""
         record = None
+        if self._sinks.first_window is None:  # where this Lens's log segment starts
+            self._sinks.first_window = step
+        unknown = step in self._loss_unknown  # a micro-step had no loss to read (see _fold)
+        if self._loss_unknown:
+            self._loss_unknown = {s for s in self._loss_unknown if s > step}
         captured = window is not None and bool(window.micro_steps)
         self._settle_pending(
             None if captured else f"window {step} (the next one) was not tracked or captured nothing",
@@ -678,12 +692,17 @@ class Lens:
         if captured:
             values = {i.key: i.finalize(window, states[id(i)]) for i in self.instruments}
             loss_value = window.window_loss()
-            values["loss"] = None if math.isnan(loss_value) else loss_value
+            values["loss"] = None if unknown else loss_value
             record = Record(step, window.num_samples, window.micro_steps, values)
             record.meta["coverage"] = self._window_coverage  # as of the window's opening
-            if values["loss"] is None:
+            if unknown:
                 record.meta["loss"] = (
                     "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
+                )
+            elif not math.isfinite(loss_value):
+                record.meta["loss"] = (
+                    f"non-finite: the window's loss is {loss_value} (a micro-step's loss was nan or "
+                    "inf); the value is kept as it is"
                 )
             if empty:
                 record.meta["empty_micro_steps"] = empty
@@ -705,8 +724,7 @@ class Lens:
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
                 self._pending = (record, deferring)
             else:
-                for sink in self._sinks:
-                    sink.write(record)
+                self._sinks.write(record)  # failures warn; the window still closes
         return record
 
     def discard_window(self) -> None:
@@ -803,8 +821,7 @@ class Lens:
         for i in self.instruments:
             if id(i) in states:
                 i.settle(record, states[id(i)], None if reason else closing[id(i)], reason)
-        for sink in self._sinks:
-            sink.write(record)
+        self._sinks.write(record)
 
     # ------------------------------------------------------------------ capture
     @contextmanager
@@ -961,6 +978,7 @@ class Lens:
             s.loss_sum = micro.losses.detach().double().sum()
         else:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
+            self._loss_unknown.add(self.step)  # _emit: say "unknown", not "non-finite"
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
         if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
@@ -1400,8 +1418,7 @@ class Lens:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for sink in self._sinks:
-            sink.close()
+        self._sinks.close()  # a sink that fails to close warns; the others still close
 
     def __enter__(self) -> "Lens":
         return self

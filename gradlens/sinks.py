@@ -8,13 +8,24 @@ A *sink* is any object with ``write(record)`` and ``close()``; the :class:`~grad
 - :class:`TensorBoardSink` writes scalars and histograms through a
   ``torch.utils.tensorboard.SummaryWriter``.
 - :func:`load_log` reads a JSON-lines log back into :class:`~gradlens.Record` objects.
+- :class:`SinkSet` is how a Lens writes to its sinks: a sink whose write fails (a full disk, a
+  file-size limit, a network error) is reported and retried, never breaks the training loop.
+
+A log may hold several *runs* (one per fresh Lens) and, within a run, several *segments* (one
+per Lens: a run resumed from a checkpoint goes on in a new segment). A segment that starts on a
+non-empty log begins with a header line ``{"__gradlens_segment__": 1, "run": r, "start": s,
+...}``; :func:`load_log` reads the records of one run, where a segment that starts at step ``s``
+replaces the records ``>= s`` of the segments before it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import numbers
 import os
+import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -24,7 +35,7 @@ from torch import Tensor
 
 from gradlens.records import Hist1d, Hist2d, Record, TensorSummary, record_from_json, record_to_json
 
-__all__ = ["JsonlSink", "TensorBoardSink", "load_log", "arrays_dir"]
+__all__ = ["JsonlSink", "SinkSet", "TensorBoardSink", "load_log", "arrays_dir"]
 
 PathLike = str | os.PathLike
 
@@ -39,8 +50,14 @@ class JsonlSink:
     """Write each record as one line of JSON to ``path``.
 
     Every :meth:`write` appends one line (``json.dumps(record_to_json(record))`` plus ``"\\n"``)
-    and flushes it, so the file always holds every record written so far, and a run that is
-    killed leaves at most its last line truncated (:func:`load_log` then warns and keeps the rest).
+    with unbuffered writes, so the file always holds every record written so far, and a run that
+    is killed leaves at most its last line truncated (:func:`load_log` then warns and keeps the
+    rest). A write that fails part-way (a full disk, a file-size limit) leaves a cut line; the
+    next write first ends that line, so a record is never glued to a cut one.
+
+    One writer per file: the sink holds an exclusive ``fcntl.flock`` on the log from its
+    creation to :meth:`close` (the system releases it when the process dies); a second sink on
+    the same file, in this process or another, is refused with a ``RuntimeError``.
 
     What a line holds (small by default, so that a long run's log stays readable):
 
@@ -50,15 +67,15 @@ class JsonlSink:
       :class:`~gradlens.records.TensorSummary` (shape, dtype, sum, L2 norm, min, max): a
       ResNet-18's record is a few KB instead of ~100 MB;
     - the values of the keys in ``full`` in full, in a binary file next to the log
-      (``<log>.arrays/step-<step>.pt``, ``torch.save`` of a dict key -> value), which
-      :func:`load_log` reads back in place.
+      (``<log>.arrays/step-<step>.pt``, ``torch.save`` of a dict key -> value; runs after the
+      first of a log add ``-run<r>``), which :func:`load_log` reads back in place.
 
     Args:
         path: the log file; missing parent folders are created.
-        mode: ``"append"`` (default) adds lines after the existing ones (a restarted run keeps
-            its old records; a last line cut by a killed writer is ended first, so the new
-            record starts on a fresh line); ``"overwrite"`` starts a new file (and removes the
-            old ``.pt`` files of ``<log>.arrays``).
+        mode: ``"append"`` (default) adds lines after the existing ones (a last line cut by a
+            killed writer is ended first, so the new record starts on a fresh line);
+            ``"overwrite"`` starts a new file (and removes the old ``.pt`` files of
+            ``<log>.arrays``).
         append: the older spelling: ``True`` is ``mode="append"``, ``False`` ``mode="overwrite"``.
         keys: record keys to write (``None``: all); ``step``, ``num_samples`` and
             ``micro_steps`` are always written.
@@ -68,8 +85,10 @@ class JsonlSink:
 
     Attributes:
         next_step: on ``mode="append"``, the step after the last complete record already in
-            the file (``None`` for a new or empty file); :class:`~gradlens.Lens` continues
-            counting from it (``log_mode="resume"``).
+            the file (``None`` for a new or empty file).
+
+    Raises:
+        RuntimeError: another sink (another Lens, another process) is writing ``path``.
 
     Also a context manager: ``with JsonlSink(path) as sink: ...`` closes it on exit.
     """
@@ -110,52 +129,95 @@ class JsonlSink:
         self.arrays_dir = arrays_dir(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.next_step: int | None = None
-        if mode == "overwrite":
-            if self.arrays_dir.is_dir():
-                for old in self.arrays_dir.glob("step-*.pt"):
-                    old.unlink()
-            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
-        else:
-            last = _last_step(self.path)
-            self.next_step = None if last is None else last + 1
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-            if _ends_mid_line(self.path):
-                self._file.write("\n")  # a writer killed mid-line: start on a fresh line
-                self._file.flush()
+        self._lock = _lock_log(self.path)  # before anything is truncated; released on close
+        self._header: bytes | None = None  # a segment header waiting for the first record
+        self._run = 0
+        try:
+            if mode == "overwrite":
+                if self.arrays_dir.is_dir():
+                    for old in self.arrays_dir.glob("step-*.pt"):
+                        old.unlink()
+                self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115
+                self._cut = False
+            else:
+                last = _last_step(self.path)
+                self.next_step = None if last is None else last + 1
+                self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115
+                self._cut = _ends_mid_line(self.path)  # a writer killed mid-line
+        except BaseException:
+            self._lock.close()
+            raise
 
     @property
     def closed(self) -> bool:
         return self._file.closed
 
+    def begin_segment(self, start: int) -> None:
+        """Mark the records written from now on as a new segment starting at step ``start``
+        (a :class:`~gradlens.Lens` calls this before its first record).
+
+        ``start == 0`` is a new run (a fresh Lens); ``start > 0`` continues the log's last run
+        from step ``start`` (a Lens resumed from a checkpoint): :func:`load_log` then keeps,
+        per step, the record of the latest segment. On an empty file nothing is written (a log
+        of one run has no header line); otherwise a header line goes before the next record.
+        """
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"JsonlSink.begin_segment(start={start!r}) must be a step, an int >= 0")
+        last_run, empty = _last_run(self.path)
+        if empty:
+            self._run, self._header = 0, None
+            return
+        self._run = last_run + 1 if start == 0 else last_run
+        header = {
+            SEGMENT_KEY: 1,
+            "run": self._run,
+            "start": start,
+            "id": uuid.uuid4().hex,
+            "pid": os.getpid(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        self._header = (json.dumps(header, separators=(",", ":")) + "\n").encode()
+
+    def _array_name(self, step: int) -> str:
+        run = f"-run{self._run}" if self._run else ""
+        return f"step-{step:08d}{run}.pt"
+
     def _shrink(self, record: Record) -> Record:
         """The record as it goes into the log: selected keys, summaries, array references."""
         values, arrays = {}, {}
+        name = self._array_name(record.step)
         for key, value in record.values.items():
             if self.keys is not None and key not in self.keys:
                 continue
             big = _is_big(value, self.max_elements)
             if big and (self.full is True or (self.full is not True and key in self.full)):
                 arrays[key] = _to_cpu(value)
-                values[key] = {"__array__": f"{self.arrays_dir.name}/step-{record.step:08d}.pt", "key": key}
+                values[key] = {"__array__": f"{self.arrays_dir.name}/{name}", "key": key}
             elif big:
                 values[key] = _summarise(value, self.max_elements)
             else:
                 values[key] = value
         if arrays:
             self.arrays_dir.mkdir(parents=True, exist_ok=True)
-            target = self.arrays_dir / f"step-{record.step:08d}.pt"
+            target = self.arrays_dir / name
             tmp = target.with_suffix(".tmp")
-            torch.save(arrays, tmp)
-            os.replace(tmp, target)  # the line below never points at a half-written file
+            try:
+                torch.save(arrays, tmp)
+                os.replace(tmp, target)  # the line below never points at a half-written file
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         return Record(record.step, record.num_samples, record.micro_steps, values, record.meta)
 
     def write(self, record: Record) -> None:
-        """Append ``record`` as one JSON line and flush it to the file.
+        """Append ``record`` as one JSON line (after a segment header, if one is waiting).
 
         Raises:
             TypeError: ``record`` is not a :class:`~gradlens.Record`, or one of its values
                 cannot be written as JSON.
             ValueError: the sink is closed.
+            OSError: the file or the array file could not be written (the sink stays usable:
+                the next write ends a cut line first).
         """
         if not isinstance(record, Record):
             raise TypeError(
@@ -163,20 +225,34 @@ class JsonlSink:
             )
         if self._file.closed:
             raise ValueError(f"JsonlSink for {str(self.path)!r} is closed; open a new sink to write")
+        shrunk = self._shrink(record)
         try:
-            line = json.dumps(record_to_json(self._shrink(record)), allow_nan=False, separators=(",", ":"))
+            line = json.dumps(record_to_json(shrunk), allow_nan=False, separators=(",", ":"))
         except (TypeError, ValueError) as err:
             raise TypeError(
                 f"record of step {record.step} cannot be written as JSON ({err}); values must be "
                 "tensors, numbers, strings, Hist1d/Hist2d, or lists/dicts of those"
             ) from err
-        self._file.write(line + "\n")
-        self._file.flush()
+        data = (self._header or b"") + line.encode("utf-8") + b"\n"
+        if self._cut and _ends_mid_line(self.path):
+            data = b"\n" + data  # end the line a failed or killed write cut
+        self._cut = True  # until the whole line is in the file
+        view = memoryview(data)
+        while view:
+            n = self._file.write(view)
+            if not n:
+                raise OSError(errno.EIO, f"no byte of the record of step {record.step} was written", str(self.path))
+            view = view[n:]
+        self._cut = False
+        self._header = None
 
     def close(self) -> None:
-        """Close the file. Closing twice is harmless."""
+        """Close the file and release the lock. Closing twice is harmless."""
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            finally:
+                self._lock.close()
 
     def __enter__(self) -> JsonlSink:
         return self
@@ -187,6 +263,32 @@ class JsonlSink:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"JsonlSink({str(self.path)!r}, {state})"
+
+
+SEGMENT_KEY = "__gradlens_segment__"
+
+
+def _lock_log(path: Path) -> Any:
+    """``path`` (created if missing) opened and holding an exclusive flock, or a RuntimeError.
+    The lock goes with the returned file object: released when it is closed (or collected) and
+    when the process dies."""
+    lock = open(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb", buffering=0)  # noqa: SIM115
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system: no lock
+        return lock
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        lock.close()
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise RuntimeError(
+            f"log {str(path)!r} is being written by another Lens or JsonlSink (in this or "
+            "another process, which holds its lock); close that one first (lens.close()), or "
+            "give this run its own log path, e.g. Lens(..., log='run-2.jsonl')"
+        ) from None
+    return lock
 
 
 def arrays_dir(log_path: PathLike) -> Path:
@@ -256,21 +358,76 @@ def _last_step(path: Path, tail_bytes: int = 1 << 22) -> int | None:
             tail_bytes *= 4
 
 
-def load_log(path: PathLike, *, arrays: bool = True) -> list[Record]:
-    """Read a JSON-lines log written by :class:`JsonlSink` into a list of records (file order).
+def _last_run(path: Path, chunk: int = 1 << 22) -> tuple[int, bool]:
+    """``(run of the log's last segment header, whether the log has no content)``; a log without
+    headers is run 0. Reads backwards from the end until a header is found."""
+    if not path.is_file():
+        return 0, True
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        pos, carry, content = end, b"", False
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            block = f.read(pos - start) + carry
+            lines = block.split(b"\n")
+            carry = lines[0] if start > 0 else b""  # may be cut: joined with the next block
+            for raw in reversed(lines[1:] if start > 0 else lines):
+                if not raw.strip():
+                    continue
+                content = True
+                header = _parse_header(raw)
+                if header is not None:
+                    return int(header["run"]), False
+            pos = start
+        return 0, not content
+
+
+def _parse_header(raw: bytes) -> dict | None:
+    """A segment header line as a dict, or None when ``raw`` is not one."""
+    if not raw.lstrip().startswith(b'{"' + SEGMENT_KEY.encode()):
+        return None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        run, start = data["run"], data["start"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    if not (isinstance(run, int) and isinstance(start, int)):
+        return None
+    return data
+
+
+def load_log(path: PathLike, *, arrays: bool = True, run: int | str = -1) -> list[Record]:
+    """Read a JSON-lines log written by :class:`JsonlSink` into a list of records.
+
+    Runs and segments: a log may hold several runs (each fresh :class:`~gradlens.Lens` on a
+    non-empty log starts one; its steps count from 0) and a run several segments (a Lens resumed
+    from a checkpoint at step ``s`` goes on in a new segment). Per run, the records of a
+    segment that starts at step ``s`` replace those ``>= s`` of the segments before it: a run
+    resumed from a checkpoint shows each step once, with the record of the latest segment.
+    ``run=-1`` (default) returns the last run, ``run=i`` run ``i`` (0-based, negative from the
+    end), ``run="all"`` every run one after the other, each record with ``record.meta["run"]``
+    set to its run index (otherwise ``meta`` is as written). When the log holds several runs
+    and ``run`` is not given, one :class:`UserWarning` says so. Lines before the first header
+    (a log written by one Lens, or by gradlens before runs existed) are run 0, in file order.
 
     Blank lines are skipped. Damaged lines anywhere in the file (a run killed while writing, a
-    line glued to a cut one by an older writer, a corrupt disk block) are skipped: every complete
-    record is returned and one :class:`UserWarning` names the file and the line numbers dropped.
-    Values written in full next to the log (``JsonlSink(full=...)``) are read back from
-    ``<log>.arrays`` when ``arrays`` is True (a missing file leaves the value ``None``, with a
-    warning); with ``arrays=False`` they stay ``{"__array__": file, "key": key}`` references.
+    write cut by a full disk, a line glued to a cut one by an older writer, a corrupt disk
+    block) are skipped: every complete record is returned and one :class:`UserWarning` names the
+    file and the line numbers dropped. Values written in full next to the log
+    (``JsonlSink(full=...)``) are read back from ``<log>.arrays`` when ``arrays`` is True (a
+    missing file leaves the value ``None``, with a warning); with ``arrays=False`` they stay
+    ``{"__array__": file, "key": key}`` references.
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message gives the path).
-        ValueError: no line of a non-empty file is a gradlens record.
+        ValueError: no line of a non-empty file is a gradlens record; ``run`` names no run of
+            the log.
     """
     path = Path(path)
+    if not (run == "all" or (isinstance(run, int) and not isinstance(run, bool))):
+        raise TypeError(f"load_log(run={run!r}) takes a run index (an int, -1 for the last) or 'all'")
     if not path.exists():
         raise FileNotFoundError(f"gradlens log not found: {str(path)!r}")
     if path.is_dir():
@@ -278,14 +435,25 @@ def load_log(path: PathLike, *, arrays: bool = True) -> list[Record]:
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
-    records: list[Record] = []
+    runs: dict[int, list[Record]] = {}
+    current = 0
     bad: list[tuple[int, str]] = []
+    good = 0
     for lineno, raw in numbered:
+        header = _parse_header(raw)
+        if header is not None:
+            current = header["run"]
+            start = header["start"]
+            runs[current] = [r for r in runs.get(current, []) if r.step < start]
+            continue
         try:
-            records.append(_parse_line(raw))
+            record = _parse_line(raw)
         except _CorruptLine as err:
             bad.append((lineno, str(err)))
-    if bad and not records:
+            continue
+        runs.setdefault(current, []).append(record)
+        good += 1
+    if bad and not good:
         lineno, why = bad[0]
         raise ValueError(
             f"gradlens log {str(path)!r} line {lineno} is corrupt ({why}); no line of the file "
@@ -296,10 +464,34 @@ def load_log(path: PathLike, *, arrays: bool = True) -> list[Record]:
         more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
         warnings.warn(
             f"gradlens log {str(path)!r}: {len(bad)} truncated or corrupt line(s) skipped: "
-            f"{shown}{more}; the {len(records)} complete records were loaded",
+            f"{shown}{more}; the {good} complete records were loaded",
             UserWarning,
             stacklevel=2,
         )
+    ordered = [runs[r] for r in sorted(runs)]
+    if run == "all":
+        records = []
+        for index, recs in enumerate(ordered):
+            for r in recs:
+                r.meta["run"] = index
+            records.extend(recs)
+    elif not ordered and run in (-1, 0):
+        records = []
+    else:
+        if not -len(ordered) <= run < len(ordered):
+            raise ValueError(
+                f"load_log(run={run}): the log {str(path)!r} holds {len(ordered)} run(s); use "
+                f"run=0..{len(ordered) - 1}, -1 for the last, or run='all'"
+            )
+        records = ordered[run]
+        if run == -1 and len(ordered) > 1:
+            warnings.warn(
+                f"gradlens log {str(path)!r} holds {len(ordered)} runs (each fresh Lens on it "
+                f"started one, steps from 0); returning the last ({len(records)} records); "
+                "load_log(path, run=0) or run='all' gives the others",
+                UserWarning,
+                stacklevel=2,
+            )
     if arrays:
         _load_arrays(path, records)
     return records
@@ -346,6 +538,124 @@ def _parse_line(raw: bytes) -> Record:
         return record_from_json(data)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
         raise _CorruptLine(f"not a gradlens record: {err}") from None
+
+
+# --------------------------------------------------------------------------- the Lens's sinks
+
+
+class SinkSet(list):
+    """The sinks of a :class:`~gradlens.Lens`, written so that a failing sink never breaks it.
+
+    :meth:`write` gives a record to every sink. A sink whose ``write`` raises (a full disk, a
+    file-size limit, an ``.arrays`` folder that cannot be created, a network error) does not stop
+    the Lens: the window still closes and the step advances. The first failure is reported by
+    one ``RuntimeWarning`` naming the sink and the error; the records it could not take (at most
+    ``max_failures``) are held and written again, in order, before the next record; after
+    ``max_failures`` failed writes in a row the sink is closed and dropped, with a warning that
+    names the steps it lost. A sink that recovers writes what it held and goes on; :meth:`close`
+    tries what a sink still holds once more before closing it.
+
+    Attributes:
+        first_window: the first window index the Lens closed (set by the Lens); a sink with
+            ``begin_segment`` (:class:`JsonlSink`) starts its segment at the lower of it and
+            the first record's step (a resumed Lens may write a record of the window before).
+        dropped: ``(sink, error)`` of the sinks given up.
+    """
+
+    max_failures = 3
+
+    def __init__(self, sinks: Iterable[Any] = ()) -> None:
+        super().__init__(sinks)
+        self.first_window: int | None = None
+        self.dropped: list[tuple[Any, BaseException]] = []
+        self._held: dict[int, list[Record]] = {}  # id(sink) -> records it failed to take
+        self._failures: dict[int, int] = {}  # id(sink) -> failed writes in a row
+        self._begun: set[int] = set()
+
+    def write(self, record: Record) -> None:
+        """Write ``record`` to every sink (after what a sink still holds)."""
+        for sink in list(self):
+            key = id(sink)
+            queue = self._held.pop(key, []) + [record]
+            for n, r in enumerate(queue):
+                try:
+                    if key not in self._begun:
+                        begin = getattr(sink, "begin_segment", None)
+                        if begin is not None:
+                            first = r.step if self.first_window is None else min(self.first_window, r.step)
+                            begin(first)
+                        self._begun.add(key)
+                    sink.write(r)
+                except Exception as err:  # noqa: BLE001 - any sink error is reported, not raised
+                    self._failed(sink, err, queue[n:])
+                    break
+            else:
+                self._failures.pop(key, None)
+
+    def _failed(self, sink: Any, err: Exception, unwritten: list[Record]) -> None:
+        key = id(sink)
+        failures = self._failures.get(key, 0) + 1
+        self._failures[key] = failures
+        what = f"{type(err).__name__}: {err}"
+        if failures >= self.max_failures:
+            self.remove(sink)
+            self._failures.pop(key, None)
+            self._begun.discard(key)
+            self.dropped.append((sink, err))
+            try:
+                sink.close()
+            except Exception:  # noqa: BLE001 - closing a broken sink may fail again
+                pass
+            steps = [r.step for r in unwritten]
+            warnings.warn(
+                f"gradlens dropped the sink {sink!r} after {failures} failed writes in a row "
+                f"(last: {what}); the records of steps {steps} were not written to it, and no "
+                "later record will be. The Lens and its other sinks go on; fix the cause (disk "
+                "space, permissions) and give a new sink to a new Lens",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        kept = unwritten[-self.max_failures :]
+        lost = [r.step for r in unwritten[: len(unwritten) - len(kept)]]
+        self._held[key] = kept
+        if failures == 1:
+            warnings.warn(
+                f"gradlens could not write the record of step {unwritten[0].step} to the sink "
+                f"{sink!r} ({what}); training and the Lens go on (the window closed, the step "
+                f"advanced). The sink is tried again, with the records it missed, at the next "
+                f"record, and dropped after {self.max_failures} failed writes in a row"
+                + (f"; records of steps {lost} are lost for it" if lost else ""),
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def close(self) -> None:
+        """Write what a sink still holds (once more), then close every sink; a sink that fails
+        either way is reported, the others still close."""
+        for sink in list(self):
+            held = self._held.pop(id(sink), [])
+            for n, r in enumerate(held):
+                try:
+                    sink.write(r)
+                except Exception as err:  # noqa: BLE001
+                    warnings.warn(
+                        f"gradlens could not write the records of steps {[q.step for q in held[n:]]} "
+                        f"to the sink {sink!r} before closing it ({type(err).__name__}: {err}); "
+                        "they are lost for it",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    break
+            try:
+                sink.close()
+            except Exception as err:  # noqa: BLE001
+                warnings.warn(
+                    f"gradlens could not close the sink {sink!r} ({type(err).__name__}: {err})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        self._held.clear()
 
 
 # --------------------------------------------------------------------------- TensorBoard

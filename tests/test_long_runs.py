@@ -144,15 +144,28 @@ def test_lens_log_resumes_and_never_truncates(tmp_path):
     from gradlens.sinks import load_log
 
     path = tmp_path / "run.jsonl"
-    _train({"log": path}, 10)
+    first = _train({"log": path}, 10)
     assert [r.step for r in load_log(path)] == list(range(10))
-    lens = _train({"log": path}, 3)  # a restarted run: appended, steps continue
-    assert [r.step for r in lens.records] == [10, 11, 12]
-    assert [r.step for r in load_log(path)] == list(range(13))
-    _train({"log": path, "log_mode": "append"}, 1)  # append, the Lens's own steps
-    assert [r.step for r in load_log(path)] == list(range(13)) + [0]
+    # a run restarted without a checkpoint: appended as a new run whose steps count from 0
+    # (issue 20: it used to continue the old step numbers, so its records carried wrong steps)
+    lens = _train({"log": path}, 3)
+    assert [r.step for r in lens.records] == [0, 1, 2]
+    with pytest.warns(UserWarning, match=r"holds 2 runs .*returning the last \(3 records\).*run=0"):
+        last = load_log(path)
+    assert [(r.step, r["grad_norm"]) for r in last] == [(r.step, r["grad_norm"]) for r in lens.records]
+    old = load_log(path, run=0)  # the old run is kept, told apart
+    assert [(r.step, r["grad_norm"]) for r in old] == [(r.step, r["grad_norm"]) for r in first.records]
+    both = load_log(path, run="all")
+    assert [(r.step, r.meta["run"]) for r in both] == [(s, 0) for s in range(10)] + [(s, 1) for s in range(3)]
+    _train({"log": path, "log_mode": "append"}, 1)  # the older name: the same
+    assert [r.step for r in load_log(path, run=2)] == [0]
+    assert len(path.read_text().splitlines()) == 10 + 3 + 1 + 2  # the records, two run headers
     _train({"log": path, "log_mode": "overwrite"}, 2)  # only when asked
     assert [r.step for r in load_log(path)] == [0, 1]
+    with pytest.raises(ValueError, match=r"load_log\(run=1\): the log .* holds 1 run\(s\); use run=0..0"):
+        load_log(path, run=1)
+    with pytest.raises(TypeError, match=r"load_log\(run='last'\) takes a run index"):
+        load_log(path, run="last")
     with pytest.raises(ValueError, match="log_mode must be 'resume', 'append' or 'overwrite'"):
         _train({"log": path, "log_mode": "w"}, 1)
 

@@ -192,7 +192,7 @@ def test_load_log_last_line_not_a_record_warns(tmp_path):
     records = make_records(2)
     lines = _write_lines(path, records)
     path.write_bytes(b"".join(lines) + b'{"step": 1}\n\n')  # trailing blank line is ignored
-    with pytest.warns(UserWarning, match="line 3 \(not a gradlens record"):
+    with pytest.warns(UserWarning, match=r"line 3 \(not a gradlens record"):
         assert load_log(path) == records
 
 
@@ -297,3 +297,102 @@ def test_records_are_json_lines(tmp_path):
     _write_lines(path, make_records(2))
     for line in path.read_text().splitlines():
         assert json.loads(line)["num_samples"] == 96
+
+
+# --------------------------------------------------------------------------- runs, segments, the lock
+
+
+def test_segments_replace_the_records_after_a_resume_and_new_runs_are_told_apart(tmp_path):
+    from gradlens.sinks import _last_run
+
+    path = tmp_path / "run.jsonl"
+    records = [_no_dicts(r) for r in make_records(5)]  # steps 0, 3, 6, 9, 12
+
+    def moved(r, **kw):
+        values = {**r.values, **kw}
+        return Record(r.step, r.num_samples, r.micro_steps, values, r.meta)
+
+    with JsonlSink(path) as sink:
+        sink.begin_segment(0)  # an empty file: no header line
+        for r in records:
+            sink.write(r)
+    assert b"__gradlens_segment__" not in path.read_bytes() and load_log(path) == records
+    resumed = [moved(r, loss=-1.0) for r in records[2:4]]  # resumed at step 6: replaces 6, 9, 12
+    with JsonlSink(path) as sink:
+        sink.begin_segment(6)
+        for r in resumed:
+            sink.write(r)
+    assert load_log(path) == records[:2] + resumed  # step 12 of the stopped run is gone
+    fresh = [moved(r, loss=-2.0) for r in records[:2]]
+    with JsonlSink(path) as sink:
+        sink.begin_segment(0)  # a fresh run on a non-empty log: run 1
+        for r in fresh:
+            sink.write(r)
+        with pytest.raises(ValueError, match=r"begin_segment\(start=-1\) must be a step"):
+            sink.begin_segment(-1)
+    with pytest.warns(UserWarning, match=r"holds 2 runs"):
+        assert load_log(path) == fresh
+    assert load_log(path, run=0) == records[:2] + resumed == load_log(path, run=-2)
+    assert [r.meta["run"] for r in load_log(path, run="all")] == [0] * 4 + [1] * 2
+    for chunk in (7, 64, 1 << 22):  # the last header is found reading backwards in blocks
+        assert _last_run(path, chunk=chunk) == (1, False)
+    assert _last_run(tmp_path / "missing.jsonl") == (0, True)
+    lines = path.read_text().splitlines()
+    assert [('"start":6' in x, '"start":0' in x) for x in lines if "__gradlens_segment__" in x] == [
+        (True, False), (False, True)
+    ]
+    # a write cut inside the header line: the header goes again with the retried record
+    with JsonlSink(path) as sink:
+        sink.begin_segment(0)
+        real = sink._file
+
+        class Cut:
+            closed = False
+
+            def write(self, data):
+                real.write(bytes(data[:30]))
+                raise OSError(28, "No space left on device")
+
+        sink._file = Cut()
+        with pytest.raises(OSError, match="No space left"):
+            sink.write(records[0])
+        sink._file = real
+        sink.write(records[0])
+    tail = path.read_bytes().split(b"\n")[-4:]
+    assert tail[0] == b'{"__gradlens_segment__":1,"run' and tail[1].startswith(b'{"__gradlens_segment__":1,"run":2,"start":0,')
+    assert tail[2].startswith(b'{"step":0,') and tail[3] == b""
+    with pytest.warns(UserWarning) as caught:
+        assert load_log(path) == records[:1]
+    assert "1 truncated or corrupt line(s) skipped: line 12 " in str(caught[0].message)
+    assert "holds 3 runs" in str(caught[1].message)
+
+
+def test_a_full_arrays_run_after_the_first_keeps_its_own_files(tmp_path):
+    path = tmp_path / "run.jsonl"
+    big = Record(0, 4, 1, {"batch_dot": torch.arange(100.0).reshape(10, 10)})
+    other = Record(0, 4, 1, {"batch_dot": -torch.arange(100.0).reshape(10, 10)})
+    with JsonlSink(path, full=True, max_elements=50) as sink:
+        sink.write(big)
+    with JsonlSink(path, full=True, max_elements=50) as sink:
+        sink.begin_segment(0)
+        sink.write(other)
+    assert sorted(p.name for p in (tmp_path / "run.jsonl.arrays").iterdir()) == [
+        "step-00000000-run1.pt", "step-00000000.pt"
+    ]
+    assert load_log(path, run=0) == [big]
+    with pytest.warns(UserWarning, match="holds 2 runs"):
+        assert load_log(path) == [other]
+
+
+def test_one_writer_per_log_and_the_lock_goes_with_the_sink(tmp_path):
+    import gc
+
+    path = tmp_path / "run.jsonl"
+    sink = JsonlSink(path)
+    with pytest.raises(RuntimeError, match=r"run\.jsonl' is being written by another Lens or JsonlSink"):
+        JsonlSink(path)
+    sink.close()
+    again = JsonlSink(path)  # released by close
+    del again
+    gc.collect()
+    JsonlSink(path).close()  # and by a sink that was dropped without close
