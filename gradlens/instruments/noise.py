@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from gradlens import compat
+from gradlens.accumulate import GradientAccumulateOptimizer
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
 
@@ -208,8 +209,6 @@ class NoiseScaleMonitor:
         ranks: int = 1,
         callback: Callable[[dict[str, Any]], None] | None = None,
     ):
-        from gradlens.accumulate import GradientAccumulateOptimizer
-
         if not isinstance(optimizer, GradientAccumulateOptimizer):
             raise TypeError(
                 "NoiseScaleMonitor(optimizer=...) needs a gradlens.GradientAccumulateOptimizer (it "
