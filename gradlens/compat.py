@@ -16,13 +16,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+try:
+    from torch.nn.modules.batchnorm import _BatchNorm
+except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
+    raise ImportError(
+        f"gradlens.compat.BatchNormBase: torch {torch.__version__} has no "
+        "torch.nn.modules.batchnorm._BatchNorm; update BatchNormBase in gradlens/compat.py"
+    ) from err
 
 __all__ = [
-    "BatchNormBase", "in_functorch_transform", "storage_use_count", "queue_backward_callback",
-    "tensor_version", "is_view", "foreach_mul_", "node_name", "embedding_saved", "conv_forward",
-    "compiled_original", "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook",
-    "ddp_average_departure", "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
+    "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
+    "in_functorch_transform", "storage_use_count", "queue_backward_callback", "tensor_version",
+    "is_view", "foreach_mul_", "node_name", "embedding_saved",
+    "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
+    "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
 ]
 
@@ -38,6 +46,13 @@ def conv_forward(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | No
     convolution (its padding mode, stride, dilation, groups) with another ``weight``
     (``[C_out', C_in / groups, *kernel]``) and ``bias``; ``x`` ``[B, C_in, *spatial]``."""
     return module._conv_forward(x, weight, bias)
+
+
+def mha_packed_in_proj(mha: nn.Module) -> bool:
+    """True if an ``nn.MultiheadAttention`` keeps q, k, v projections in one packed
+    ``in_proj_weight`` ``[3E, E]`` (``mha._qkv_same_embed_dim``: kdim == vdim == embed_dim),
+    False if it has ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``."""
+    return bool(mha._qkv_same_embed_dim)
 
 
 def compiled_original(model: nn.Module) -> nn.Module:

@@ -36,6 +36,17 @@ def _entry(entry: str):
         _fail(entry, f"raised {type(err).__name__}: {err}")
 
 
+def test_every_entry_has_a_guard():
+    import pathlib
+    import re
+
+    source = pathlib.Path(__file__).read_text()
+    guarded = set(re.findall(r'_(?:check|entry)\(\s*"(\w+)"', source))
+    missing = sorted(set(compat.__all__) - guarded)
+    assert not missing, f"gradlens.compat entries without a guard test here: {missing}"
+    assert guarded <= set(compat.__all__), f"guards of names compat does not export: {sorted(guarded - set(compat.__all__))}"
+
+
 def test_guard_message_names_the_entry():
     with pytest.raises(pytest.fail.Exception, match=r"gradlens\.compat\.tensor_version: raised AttributeError.*update tensor_version in gradlens/compat.py"):
         with _entry("tensor_version"):
@@ -67,6 +78,16 @@ def test_conv_forward(dim, padding_mode):
     with torch.no_grad():
         conv2.weight.copy_(w)
     _check("conv_forward", torch.allclose(other, conv2(x), rtol=0, atol=1e-12), "ignores the weight passed")
+
+
+def test_mha_packed_in_proj():
+    with _entry("mha_packed_in_proj"):
+        packed = nn.MultiheadAttention(8, 2)
+        apart = nn.MultiheadAttention(8, 2, kdim=5, vdim=3)
+        got = (compat.mha_packed_in_proj(packed), compat.mha_packed_in_proj(apart))
+    _check("mha_packed_in_proj", got == (True, False), f"(kdim == vdim == embed_dim, kdim=5 vdim=3) gave {got}")
+    _check("mha_packed_in_proj", packed.in_proj_weight.shape == (24, 8) and apart.in_proj_weight is None
+           and apart.k_proj_weight.shape == (8, 5), "the projection weights are laid out otherwise")
 
 
 def test_compiled_original():
