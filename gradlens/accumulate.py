@@ -33,6 +33,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from gradlens import compat
+
 __all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
 _STATE_KEY = "gradlens_accumulate"
@@ -169,7 +171,7 @@ class GradientAccumulateOptimizer(Optimizer):
     ``scaler.update`` every micro-step, and give the scaler to the wrapper
     (``grad_scaler=scaler``). The wrapper declares ``_step_supports_amp_scaling``, so the scaler
     calls its ``step`` on *every* micro-step (also one with inf/nan) without unscaling ``p.grad``;
-    the wrapper reads the scale with the public ``scaler.get_scale()``, folds
+    the wrapper reads the scale (:func:`gradlens.compat.grad_scaler_scale`), folds
     ``grad_k * B_k / scale_k`` into its fp32 accumulators (the unscale is fused into the
     accumulation, so the window gradient is unscaled even if the scale changed between
     micro-steps), clips once per window on the unscaled gradient, and checks the accumulators
@@ -424,7 +426,7 @@ class GradientAccumulateOptimizer(Optimizer):
             seen = folded.get(p)
             if seen is None or p.grad is None or seen[0]() is not p.grad:
                 continue
-            if p.grad._version == seen[1]:
+            if compat.tensor_version(p.grad) == seen[1]:
                 raise RuntimeError(
                     "step() was called twice for one backward pass: this micro-step's gradient "
                     "was folded into the window already; call step() once per loss.backward()"
@@ -460,7 +462,7 @@ class GradientAccumulateOptimizer(Optimizer):
             grad = p.grad
             if grad is None:
                 continue
-            st.folded[p] = (weakref.ref(grad), grad._version)
+            st.folded[p] = (weakref.ref(grad), compat.tensor_version(grad))
             if grad.is_sparse:
                 raise RuntimeError(
                     "GradientAccumulateOptimizer does not support sparse gradients; use a dense "
@@ -476,7 +478,7 @@ class GradientAccumulateOptimizer(Optimizer):
                         grad.mul_(share)
                     st.fused.add(p)
                     continue
-                if plain and share == 1.0 and not grad._is_view():
+                if plain and share == 1.0 and not compat.is_view(grad):
                     acc = grad  # kept as the accumulator, no copy (zero_grad() hands p.grad back)
                 else:
                     acc = st.pool.get(p)
@@ -486,7 +488,7 @@ class GradientAccumulateOptimizer(Optimizer):
                     torch.mul(grad.detach(), f, out=acc)
                 st.accumulators[p] = acc
                 st.last_weight[p] = w_new
-                st.versions[p] = acc._version
+                st.versions[p] = compat.tensor_version(acc)
                 continue
             self._check_untouched(p, acc)
             grad = grad.detach()
@@ -511,10 +513,10 @@ class GradientAccumulateOptimizer(Optimizer):
                 else:
                     acc.add_(grad, alpha=f)
             st.last_weight[p] = w_new
-            st.versions[p] = acc._version
+            st.versions[p] = compat.tensor_version(acc)
 
     def _check_untouched(self, p: Tensor, acc: Tensor) -> None:
-        if acc._version != self.accum_state.versions.get(p):
+        if compat.tensor_version(acc) != self.accum_state.versions.get(p):
             raise RuntimeError(
                 "the window's accumulated gradient was changed outside the wrapper: "
                 "GradientAccumulateOptimizer keeps the window's first p.grad as its accumulator, "
@@ -604,7 +606,7 @@ class GradientAccumulateOptimizer(Optimizer):
             post_hook(self, (self,), {})
         self._fire_window_end(True)
         # p.grad now holds the window gradient the wrapper wrote: not a micro-step's gradient
-        st.folded = {p: (weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None}
+        st.folded = {p: (weakref.ref(p.grad), compat.tensor_version(p.grad)) for p in params if p.grad is not None}
         return True
 
     @torch.no_grad()
@@ -674,13 +676,15 @@ class GradientAccumulateOptimizer(Optimizer):
         """The GradScaler scale of this micro-step's gradients, or None outside a scaler.
 
         ``scaler.step(opt)`` calls this wrapper's ``step`` (``_step_supports_amp_scaling``)
-        with ``p.grad`` still scaled. With ``grad_scaler=`` the scale comes from the public
-        ``get_scale()``; otherwise from the ``grad_scale`` tensor GradScaler attaches to such
-        optimizers during the call (its protocol for them; read here only). Inf/nan are
-        detected by the wrapper itself (:meth:`_window_finite`), never read from the scaler."""
+        with ``p.grad`` still scaled. With ``grad_scaler=`` the scale comes from
+        :func:`gradlens.compat.grad_scaler_scale` (one host read, as ``get_scale()``); otherwise
+        from the ``grad_scale`` tensor GradScaler attaches to such optimizers during the call
+        (its protocol for them; read here only). Inf/nan are detected by the wrapper itself
+        (:meth:`_window_finite`), never read from the scaler."""
         if self.grad_scaler is not None:  # every micro-step goes through scaler.step(opt)
-            return float(self.grad_scaler.get_scale()) if self.grad_scaler.is_enabled() else None
-        return getattr(self, "grad_scale", None)
+            scale = compat.grad_scaler_scale(self.grad_scaler)  # float(): get_scale(); None: unscaled
+            return None if scale is None else float(scale)
+        return compat.optimizer_grad_scale(self)
 
     @torch.no_grad()
     def flush(self) -> bool:
@@ -856,7 +860,7 @@ class GradientAccumulateOptimizer(Optimizer):
                     st.last_weight[p] = st.weight
                 else:
                     st.last_weight[p] = float(saved_weight[index[p]])
-                st.versions[p] = acc._version
+                st.versions[p] = compat.tensor_version(acc)
             st.accumulators = accumulators
             st.micro_step = int(section["micro_step"])
             st.iterations = int(section["iterations"])
@@ -1003,7 +1007,7 @@ class GradientAccumulateModel:
                 if factor != 1.0:
                     grads = [p.grad for p in params if p.grad is not None]
                     if grads:
-                        torch._foreach_mul_(grads, factor)
+                        compat.foreach_mul_(grads, factor)
         if isinstance(self.optimizer, GradientAccumulateOptimizer):
             self.optimizer.step(num_samples=n_total)
         else:

@@ -42,9 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
-
 from gradlens.accumulate import check_accum_steps
+from gradlens.compat import BatchNormBase as _BatchNorm
 
 __all__ = [
     "AccumBatchNorm1d",

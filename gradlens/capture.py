@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradlens import ops
+from gradlens import compat, ops
 from gradlens.kernels import Kernel, LinearKernel, OpLinear
 from gradlens.registry import forward_for, kernel_for
 
@@ -637,7 +637,7 @@ class Tap:
     def _site_post(self, mod: nn.Module, site: Site | None):
         hint = self._hint.get(id(mod), 0)
         linear = isinstance(mod, nn.Linear) and site is not None and "weight" in site.params
-        stateful = isinstance(mod, nn.modules.batchnorm._BatchNorm)  # kernel follows train/eval
+        stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
 
         def post(module, args, output):
             nonlocal site
@@ -922,10 +922,7 @@ class ParamTap:
 
 
 def _in_functorch() -> bool:
-    try:
-        return torch._C._functorch.maybe_current_level() is not None
-    except AttributeError:  # pragma: no cover - older torch
-        return False
+    return compat.in_functorch_transform()
 
 
 def _raise_in_backward(t: Tensor, message: str) -> None:
@@ -1021,12 +1018,12 @@ def _weight_grad_node(output: Tensor, weight: Tensor):
     A hook on it sees exactly the weight gradient of this call, before other uses of the
     parameter (regularisers, reuse) are added to ``weight.grad``."""
     fn = output.grad_fn
-    if fn is not None and type(fn).__name__ in ("ViewBackward0", "UnsafeViewBackward0"):
+    if compat.node_name(fn) in ("ViewBackward0", "UnsafeViewBackward0"):
         fn = fn.next_functions[0][0]  # a [B, T, d] input: the 2-D product under a view
-    if fn is None or type(fn).__name__ not in ("AddmmBackward0", "MmBackward0"):
+    if compat.node_name(fn) not in ("AddmmBackward0", "MmBackward0"):
         return None
     for node, _ in fn.next_functions:
-        if node is not None and type(node).__name__ == "TBackward0":
+        if compat.node_name(node) == "TBackward0":
             leaf = node.next_functions[0][0] if node.next_functions else None
             if getattr(leaf, "variable", None) is weight:
                 return node

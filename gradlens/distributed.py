@@ -70,7 +70,9 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import LIGHT_QUANTITIES
+from gradlens import compat
+from gradlens.instruments.base import LIGHT_QUANTITIES, DistParts
+from gradlens.sq_norms import sum_sq
 
 __all__ = [
     "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
@@ -86,23 +88,6 @@ SCHEDULE_PROBE = 64
 
 #: dimensions of a gathered piece described in the per-rank block (shapes with more dims refused)
 _MAX_DIMS = 6
-
-
-@dataclass
-class DistParts:
-    """What one participant (the window's shared sums, or one instrument state) sends.
-
-    Attributes:
-        sums: tensors added across ranks (same shapes on every rank).
-        per_rank: small tensors every rank sees from every rank (same shapes on every rank);
-            returned as ``[R, *shape]``.
-        pieces: tensors gathered from every rank (any shape, at most 6 dims; the same number of
-            pieces on every rank); returned as one list per piece of R tensors (rank order).
-    """
-
-    sums: list[Tensor] = field(default_factory=list)
-    per_rank: list[Tensor] = field(default_factory=list)
-    pieces: list[Tensor] = field(default_factory=list)
 
 
 def _dist():
@@ -683,18 +668,16 @@ class DDPGradRoute:
     # ---- the Lens's calls ---------------------------------------------------------------
     def on_forward(self) -> None:
         """In a forward pre-hook of the tracked model: note the DDP module running it."""
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP._active_ddp_module
+        ddp = compat.active_ddp_module()
         if ddp is None or not torch.is_grad_enabled():
             self.ddp, self.synced = None, False
             return
         self.ddp = weakref.ref(ddp)
-        self.synced = bool(ddp.require_backward_grad_sync)
+        self.synced = compat.ddp_grad_sync(ddp)
 
     @staticmethod
     def _versions(params: dict[str, Tensor]) -> list:
-        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in params.values()]
+        return [None if p.grad is None else (id(p.grad), compat.tensor_version(p.grad)) for p in params.values()]
 
     def start_micro(self, params: dict[str, Tensor]) -> None:
         """Before a captured backward: ``p.grad`` must be None (the window's first) or as the
@@ -739,24 +722,17 @@ class DDPGradRoute:
         known = self._plain.get(ddp)
         if known is None:
             dist = _dist()
-            try:
-                hook = ddp._get_ddp_logging_data().get("comm_hook", "")
-            except Exception:  # pragma: no cover - private API moved
-                hook = "unknown"
             owned = {id(p) for p in ddp.module.parameters()}
             known = (
-                not getattr(ddp, "_comm_hooks", [None])
-                and not hook
-                and getattr(ddp, "mixed_precision", None) is None
-                and not getattr(ddp, "_use_python_reducer", True)
+                compat.ddp_average_departure(ddp) is None
+                and not compat.ddp_python_reducer(ddp)
                 and not getattr(ddp, "parameters_to_ignore", [None])
-                and not getattr(ddp, "_delay_all_reduce_params", [None])
+                and not compat.ddp_delayed_params(ddp)
                 and dist.get_process_group_ranks(ddp.process_group) == dist.get_process_group_ranks(self.group)
                 and all(id(p) in owned for p in params.values())
             )
             self._plain[ddp] = known
-        join = getattr(ddp, "_join_config", None)
-        return known and not (join is not None and join.enable)
+        return known and not compat.ddp_join_enabled(ddp)
 
     def verdict(self, window: Any, params: dict[str, Tensor]) -> Tensor:
         """``[3]`` float64 (ok, smallest and largest per-sample scale) of this rank's window."""
@@ -791,10 +767,8 @@ class DDPGradRoute:
     @staticmethod
     def global_grad_sq(params: dict[str, Tensor], factor: float) -> Tensor:
         """||sum_n g_n||^2 of all ranks = factor^2 ||p.grad||^2 (0-d float64; nothing copied)."""
-        from gradlens.instruments.noise import _sum_sq
-
         with torch.no_grad():
-            total = _sum_sq([p.grad for p in params.values()])
+            total = sum_sq([p.grad for p in params.values()])
             if total is None:
                 total = torch.zeros((), dtype=torch.float64, device=next(iter(params.values())).device)
         return total * (factor * factor)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradlens import compat
+
 __all__ = ["mha_forward", "rnn_forward"]
 
 
@@ -78,7 +80,7 @@ def mha_forward(
     s = key.shape[1]
     h = self.num_heads
     hd = e // h
-    if self._qkv_same_embed_dim:
+    if compat.mha_packed_in_proj(self):
         w, bias = self.in_proj_weight, self.in_proj_bias
         if same:
             q, k, v = F.linear(query, w, bias).chunk(3, dim=-1)

@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradlens import compat
 from gradlens.sync import device_paths
 
 __all__ = ["Kernel", "KINDS", "CHUNK_ELEMENTS", "check_kernel", "sample_chunks"]
@@ -784,7 +785,7 @@ class _ConvMaths:
         D = {key: v.to(delta.dtype) for key, v in direction.items()}
         out = delta.new_zeros(delta.shape[0])
         if "weight" in D:
-            out = out + (delta * module._conv_forward(a, D["weight"], None)).flatten(1).sum(1)
+            out = out + (delta * compat.conv_forward(module, a, D["weight"], None)).flatten(1).sum(1)
         if "bias" in D:
             out = out + delta.flatten(2).sum(2) @ D["bias"]
         return out
@@ -793,7 +794,7 @@ class _ConvMaths:
         ud = torch.einsum("kc,bct->bkt", u, delta.flatten(2))
         va = 0
         if "weight" in attrs:
-            va = module._conv_forward(a, vw.reshape(-1, *module.weight.shape[1:]), None).flatten(2)
+            va = compat.conv_forward(module, a, vw.reshape(-1, *module.weight.shape[1:]), None).flatten(2)
         if "bias" in attrs:
             va = va + vb[None, :, None]
         return (ud * va).sum(2)

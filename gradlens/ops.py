@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from gradlens import compat
 from gradlens.kernels import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
 __all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "CHUNK_ELEMENTS"]
@@ -175,10 +176,10 @@ def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tenso
         return None
     fn = t.grad_fn
     weight = params[0]
-    if type(fn).__name__ != "EmbeddingBackward0" or weight.dim() != 2 or b >= t.dim() - 1:
+    if compat.node_name(fn) != "EmbeddingBackward0" or weight.dim() != 2 or b >= t.dim() - 1:
         return None
     leaf = fn.next_functions[0][0] if fn.next_functions else None
-    if getattr(leaf, "variable", None) is not weight or fn._saved_scale_grad_by_freq:
+    if getattr(leaf, "variable", None) is not weight or compat.embedding_saved(fn)[2]:
         return None
     if name in _MUL:
         other = args[1 - pos]
@@ -199,14 +200,14 @@ def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tenso
         g = g.sum(dims, keepdim=True)
     if g.shape != t.shape:
         return None
-    ids = fn._saved_indices
+    ids = compat.embedding_saved(fn)[0]
     if ids.shape != t.shape[:-1]:
         return None
     n, (v, width) = t.shape[b], weight.shape
     rows = ids.movedim(b, 0).reshape(n, -1) + torch.arange(n, device=ids.device).unsqueeze(1) * v
     out = g.new_zeros(n, v, width)
     out.view(n * v, width).index_add_(0, rows.reshape(-1), g.movedim(b, 0).reshape(-1, width))
-    pad = fn._saved_padding_idx
+    pad = compat.embedding_saved(fn)[1]
     if 0 <= pad < v:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out
@@ -233,17 +234,17 @@ def _embedding_lookup(t: Tensor, params: list[Tensor], g: Tensor) -> Tensor | No
     """``[B, V, D]`` per-sample gradient of the table if ``t`` is an embedding lookup of the
     one parameter, straight from its AccumulateGrad (else None)."""
     fn = t.grad_fn
-    if len(params) != 1 or type(fn).__name__ != "EmbeddingBackward0":
+    if len(params) != 1 or compat.node_name(fn) != "EmbeddingBackward0":
         return None
     weight = params[0]
     leaf = fn.next_functions[0][0] if fn.next_functions else None
-    if getattr(leaf, "variable", None) is not weight or fn._saved_scale_grad_by_freq or weight.dim() != 2:
+    if getattr(leaf, "variable", None) is not weight or compat.embedding_saved(fn)[2] or weight.dim() != 2:
         return None
     b = g.shape[0]
-    ids = fn._saved_indices.reshape(-1)
+    ids = compat.embedding_saved(fn)[0].reshape(-1)
     out = g.new_zeros(b, *weight.shape)
     out.index_add_(1, ids, g.reshape(b, ids.numel(), weight.shape[1]))
-    pad = fn._saved_padding_idx
+    pad = compat.embedding_saved(fn)[1]
     if 0 <= pad < weight.shape[0]:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out

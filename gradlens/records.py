@@ -10,13 +10,17 @@ into plain JSON data and back (tensors as nested lists with dtype and shape).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import Tensor
 
-__all__ = ["Hist1d", "Hist2d", "Record", "TensorSummary", "record_to_json", "record_from_json"]
+__all__ = [
+    "Hist1d", "Hist2d", "Record", "TensorSummary", "record_to_json", "record_from_json", "as_number", "flatten",
+    "flatten_histograms",
+]
 
 
 @dataclass
@@ -372,3 +376,80 @@ def record_from_json(data: Mapping[str, Any]) -> Record:
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a gradlens record: {err!r}") from err
+
+
+# --------------------------------------------------------------------------- flat names
+
+
+def as_number(value: Any) -> float | None:
+    """``value`` as a float when it is a real number or a 0-d real tensor (one host read), else
+    None: the one rule for what counts as a scalar of a record."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+        return float(value)
+    return None
+
+
+def flatten(record: Record, prefix: str = "gradlens/", who: str = "flatten") -> dict[str, float]:
+    """The scalars of ``record`` by flat name (host floats; one read per value), the same for
+    every sink and logger (TensorBoard, W&B, Lightning, the Hugging Face Trainer):
+
+    - ``<prefix><key>`` for a value that is a real number or a 0-d tensor (``loss``,
+      ``grad_norm``, ``noise_scale``, ``alpha``, ...; a missing value (None) is left out);
+    - ``<prefix><key>/<name>`` for such numbers inside a dict value (e.g. per parameter,
+      ``search_dir_projections/update_sq_norm``);
+    - ``<prefix><key>/clamped_low`` and ``.../clamped_high`` for a :class:`Hist1d`,
+      ``<prefix><key>/clamped_param`` and ``.../clamped_grad`` for a :class:`Hist2d`
+      (elements outside the range, counted into the end bins).
+
+    Tensors with samples or parameter shapes (``batch_l2`` ``[N]``, ``sum_grad_squared``
+    ``[*param]``) are not scalars and are left out; ``who`` names the caller in the error.
+    """
+    if not isinstance(record, Record):
+        raise TypeError(f"{who}(record=...) needs a gradlens Record, got {type(record).__name__}")
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        tag = f"{prefix}{key}"
+        if isinstance(value, Hist1d):
+            out[f"{tag}/clamped_low"] = float(value.clamped_low)
+            out[f"{tag}/clamped_high"] = float(value.clamped_high)
+        elif isinstance(value, Hist2d):
+            out[f"{tag}/clamped_param"] = float(value.clamped_param)
+            out[f"{tag}/clamped_grad"] = float(value.clamped_grad)
+        elif isinstance(value, Mapping):
+            for name, inner in value.items():
+                number = as_number(inner)
+                if number is not None:
+                    out[f"{tag}/{name}"] = number
+        else:
+            number = as_number(value)
+            if number is not None:
+                out[tag] = number
+    return out
+
+
+def flatten_histograms(
+    record: Record, prefix: str = "gradlens/", who: str = "flatten_histograms"
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """The histograms of ``record`` by flat name, as ``(counts [bins], edges [bins + 1]
+    float64)`` on the CPU, straight from gradlens' own counts (never re-binned):
+
+    - ``<prefix><key>`` for a :class:`Hist1d` (``grad_hist_1d``);
+    - ``<prefix><key>/grad`` and ``<prefix><key>/param`` for a :class:`Hist2d`: its marginals
+      over the parameter axis and over the gradient axis (sums of its counts).
+    """
+    if not isinstance(record, Record):
+        raise TypeError(f"{who}(record=...) needs a gradlens Record, got {type(record).__name__}")
+    out: dict[str, tuple[Tensor, Tensor]] = {}
+    for key, value in record.items():
+        tag = f"{prefix}{key}"
+        if isinstance(value, Hist1d):
+            out[tag] = (value.counts.detach().cpu(), value.edges.detach().cpu().double())
+        elif isinstance(value, Hist2d):
+            counts = value.counts.detach().cpu()
+            out[f"{tag}/grad"] = (counts.sum(0), value.grad_edges.detach().cpu().double())
+            out[f"{tag}/param"] = (counts.sum(1), value.param_edges.detach().cpu().double())
+    return out

@@ -32,7 +32,7 @@ from typing import Callable
 
 from torch import nn
 
-from gradlens import kernels as K
+from gradlens import compat, kernels as K
 
 __all__ = ["register_kernel", "register_forward", "kernel_for", "forward_for", "supported_layers"]
 
@@ -159,7 +159,7 @@ register_kernel(
     lambda m: None if m.scale_grad_by_freq else K.EmbeddingKernel(),
     "closed form (scatter of the output gradients)",
 )
-register_kernel(nn.modules.batchnorm._BatchNorm, _batchnorm, "closed form (running or batch statistics)")
+register_kernel(compat.BatchNormBase, _batchnorm, "closed form (running or batch statistics)")
 register_kernel(nn.modules.instancenorm._InstanceNorm, lambda m: K.InstanceNormKernel() if m.affine else None, "closed form")
 register_kernel(nn.GroupNorm, lambda m: K.GroupNormKernel() if m.affine else None, "closed form")
 if hasattr(nn, "RMSNorm"):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import json
-import numbers
 import os
 import time
 import uuid
@@ -33,7 +32,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from gradlens.records import Hist1d, Hist2d, Record, TensorSummary, record_from_json, record_to_json
+from gradlens.records import (
+    Record, TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json,
+)
 
 __all__ = ["JsonlSink", "SinkSet", "TensorBoardSink", "load_log", "arrays_dir"]
 
@@ -673,7 +674,11 @@ class TensorBoardSink:
       ``SummaryWriter.add_histogram_raw`` from the record's own counts and edges (no re-binning
       of samples), plus scalars ``gradlens/<key>/clamped_low`` and ``.../clamped_high``;
     - for a :class:`~gradlens.Hist2d`: its two marginals as histograms
-      ``gradlens/<key>/grad`` and ``gradlens/<key>/param`` (TensorBoard has no 2D histogram).
+      ``gradlens/<key>/grad`` and ``gradlens/<key>/param`` (TensorBoard has no 2D histogram),
+      plus scalars ``gradlens/<key>/clamped_param`` and ``.../clamped_grad``.
+
+    The names are those of :func:`gradlens.records.flatten` and
+    :func:`gradlens.records.flatten_histograms`, as for every other sink and logger.
 
     TensorBoard's histogram summary also wants min, max, sum and sum of squares of the samples;
     gradlens keeps only counts, so min/max are the outer edges of the first/last non-empty bins
@@ -720,25 +725,10 @@ class TensorBoardSink:
         if self._closed:
             raise ValueError("TensorBoardSink is closed; open a new sink to write")
         step = record.step
-        for key, value in record.items():
-            tag = f"gradlens/{key}"
-            if isinstance(value, Hist1d):
-                self._histogram(tag, value.counts, value.edges, step)
-                self.writer.add_scalar(f"{tag}/clamped_low", value.clamped_low, step)
-                self.writer.add_scalar(f"{tag}/clamped_high", value.clamped_high, step)
-            elif isinstance(value, Hist2d):
-                counts = value.counts.to(torch.float64)
-                self._histogram(f"{tag}/grad", counts.sum(0), value.grad_edges, step)
-                self._histogram(f"{tag}/param", counts.sum(1), value.param_edges, step)
-            elif isinstance(value, Mapping):
-                for name, inner in value.items():
-                    number = _as_number(inner)
-                    if number is not None:
-                        self.writer.add_scalar(f"{tag}/{name}", number, step)
-            else:
-                number = _as_number(value)
-                if number is not None:
-                    self.writer.add_scalar(tag, number, step)
+        for tag, (counts, edges) in flatten_histograms(record, who="TensorBoardSink.write").items():
+            self._histogram(tag, counts, edges, step)
+        for tag, number in flatten(record, who="TensorBoardSink.write").items():
+            self.writer.add_scalar(tag, number, step)
 
     def _histogram(self, tag: str, counts: Tensor, edges: Tensor, step: int) -> None:
         counts = counts.detach().cpu().to(torch.float64)
@@ -781,20 +771,3 @@ class TensorBoardSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _as_number(value: Any) -> float | None:
-    """``value`` as a float when it is a real number or a 0-d real tensor, else ``None``."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if (
-        isinstance(value, Tensor)
-        and value.dim() == 0
-        and not value.is_complex()
-        and value.dtype != torch.bool
-    ):
-        return float(value)
-    return None
-

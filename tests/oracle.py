@@ -1,8 +1,17 @@
-"""Independent float64 references: per-sample gradients from ``torch.func`` and the case table.
+"""The one test oracle: independent float64 references and the shared case tables.
 
 The oracle never runs gradlens code: it builds per-sample gradients with
 ``vmap(grad(loss of one sample))`` on a deep copy of the model taken before ``gradlens.extend``,
 and derives every statistic from the full ``[N, D]`` matrix of flattened per-sample gradients.
+
+- instruments: :data:`N`, :data:`SPLITS`, :data:`MODELS`, :func:`make_problem`,
+  :func:`per_sample_grads`, :func:`flat`, :func:`bins_oracle`, :func:`hist_oracle`;
+- framework integrations (per-sample gradients at a snapshotted state, any loss):
+  :func:`per_sample`, :func:`norm_set`, :func:`hist_counts`, :func:`alpha`, :func:`close`;
+- the training side (accumulation, AGC, BatchNorm, DDP): :func:`make_mlp`, :func:`make_data`,
+  :data:`OPTIMIZERS`, :data:`ACCUM_SPLITS` (windows of micro-batch sizes), :func:`rel_err`,
+  :func:`assert_params_close`, :func:`inner_step_count`.
+(Model zoo oracles with their own losses: tests/oracle_models.py.)
 """
 
 from __future__ import annotations
@@ -11,8 +20,9 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 N = 12
@@ -151,3 +161,128 @@ def hist_oracle(values: torch.Tensor, lo: float, hi: float, bins: int):
     v = values.double().flatten()
     counts = torch.bincount(bins_oracle(v, lo, hi, bins), minlength=bins)
     return counts, int((v < lo).sum()), int((v > hi).sum() + v.isnan().sum())
+
+
+# ---------------------------------------------------------------- framework integrations
+# per-sample gradients at each window's starting parameters (snapshotted by the test, never by
+# gradlens), and the statistics derived from them
+
+
+def per_sample(model: nn.Module, state: dict, loss_one: Callable, *data) -> dict[str, torch.Tensor]:
+    """name -> [N, *param] float64 per-sample gradients of ``loss_one(out_of_one_sample, *targets)``
+    at parameters ``state`` (a state_dict)."""
+    m = copy.deepcopy(model).double()
+    m.load_state_dict(state)
+    for mod in m.modules():
+        mod._forward_hooks.clear()
+        mod._forward_pre_hooks.clear()
+    params = {k: v.detach().double() for k, v in m.named_parameters()}
+    buffers = {k: v.detach() for k, v in m.named_buffers()}
+
+    def one(p, x, *t):
+        out = functional_call(m, (p, buffers), (x.unsqueeze(0),))
+        return loss_one(out, *(ti.unsqueeze(0) for ti in t))
+
+    in_dims = (None,) + (0,) * len(data)
+    return vmap(grad(one), in_dims=in_dims)(params, *data)
+
+
+def norm_set(gs: dict[str, torch.Tensor], prefix: str = "") -> dict:
+    """batch_l2 [N], sum_grad_squared {name: [*param]}, grad_norm of the mean gradient."""
+    G = flat(gs)
+    return {
+        "batch_l2": G.square().sum(1),
+        "sum_grad_squared": {prefix + k: g.square().sum(0) for k, g in gs.items()},
+        "grad_norm": G.mean(0).norm(),
+    }
+
+
+def hist_counts(gs: dict[str, torch.Tensor], lo: float, hi: float, bins: int):
+    return hist_oracle(flat(gs), lo, hi, bins)
+
+
+def alpha(sq, f, df, var_f, var_df) -> float:
+    """Alpha from the weighted least-squares quadratic along s in [0, 1] (theta_t + s d)
+    (numpy lstsq, as tests/test_dots.py's oracle)."""
+    phi = np.array([[1, 0, 0], [1, 1, 1], [0, 1, 0], [0, 1, 2]], dtype=np.float64)
+    y = np.array([float(v) for v in (*f, *df)], dtype=np.float64)
+    sw = 1 / np.sqrt(np.array([float(v) for v in (*var_f, *var_df)], dtype=np.float64))
+    mu = np.linalg.lstsq(phi * sw[:, None], y * sw, rcond=None)[0]
+    if mu[2] <= 0:
+        return -1.0
+    return 1.0 / (-mu[1] / (2 * mu[2])) - 1.0
+
+
+def close(a, b, rtol=1e-9, atol=1e-12):
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+        rtol=rtol, atol=atol,
+    )
+
+
+# ---------------------------------------------------------------- the training side
+
+
+D_IN, D_HIDDEN, D_OUT = 5, 7, 3
+
+
+def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A tiny MLP ``[B, 5] -> [B, 3]``, deterministic for a seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, D_HIDDEN), nn.Tanh(), nn.Linear(D_HIDDEN, D_OUT)).to(dtype)
+
+
+def make_data(n: int, seed: int = 1, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Regression data ``x [n, 5]``, ``y [n, 3]``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D_IN, generator=g, dtype=dtype)
+    y = torch.randn(n, D_OUT, generator=g, dtype=dtype)
+    return x, y
+
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+}
+
+
+@dataclass(frozen=True)
+class SplitCase:
+    """Micro-batch sizes per window; a last window shorter than ``accum_steps`` is flushed."""
+
+    name: str
+    accum_steps: int
+    windows: tuple[tuple[int, ...], ...]
+
+
+ACCUM_SPLITS = [
+    SplitCase("k1", 1, ((6,), (4,), (5,))),
+    SplitCase("equal_k2", 2, ((3, 3), (3, 3), (3, 3))),
+    SplitCase("equal_k4", 4, ((2, 2, 2, 2), (2, 2, 2, 2))),
+    SplitCase("unequal_k3", 3, ((1, 4, 2), (5, 1, 3), (2, 2, 6))),
+    SplitCase("partial_last", 4, ((3, 1, 2, 5), (2, 2, 2, 2), (4, 1))),
+]
+
+
+def inner_step_count(opt: torch.optim.Optimizer) -> int | None:
+    """The inner optimizer's per-parameter step counter (None for plain SGD, which has none)."""
+    for state in opt.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return None
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def assert_params_close(m1: nn.Module, m2: nn.Module, tol: float) -> None:
+    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
+        err = rel_err(p, q)
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"

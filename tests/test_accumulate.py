@@ -16,9 +16,9 @@ from torch.nn.functional import mse_loss
 from gradlens import GradientAccumulateModel, GradientAccumulateOptimizer
 from gradlens.agc import adaptive_clip_grad_
 
-from _accum_helpers import (
+from oracle import (
+    ACCUM_SPLITS,
     OPTIMIZERS,
-    SPLITS,
     SplitCase,
     assert_params_close,
     inner_step_count,
@@ -88,7 +88,7 @@ def _run_accumulated(model, opt, windows, reduction="mean", give_num_samples=Tru
     return lrs, updates
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=lambda s: s.name)
+@pytest.mark.parametrize("split", ACCUM_SPLITS, ids=lambda s: s.name)
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_equivalence_with_one_big_batch(opt_name, split):
     windows = _window_data(split)
@@ -112,7 +112,7 @@ def test_equivalence_with_one_big_batch(opt_name, split):
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw"])
 def test_equal_sizes_without_num_samples(opt_name):
-    split = SPLITS[2]  # equal_k4
+    split = ACCUM_SPLITS[2]  # equal_k4
     windows = _window_data(split)
     ref_model, acc_model = make_mlp(0), make_mlp(0)
     ref_opt = OPTIMIZERS[opt_name](list(ref_model.parameters()))
@@ -124,7 +124,7 @@ def test_equal_sizes_without_num_samples(opt_name):
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
 def test_reduction_sum(opt_name):
-    split = SPLITS[3]  # unequal_k3
+    split = ACCUM_SPLITS[3]  # unequal_k3
     windows = _window_data(split)
     ref_model, acc_model = make_mlp(0), make_mlp(0)
     ref_opt = OPTIMIZERS[opt_name](list(ref_model.parameters()))
@@ -137,7 +137,7 @@ def test_reduction_sum(opt_name):
 
 
 def test_lr_scheduler_steps_on_real_updates():
-    split = SPLITS[4]  # partial_last
+    split = ACCUM_SPLITS[4]  # partial_last
     windows = _window_data(split)
     ref_model, acc_model = make_mlp(0), make_mlp(0)
     ref_opt = OPTIMIZERS["adamw"](list(ref_model.parameters()))

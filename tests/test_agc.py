@@ -12,7 +12,7 @@ from torch.nn.functional import mse_loss
 from gradlens import GradientAccumulateOptimizer, adaptive_clip_grad, compute_norm, unitwise_norm
 from gradlens.agc import adaptive_clip_grad_
 
-from _accum_helpers import make_data, make_mlp, rel_err
+from oracle import make_data, make_mlp, rel_err
 
 
 def _dense(values):

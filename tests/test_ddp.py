@@ -16,7 +16,7 @@ from torch.nn.functional import mse_loss
 
 from gradlens import GradientAccumulateModel, GradientAccumulateOptimizer
 
-from _accum_helpers import OPTIMIZERS, assert_params_close, make_data, make_mlp
+from oracle import OPTIMIZERS, assert_params_close, make_data, make_mlp
 
 WORLD = 2
 ACCUM = 3

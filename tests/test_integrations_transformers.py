@@ -28,7 +28,7 @@ except ImportError as err:  # collected (and deselected) by the default run
     _IMPORT_ERROR = err
     TrainerCallback = object
 
-import _integration_oracle as O
+import oracle as O
 
 pytestmark = pytest.mark.frameworks
 

@@ -396,3 +396,117 @@ def test_one_writer_per_log_and_the_lock_goes_with_the_sink(tmp_path):
     del again
     gc.collect()
     JsonlSink(path).close()  # and by a sink that was dropped without close
+
+# --------------------------------------------------------------------------- one flattening
+
+
+class _FakeWriter:
+    """A SummaryWriter stand-in recording every tag written."""
+
+    def __init__(self):
+        self.scalars: dict[str, float] = {}
+        self.histograms: dict[str, list[float]] = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag] = value
+
+    def add_histogram_raw(self, tag, bucket_counts, **kw):
+        self.histograms[tag] = bucket_counts[1:]
+
+    def flush(self):
+        pass
+
+
+def _record_of_every_instrument() -> Record:
+    """The second record of a Lens run with every instrument (Alpha's value needs two windows)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import gradlens
+    from gradlens import Lens
+    from gradlens.instruments import (
+        Alpha, BatchDot, BatchL2, GradHist1d, GradHist2d, GradNorm, InnerTest, MeanGSNR, NoiseScale,
+        NoiseScaleTwoBatch, NormTest, OrthoTest, SumGradSquared,
+    )
+
+    torch.manual_seed(0)
+    model = gradlens.extend(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = [
+        BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=8, range=(-0.05, 0.05)),
+        GradHist2d(bins=(3, 4), range=((-0.5, 0.5), (-0.05, 0.05))), BatchDot(), Alpha(), InnerTest(),
+        OrthoTest(), MeanGSNR(), NoiseScale(), NormTest(), NoiseScaleTwoBatch(),
+    ]
+    records: list[Record] = []
+    lens = Lens(model, instruments, optimizer=opt, sinks=[type("S", (), {"write": lambda s, r: records.append(r), "close": lambda s: None})()])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for b in (4, 2, 3):
+            x, y = torch.randn(b, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (b,), generator=gen)
+            out = model(x)
+            loss = loss_fn(out, y)
+            with lens.capture(losses=F.cross_entropy(out.detach(), y, reduction="none")):
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    lens.close()
+    rec = records[1]
+    for inst in instruments:
+        assert inst.key in rec, f"{type(inst).__name__}'s {inst.key!r} is missing from the record"
+    return rec
+
+
+def test_every_sink_and_logger_gets_the_same_flat_names(monkeypatch):
+    """TensorBoard, W&B and the helpers that Lightning's and the Trainer's callbacks log get the
+    same scalar and histogram names and values from one record of every instrument."""
+    from gradlens.integrations import record_histograms, record_scalars
+    from gradlens.records import flatten, flatten_histograms
+
+    rec = _record_of_every_instrument()
+    scalars, hists = flatten(rec), flatten_histograms(rec)
+    # what the flattening must contain, from the record itself
+    assert scalars["gradlens/grad_norm"] == float(rec["grad_norm"]) and scalars["gradlens/alpha"] == float(rec["alpha"])
+    for key in ("grad_hist_2d/clamped_param", "grad_hist_2d/clamped_grad", "grad_hist_1d/clamped_low", "grad_hist_1d/clamped_high"):
+        h, attr = rec[key.split("/")[0]], key.split("/")[1]
+        assert scalars[f"gradlens/{key}"] == float(getattr(h, attr))
+    assert rec["grad_hist_2d"].clamped_grad > 0 and rec["grad_hist_1d"].clamped_high > 0  # narrow ranges: counts clamped
+    assert not any(k.startswith(("gradlens/batch_l2", "gradlens/sum_grad_squared")) for k in scalars)
+    assert sorted(hists) == ["gradlens/grad_hist_1d", "gradlens/grad_hist_2d/grad", "gradlens/grad_hist_2d/param"]
+
+    writer = _FakeWriter()
+    TensorBoardSink(writer).write(rec)
+    assert writer.scalars == scalars
+    assert {t: c for t, c in writer.histograms.items()} == {t: c.double().tolist() for t, (c, e) in hists.items()}
+
+    logged = []
+
+    class _Histogram:
+        MAX_LENGTH = 512
+
+        def __init__(self, np_histogram):
+            self.counts, self.edges = np_histogram
+
+    class _Run:
+        def log(self, data):
+            logged.append(data)
+
+        def define_metric(self, *a, **k):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", type(sys)("wandb"))
+    sys.modules["wandb"].Histogram, sys.modules["wandb"].run = _Histogram, None
+    from gradlens.integrations.wandb import WandbSink
+
+    WandbSink(_Run()).write(rec)
+    (data,) = logged
+    assert {k: v for k, v in data.items() if not isinstance(v, _Histogram)} == {"gradlens/step": rec.step, **scalars}
+    assert {k: v.counts.tolist() for k, v in data.items() if isinstance(v, _Histogram)} == {t: c.tolist() for t, (c, e) in hists.items()}
+
+    # what LensCallback (Lightning) and LensTrainerCallback log: gradlens.records.flatten
+    assert record_scalars(rec) == scalars
+    assert record_histograms(rec).keys() == hists.keys()
+    with pytest.raises(TypeError, match=r"TensorBoardSink.write\(record=\.\.\.\) needs a gradlens Record, got dict"):
+        TensorBoardSink(writer).write({"loss": 1.0})
+    with pytest.raises(TypeError, match=r"flatten\(record=\.\.\.\) needs a gradlens Record, got dict"):
+        flatten({"loss": 1.0})

@@ -28,9 +28,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from gradlens.compat import storage_use_count
 from gradlens.state import check_state
 
-__all__ = ["Accumulators", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
+__all__ = ["Accumulators", "DistParts", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
 
 QUANTITIES = frozenset(
     {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq"}
@@ -40,21 +41,32 @@ QUANTITIES = frozenset(
 LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq"})
 
 
-def _storage_users(t: Tensor) -> int | None:
-    try:  # tensors (views, detached copies) sharing t's memory; private API, so guarded
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-    except Exception:  # pragma: no cover - API missing: never reuse
-        return None
+@dataclass
+class DistParts:
+    """What one participant of a merge across ranks (:mod:`gradlens.distributed`) (the window's shared sums, or one instrument state) sends.
+
+    Attributes:
+        sums: tensors added across ranks (same shapes on every rank).
+        per_rank: small tensors every rank sees from every rank (same shapes on every rank);
+            returned as ``[R, *shape]``.
+        pieces: tensors gathered from every rank (any shape, at most 6 dims; the same number of
+            pieces on every rank); returned as one list per piece of R tensors (rank order).
+    """
+
+    sums: list[Tensor] = field(default_factory=list)
+    per_rank: list[Tensor] = field(default_factory=list)
+    pieces: list[Tensor] = field(default_factory=list)
 
 
-_STORAGE_BASE = _storage_users(torch.empty(1))
+
+_STORAGE_BASE = storage_use_count(torch.empty(1))
 
 
 def _unshared(buf: Tensor) -> bool:
     """True if only the pool refers to ``buf``: no other Python reference to the object (the
     pool, the caller's variable and getrefcount's argument make 3) and no other tensor on its
     memory."""
-    users = _storage_users(buf)
+    users = storage_use_count(buf)
     return sys.getrefcount(buf) <= 4 and users is not None and users <= _STORAGE_BASE
 
 
@@ -175,8 +187,6 @@ class WindowStats:
     def to_buffers(self, ctx):
         """This rank's sums in a layout fixed by ``ctx`` (every tracked parameter, zeros where
         this rank has no entry, and a presence count), and ``batch_l2`` ``[N_r]`` to gather."""
-        from gradlens.distributed import DistParts
-
         f64 = torch.float64
         sums = [
             torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq)], dtype=torch.int64),
@@ -349,8 +359,6 @@ class Instrument:
         """What this window ``state`` sends when ranks merge (a
         :class:`gradlens.distributed.DistParts`: sums, per-rank values, pieces to gather).
         Stateless instruments send nothing; an instrument with a state must override this."""
-        from gradlens.distributed import DistParts
-
         if state is None:
             return DistParts()
         raise NotImplementedError(

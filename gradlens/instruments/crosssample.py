@@ -64,7 +64,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.compat import tensor_version
+from gradlens.instruments.base import DistParts, Instrument, WindowStats
 from gradlens.state import check_state
 
 __all__ = ["DEFAULT_MAX_BYTES"]
@@ -171,14 +172,14 @@ class _Layer:
 
     def __getstate__(self) -> dict:  # Lens.state_dict: a reloaded tensor's version restarts
         state = dict(self.__dict__)
-        state["versions"] = (self.a._version, self.delta._version) == self.versions
+        state["versions"] = (tensor_version(self.a), tensor_version(self.delta)) == self.versions
         state["_units"] = None  # formed again on demand
         return state
 
     def __setstate__(self, state: dict) -> None:
         intact = state.pop("versions")
         self.__dict__.update(state)
-        self.versions = (self.a._version, self.delta._version) if intact else (-1, -1)
+        self.versions = (tensor_version(self.a), tensor_version(self.delta)) if intact else (-1, -1)
 
 
 @dataclass
@@ -336,7 +337,7 @@ class _CrossSample(Instrument):
             part.sketch = s if part.sketch is None else part.sketch + s
             return
         a, delta = _own(a), _own(delta)
-        lay = part.layers[module.name] = _Layer(module, a, delta, (a._version, delta._version), scale=scale)
+        lay = part.layers[module.name] = _Layer(module, a, delta, (tensor_version(a), tensor_version(delta)), scale=scale)
         if weight_grad is not None and self.fills_weight_grad:
             holder, wscale = weight_grad
             k, wsum = module.kernel.gram_with_sum(module.module, a, delta, module.params)
@@ -412,7 +413,7 @@ class _CrossSample(Instrument):
     def _check_versions(self, state: _DotState) -> None:
         for p in state.parts:
             for name, lay in p.layers.items():
-                if (lay.a._version, lay.delta._version) != lay.versions:
+                if (tensor_version(lay.a), tensor_version(lay.delta)) != lay.versions:
                     raise RuntimeError(
                         f"the input or output gradient of layer {name!r} was modified in place "
                         f"after its micro-step; {type(self).__name__}(mode='exact') keeps them by "
@@ -507,8 +508,6 @@ class _CrossSample(Instrument):
         ``[N_r, k]`` (sketch mode) or, per watched layer, ``a`` and ``delta`` of all its
         micro-steps concatenated (exact mode), and Alpha's per-sample losses / end projections.
         Factors shared by several instruments are sent once (``ctx.cache``)."""
-        from gradlens.distributed import DistParts
-
         parts = state.parts
         n = sum(p.batch for p in parts)
         has_losses = bool(parts) and all(p.losses is not None for p in parts)
@@ -580,7 +579,7 @@ class _CrossSample(Instrument):
                         continue
                     a = pieces[2 * i][r].to(_DTYPES[int(codes[0])])
                     d = pieces[2 * i + 1][r].to(_DTYPES[int(codes[1])])
-                    part.layers[w.name] = _Layer(w, a, d, (a._version, d._version))
+                    part.layers[w.name] = _Layer(w, a, d, (tensor_version(a), tensor_version(d)))
                     out.modules[w.name] = by_name[w.name]
                     for attr, q in w.params.items():
                         out.params.setdefault(q, getattr(w.module, attr))
@@ -619,7 +618,7 @@ def _memo(stats: WindowStats | None) -> dict:
 
 
 def _pieces_key(pieces) -> tuple:
-    return tuple((id(a), id(d), a._version, d._version) for _, a, d in pieces)
+    return tuple((id(a), id(d), tensor_version(a), tensor_version(d)) for _, a, d in pieces)
 
 
 def _memo_layer_gram(stats: WindowStats | None, pieces) -> Tensor:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import DistParts, Instrument, WindowStats
 from gradlens.instruments.crosssample import _human
 from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, outer_hist1d, row_extremes, tally
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
@@ -289,8 +289,6 @@ class GradHist1d(Instrument):
 
     # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
     def to_buffers(self, state: _Hist1dState, ctx):
-        from gradlens.distributed import DistParts
-
         if state.var is not None:  # independent ranks: estimates and variances add
             counts, var, low, high = state.sampled_totals()
             sums = [counts, low, high, var]
@@ -608,8 +606,6 @@ class GradHist2d(Instrument):
     # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
     # (theta is the same on every rank under data parallelism: the parameter side needs nothing)
     def to_buffers(self, state: _Hist2dState, ctx):
-        from gradlens.distributed import DistParts
-
         per_rank = [_extremes_row(state.gmn, state.gmx)] if self.adapt is not None else []
         if state.var is not None:  # independent ranks: estimates and variances add
             counts, var, clamped = state.sampled_totals()

@@ -52,7 +52,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
+from gradlens import compat
+from gradlens.accumulate import GradientAccumulateOptimizer
 from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
 from gradlens.state import FLOAT, check_state
 
 __all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
@@ -180,54 +183,6 @@ class ParamGradSquares:
         self.on_sq(sq_norm(grad))
 
 
-#: tensors of at most this many elements are concatenated before their dot product in _sum_sq
-_SMALL = 1 << 14
-
-
-def _sum_sq(grads: list[Tensor | None]) -> Tensor | None:
-    """sum of ||g||^2 over the gradients given (None entries skipped) as a 0-d float64 tensor, or
-    None if there is none; no host sync. Dense float32/float64 tensors cost one dot product each
-    (BLAS accumulation: about 25x more accurate in float32 than ``torch._foreach_norm``) and one
-    stack and sum for all, not a few small ops per tensor, which dominate for models of many
-    small parameters."""
-    fast: list[Tensor] = []
-    total = None
-    for g in grads:
-        if g is None:
-            continue
-        if g.is_sparse or g.dtype not in (torch.float32, torch.float64):
-            term = sq_norm(g)
-            total = term if total is None else total + term
-        else:
-            fast.append(g.detach().reshape(-1))
-    if fast:
-        big = [v for v in fast if v.numel() > _SMALL]
-        small: dict[torch.dtype, list[Tensor]] = {}
-        for v in fast:
-            if v.numel() <= _SMALL:
-                small.setdefault(v.dtype, []).append(v)
-        # small tensors (biases, norms' scales) are joined: one copy of a few numbers, one dot
-        big += [torch.cat(vs) if len(vs) > 1 else vs[0] for vs in small.values()]
-        dots = [torch.dot(v, v) for v in big]
-        if all(d.dtype == dots[0].dtype for d in dots):
-            term = torch.stack(dots).double().sum()
-        else:
-            term = torch.stack([d.double() for d in dots]).sum()
-        total = term if total is None else total + term
-    return total
-
-
-def sq_norm(grad: Tensor) -> Tensor:
-    """||grad||^2 as a 0-d float64 tensor (sparse gradients: their values; no host sync)."""
-    g = grad.detach()
-    if g.is_sparse:
-        g = g.coalesce().values()
-    if g.dtype not in (torch.float32, torch.float64):
-        g = g.float()
-    g = g.reshape(-1)
-    return torch.dot(g, g).double()
-
-
 class NoiseScaleMonitor:
     """The two-batch noise scale of a :class:`~gradlens.GradientAccumulateOptimizer`'s windows:
     small batches = its micro-steps, big batch = the window (module docstring). Any model, no
@@ -268,8 +223,6 @@ class NoiseScaleMonitor:
         ranks: int = 1,
         callback: Callable[[dict[str, Any]], None] | None = None,
     ):
-        from gradlens.accumulate import GradientAccumulateOptimizer
-
         if not isinstance(optimizer, GradientAccumulateOptimizer):
             raise TypeError(
                 "NoiseScaleMonitor(optimizer=...) needs a gradlens.GradientAccumulateOptimizer (it "
@@ -313,7 +266,7 @@ class NoiseScaleMonitor:
         if sq is None:
             return
         f: float | Tensor = w
-        scale = getattr(optimizer, "grad_scale", None)  # set by a GradScaler for this step
+        scale = compat.optimizer_grad_scale(optimizer)  # set by a GradScaler for this step
         if scale is not None:
             f = w / scale.double()
         s_sq = sq * (f * f)
@@ -455,7 +408,7 @@ class NoiseScaleDDP:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable(values) or None, got {type(callback).__name__}")
-        if scaler is not None and not (hasattr(scaler, "_get_scale_async") and hasattr(scaler, "is_enabled")):
+        if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "is_enabled")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
         # weakly, and its process group not at all: the hooks on the DDP's parameters hold this
         # monitor, so a strong reference would leave the DDP (or the group) to the garbage
@@ -505,23 +458,21 @@ class NoiseScaleDDP:
     def _on_forward(self, module, args) -> None:
         if torch.is_grad_enabled():
             ddp = self._ddp()
-            join = getattr(ddp, "_join_config", None)
-            if join is not None and join.enable:
+            if compat.ddp_join_enabled(ddp):
                 raise RuntimeError(
                     "NoiseScaleDDP does not run under torch.distributed.algorithms.Join (a rank that "
                     "has joined skips the backwards, and with them this monitor's collective): call "
                     "noise.flush() and noise.remove() before entering Join, or give every rank the "
                     "same number of batches"
                 )
-            self._armed = bool(ddp.require_backward_grad_sync)
+            self._armed = compat.ddp_grad_sync(ddp)
             # where this rank's gradient is read: in the hooks when p.grad is DDP's bucket, or
             # when DDP reduces in a callback queued before the backward's first hook (a static
             # graph's first iteration; parameters whose all-reduce DDP delays); else at the end
             self._in_hooks = (
                 self._bucket_view
-                or bool(getattr(ddp, "_delay_all_reduce_params", None))
-                or (bool(getattr(ddp, "static_graph", False))
-                    and not getattr(ddp, "_static_graph_delay_allreduce_enqueued", False))
+                or bool(compat.ddp_delayed_params(ddp))
+                or compat.ddp_static_graph_pending(ddp)
             )
 
     def _on_grad(self, p: Tensor) -> None:
@@ -535,7 +486,7 @@ class NoiseScaleDDP:
             self._local = sq if self._local is None else self._local + sq
         if first:
             # runs when the backward is done, before DDP's finalize (queued later in this backward)
-            torch.autograd.Variable._execution_engine.queue_callback(self._before_finalize)
+            compat.queue_backward_callback(self._before_finalize)
 
     @torch.no_grad()
     def _before_finalize(self) -> None:
@@ -544,7 +495,7 @@ class NoiseScaleDDP:
             # after this: p.grad is still this rank's, and these dot products overlap DDP's
             # all-reduces still in flight
             self._local = _sum_sq([p.grad for p in self.params])
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_window)
+        compat.queue_backward_callback(self._end_window)
 
     @torch.no_grad()
     def _end_window(self) -> None:
@@ -567,10 +518,8 @@ class NoiseScaleDDP:
             self.flush()
 
     def _scale(self) -> Tensor | None:
-        s = self.scaler
-        if s is None or not s.is_enabled():
-            return None
-        return s._get_scale_async()  # the scale of this backward (the update comes later)
+        # the scale of this backward (the update comes later)
+        return None if self.scaler is None else compat.grad_scaler_scale(self.scaler)
 
     # ---- records --------------------------------------------------------------------------
     def flush(self) -> list[dict[str, Any]]:
@@ -641,13 +590,9 @@ def _rank_share(params: list[Tensor], rank: int, world: int) -> list[tuple[Tenso
 
 def _check_plain_ddp(ddp: Any) -> None:
     """Refuse a DDP whose all-reduced ``p.grad`` is not the plain average of the ranks' gradients."""
-    try:
-        hook = ddp._get_ddp_logging_data().get("comm_hook", "")
-    except Exception:  # pragma: no cover - private API moved
-        hook = ""
-    if hook or getattr(ddp, "mixed_precision", None) is not None:
+    why = compat.ddp_average_departure(ddp)
+    if why is not None:
         raise ValueError(
-            "NoiseScaleDDP reads DDP's averaged gradient from p.grad; this DDP has "
-            + (f"a comm hook ({hook})" if hook else "mixed_precision set")
-            + ", which changes it: remove it, or use the Lens instrument NoiseScaleTwoBatch"
+            f"NoiseScaleDDP reads DDP's averaged gradient from p.grad; this DDP has {why}, which "
+            "changes it: remove it, or use the Lens instrument NoiseScaleTwoBatch"
         )

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import DistParts, Instrument, WindowStats
 from gradlens.state import check_state
 
 __all__ = ["NormTest", "MeanGSNR", "NoiseScale", "ShiftedMoments"]
@@ -228,8 +228,6 @@ class MeanGSNR(Instrument):
     def to_buffers(self, state: ShiftedMoments, ctx):
         """Across ranks: each rank's (shift, s1, s2) per parameter are gathered and merged about
         one shift (exact, like micro-steps); the counts travel in the per-rank row."""
-        from gradlens.distributed import DistParts
-
         counts, pieces = [], []
         for q, p in ctx.params.items():
             if q in state.count:

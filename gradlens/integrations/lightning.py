@@ -38,15 +38,14 @@ except ImportError:  # pragma: no cover - the older package name
             "gradlens.integrations.lightning needs PyTorch Lightning: pip install lightning"
         ) from err
 
-import torch
 from torch import Tensor, nn
 
 import gradlens
+from gradlens import compat
 from gradlens.capture import pending_loss_calls
-from gradlens.integrations import record_scalars
 from gradlens.instruments.base import Instrument
 from gradlens.lens import Lens
-from gradlens.records import Record
+from gradlens.records import Record, flatten
 
 __all__ = ["LensCallback", "report_losses"]
 
@@ -76,7 +75,7 @@ class LensCallback(pl.Callback):
     ``training_step``. Every other instrument needs nothing more.
 
     **Where records go.** :attr:`records` (with ``keep_records``); the scalars of each record
-    (:func:`gradlens.integrations.record_scalars`: ``gradlens/loss``, ``gradlens/grad_norm``,
+    (:func:`gradlens.records.flatten`: ``gradlens/loss``, ``gradlens/grad_norm``,
     ...) to every logger of the Trainer with ``log_metrics(..., step=record.step)``, the
     TensorBoard logger getting scalars *and* histograms through
     :class:`gradlens.sinks.TensorBoardSink` on its ``SummaryWriter``; plus ``log``,
@@ -269,10 +268,8 @@ def _multiplier(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | T
     if pl_module.automatic_optimization:
         c = 1.0 / trainer.accumulate_grad_batches
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None and scaler.is_enabled():
-        scale = getattr(scaler, "_scale", None)  # the tensor scale() used (no host sync)
-        if not isinstance(scale, Tensor):
-            scale = torch.tensor(scaler.get_scale())
+    scale = None if scaler is None else compat.grad_scaler_scale(scaler)  # no host sync
+    if scale is not None:
         c = scale.detach().double() * c
     return c
 
@@ -284,7 +281,7 @@ class _LoggerSink:
         self._loggers = loggers
 
     def write(self, record: Record) -> None:
-        scalars = record_scalars(record)
+        scalars = flatten(record)
         if scalars:
             for logger in self._loggers:
                 logger.log_metrics(scalars, step=record.step)

@@ -31,9 +31,8 @@ from torch import Tensor, nn
 import gradlens
 from gradlens.instruments import Alpha
 from gradlens.instruments.base import Instrument
-from gradlens.integrations import record_scalars
 from gradlens.lens import Lens
-from gradlens.records import Record
+from gradlens.records import Record, flatten
 
 __all__ = ["LensTrainerCallback"]
 
@@ -69,7 +68,7 @@ class LensTrainerCallback(TrainerCallback):
     Lightning callback or a plain loop with ``lens.capture(losses=...)``).
 
     **Where records go.** :attr:`records`; the scalars of each record
-    (:func:`gradlens.integrations.record_scalars`) into ``trainer.log`` at the end of the
+    (:func:`gradlens.records.flatten`) into ``trainer.log`` at the end of the
     step, so they appear in ``trainer.state.log_history`` (at ``step = record.step + 1``, the
     Trainer's count of updates done) and reach every ``report_to`` integration; histograms
     through ``tensorboard=`` or ``sinks=[WandbSink()]``.
@@ -229,7 +228,7 @@ class LensTrainerCallback(TrainerCallback):
     def _flush_logs(self) -> None:
         queue, self._queue[:] = list(self._queue), []
         for record in queue:
-            scalars = record_scalars(record)
+            scalars = flatten(record)
             if scalars:
                 self.trainer.log(scalars)
 

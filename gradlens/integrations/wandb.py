@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradlens.integrations import record_histograms, record_scalars
-from gradlens.records import Record
+from gradlens.records import Record, flatten, flatten_histograms
 
 __all__ = ["WandbSink"]
 
@@ -23,10 +22,10 @@ class WandbSink:
       written late (``Alpha`` waits for the next window) land at their own step, and the sink
       does not fight with the steps of other loggers (Lightning's ``WandbLogger``, the
       ``Trainer``'s ``WandbCallback``) that log to the same run;
-    - the scalars of :func:`gradlens.integrations.record_scalars` (``gradlens/loss``,
+    - the scalars of :func:`gradlens.records.flatten` (``gradlens/loss``,
       ``gradlens/grad_norm``, ...);
     - ``wandb.Histogram(np_histogram=(counts, edges))`` for every histogram of
-      :func:`gradlens.integrations.record_histograms`, from the record's own counts and edges
+      :func:`gradlens.records.flatten_histograms`, from the record's own counts and edges
       (never re-binned; W&B allows at most 512 bins: use ``GradHist1d(bins<=512)``).
 
     Args:
@@ -80,8 +79,8 @@ class WandbSink:
         if self._closed:
             raise ValueError("WandbSink is closed; open a new sink to write")
         data: dict[str, Any] = {self.step_metric: record.step}
-        data.update(record_scalars(record, self.prefix))
-        for tag, (counts, edges) in record_histograms(record, self.prefix).items():
+        data.update(flatten(record, self.prefix))
+        for tag, (counts, edges) in flatten_histograms(record, self.prefix).items():
             if counts.numel() > self._wandb.Histogram.MAX_LENGTH:
                 raise ValueError(
                     f"{tag} has {counts.numel()} bins but wandb.Histogram takes at most "

@@ -1,0 +1,219 @@
+"""Every private torch, DDP and GradScaler API gradlens relies on, in one place.
+
+Each entry is a small function (or name) that says which torch API it wraps and the torch
+releases it was checked on. ``tests/test_compat.py`` exercises every entry against the
+installed torch and fails naming the entry when a release changes it, so a torch upgrade shows
+at once what to mend here, and nowhere else. Entries that can fall back safely do so at run
+time (stated per entry); the guard tests still fail on the change.
+
+Checked on: torch 2.13.0 (CPU). The same attributes exist, with the same meaning, since
+torch 2.1 unless an entry says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from torch.nn.modules.batchnorm import _BatchNorm
+except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
+    raise ImportError(
+        f"gradlens.compat.BatchNormBase: torch {torch.__version__} has no "
+        "torch.nn.modules.batchnorm._BatchNorm; update BatchNormBase in gradlens/compat.py"
+    ) from err
+
+__all__ = [
+    "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
+    "in_functorch_transform", "storage_use_count", "queue_backward_callback", "tensor_version",
+    "is_view", "foreach_mul_", "node_name", "embedding_saved",
+    "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
+    "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
+    "grad_scaler_scale", "optimizer_grad_scale",
+]
+
+# ---------------------------------------------------------------------------- modules
+
+#: ``torch.nn.modules.batchnorm._BatchNorm``: the base of BatchNorm1d/2d/3d (and SyncBatchNorm,
+#: LazyBatchNorm*); the one class that says "a BatchNorm with running statistics".
+BatchNormBase = _BatchNorm
+
+
+def conv_forward(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``module._conv_forward(x, weight, bias)`` of an ``nn.Conv1d/2d/3d``: the layer's own
+    convolution (its padding mode, stride, dilation, groups) with another ``weight``
+    (``[C_out', C_in / groups, *kernel]``) and ``bias``; ``x`` ``[B, C_in, *spatial]``."""
+    return module._conv_forward(x, weight, bias)
+
+
+def mha_packed_in_proj(mha: nn.Module) -> bool:
+    """True if an ``nn.MultiheadAttention`` keeps q, k, v projections in one packed
+    ``in_proj_weight`` ``[3E, E]`` (``mha._qkv_same_embed_dim``: kdim == vdim == embed_dim),
+    False if it has ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``."""
+    return bool(mha._qkv_same_embed_dim)
+
+
+def compiled_original(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), or
+    ``model`` itself when it is not a compiled wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+# ---------------------------------------------------------------------------- autograd
+
+
+def in_functorch_transform() -> bool:
+    """True inside a ``torch.func`` transform (vmap, grad, jvp, ...):
+    ``torch._C._functorch.maybe_current_level()`` is not None there. Falls back to False if
+    the function is gone (hooks then behave as outside a transform)."""
+    try:
+        return torch._C._functorch.maybe_current_level() is not None
+    except AttributeError:  # pragma: no cover - guarded by tests/test_compat.py
+        return False
+
+
+def storage_use_count(t: Tensor) -> int | None:
+    """How many tensors (views, detached aliases) share ``t``'s memory:
+    ``torch._C._storage_Use_Count(t.untyped_storage()._cdata)``. None if the API is gone
+    (callers then treat the memory as shared: never reused)."""
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    except Exception:  # pragma: no cover - guarded by tests/test_compat.py
+        return None
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` when the current backward pass has finished (before ``backward()``
+    returns): ``torch.autograd.Variable._execution_engine.queue_callback``. Only valid while a
+    backward runs (from a tensor or module hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def tensor_version(t: Tensor) -> int:
+    """``t._version``: the counter autograd bumps at every in-place change of ``t``'s data
+    (shared by all views of the same memory)."""
+    return t._version
+
+
+def is_view(t: Tensor) -> bool:
+    """``t._is_view()``: True if ``t`` is a view of another tensor's memory."""
+    return t._is_view()
+
+
+def foreach_mul_(tensors: Sequence[Tensor], factor: Tensor | float) -> None:
+    """``torch._foreach_mul_(tensors, factor)``: multiply every tensor in place by ``factor``
+    (a number or a 0-d tensor) in one fused call."""
+    torch._foreach_mul_(list(tensors), factor)
+
+
+def node_name(fn: Any) -> str | None:
+    """The class name of an autograd node (``grad_fn``), e.g. ``"AddmmBackward0"``,
+    ``"TBackward0"``, ``"EmbeddingBackward0"``; None for no node. These names are generated
+    from torch's derivatives.yaml and carry a version suffix (the ``0``)."""
+    return None if fn is None else type(fn).__name__
+
+
+def embedding_saved(fn: Any) -> tuple[Tensor, int, bool]:
+    """``(indices, padding_idx, scale_grad_by_freq)`` saved by an ``EmbeddingBackward0`` node
+    (its ``_saved_indices`` (the looked-up ids, the lookup's shape without the last dim),
+    ``_saved_padding_idx`` and ``_saved_scale_grad_by_freq``). ``padding_idx`` is -1 for none
+    (torch 2.13 saves it as an unsigned 2**64 - 1)."""
+    pad = int(fn._saved_padding_idx)
+    if pad >= 1 << 63:
+        pad -= 1 << 64
+    return fn._saved_indices, pad, bool(fn._saved_scale_grad_by_freq)
+
+
+# ---------------------------------------------------------------------------- DDP
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` module whose forward is running now
+    (``DistributedDataParallel._active_ddp_module``, set in its forward), else None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._active_ddp_module
+
+
+def ddp_grad_sync(ddp: Any) -> bool:
+    """``ddp.require_backward_grad_sync``: False inside ``ddp.no_sync()`` (the backward after
+    this forward does not all-reduce)."""
+    return bool(ddp.require_backward_grad_sync)
+
+
+def ddp_comm_hook(ddp: Any) -> str | None:
+    """The name of the communication hook of ``ddp`` (``""`` for none; None if unreadable):
+    ``ddp._get_ddp_logging_data()["comm_hook"]`` (hooks registered with
+    ``register_comm_hook``), or the first of ``ddp._comm_hooks`` (Python hooks)."""
+    try:
+        hook = ddp._get_ddp_logging_data().get("comm_hook", "")
+        extra = ddp._comm_hooks
+    except Exception:  # pragma: no cover - guarded by tests/test_compat.py
+        return None
+    if not hook and extra:
+        hook = getattr(extra[0][0], "__name__", "a Python comm hook")
+    return str(hook)
+
+
+def ddp_average_departure(ddp: Any) -> str | None:
+    """Why the ``p.grad`` that DistributedDataParallel ``ddp`` all-reduces is not the plain
+    average of the ranks' gradients (a comm hook, mixed precision), or None when it is. The
+    one plain-DDP check of gradlens (:class:`gradlens.distributed.DDPGradRoute` adds what the Lens needs besides)."""
+    hook = ddp_comm_hook(ddp)
+    if hook is None:
+        return "a comm hook state this torch does not expose (gradlens.compat.ddp_comm_hook)"
+    if hook:
+        return f"a comm hook ({hook})"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "mixed_precision set"
+    return None
+
+
+def ddp_python_reducer(ddp: Any) -> bool:
+    """``ddp._use_python_reducer``: DDP runs its Python reducer (compiled DDP) instead of the
+    C++ one; True if unreadable (the safe answer for callers)."""
+    return bool(getattr(ddp, "_use_python_reducer", True))
+
+
+def ddp_delayed_params(ddp: Any) -> list:
+    """``ddp._delay_all_reduce_params``: the parameters whose all-reduce DDP delays to the end
+    of the backward (``delay_all_reduce_named_params``); empty for none."""
+    return list(getattr(ddp, "_delay_all_reduce_params", None) or [])
+
+
+def ddp_static_graph_pending(ddp: Any) -> bool:
+    """True for a ``static_graph=True`` DDP that has not yet queued its delayed all-reduce
+    (``ddp.static_graph`` and not ``ddp._static_graph_delay_allreduce_enqueued``): its first
+    iteration reduces in a callback queued before the backward's first gradient hook."""
+    return bool(getattr(ddp, "static_graph", False)) and not getattr(
+        ddp, "_static_graph_delay_allreduce_enqueued", False
+    )
+
+
+def ddp_join_enabled(ddp: Any) -> bool:
+    """True while ``ddp`` runs under ``torch.distributed.algorithms.Join``
+    (``ddp._join_config.enable``; torch 2.13 leaves it set after the Join block exits)."""
+    join = getattr(ddp, "_join_config", None)
+    return join is not None and bool(join.enable)
+
+
+# ---------------------------------------------------------------------------- GradScaler
+
+
+def grad_scaler_scale(scaler: Any) -> Tensor | None:
+    """The scale ``scaler.scale(loss)`` multiplied by, as the scaler's own 0-d float32 tensor
+    (no host sync; ``float()`` of it is what ``scaler.get_scale()`` returns), or None for a
+    disabled scaler or one that has not scaled anything yet (no gradient carries a scale).
+    ``GradScaler._get_scale_async()`` (its ``_scale``)."""
+    if not scaler.is_enabled():
+        return None
+    return scaler._get_scale_async()
+
+
+def optimizer_grad_scale(optimizer: Any) -> Tensor | None:
+    """``optimizer.grad_scale``: the scale tensor ``GradScaler.step`` attaches to an optimizer
+    that declares ``_step_supports_amp_scaling = True`` for the duration of its ``step``
+    (its gradients are still scaled by it), else None."""
+    return getattr(optimizer, "grad_scale", None)

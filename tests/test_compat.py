@@ -1,0 +1,353 @@
+"""Guard tests of gradlens.compat: each private torch / DDP / GradScaler API that gradlens uses is
+exercised against the installed torch, and a change (an attribute gone, another value or type)
+fails naming the compat entry to mend."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradlens import compat
+
+
+def _fail(entry: str, what: str) -> None:
+    pytest.fail(
+        f"gradlens.compat.{entry}: {what} (torch {torch.__version__}); the private torch API it "
+        f"wraps changed: update {entry} in gradlens/compat.py"
+    )
+
+
+def _check(entry: str, ok: bool, what: str) -> None:
+    if not ok:
+        _fail(entry, what)
+
+
+@contextlib.contextmanager
+def _entry(entry: str):
+    """Any error raised while exercising ``entry`` becomes a failure naming it."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - the point is to name the entry
+        _fail(entry, f"raised {type(err).__name__}: {err}")
+
+
+def test_every_entry_has_a_guard():
+    import pathlib
+    import re
+
+    source = pathlib.Path(__file__).read_text()
+    guarded = set(re.findall(r'_(?:check|entry)\(\s*"(\w+)"', source))
+    missing = sorted(set(compat.__all__) - guarded)
+    assert not missing, f"gradlens.compat entries without a guard test here: {missing}"
+    assert guarded <= set(compat.__all__), f"guards of names compat does not export: {sorted(guarded - set(compat.__all__))}"
+
+
+def test_guard_message_names_the_entry():
+    with pytest.raises(pytest.fail.Exception, match=r"gradlens\.compat\.tensor_version: raised AttributeError.*update tensor_version in gradlens/compat.py"):
+        with _entry("tensor_version"):
+            compat.tensor_version(object())
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+def test_batchnorm_base():
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LazyBatchNorm1d):
+        _check("BatchNormBase", issubclass(cls, compat.BatchNormBase), f"{cls.__name__} is not a subclass")
+    for cls in (nn.InstanceNorm1d, nn.LayerNorm, nn.GroupNorm):
+        _check("BatchNormBase", not issubclass(cls, compat.BatchNormBase), f"{cls.__name__} is a subclass")
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("padding_mode", ["zeros", "circular", "reflect"])
+def test_conv_forward(dim, padding_mode):
+    torch.manual_seed(0)
+    conv = getattr(nn, f"Conv{dim}d")(4, 6, 3, stride=2, padding=1, dilation=1, groups=2, padding_mode=padding_mode).double()
+    x = torch.randn(2, 4, *([7] * dim), dtype=torch.float64)
+    with _entry("conv_forward"):
+        same = compat.conv_forward(conv, x, conv.weight, conv.bias)
+        w = torch.randn(10, *conv.weight.shape[1:], dtype=torch.float64)
+        other = compat.conv_forward(conv, x, w, None)
+    _check("conv_forward", torch.allclose(same, conv(x), rtol=0, atol=1e-12), "differs from the layer's own forward")
+    conv2 = getattr(nn, f"Conv{dim}d")(4, 10, 3, stride=2, padding=1, groups=2, bias=False, padding_mode=padding_mode).double()
+    with torch.no_grad():
+        conv2.weight.copy_(w)
+    _check("conv_forward", torch.allclose(other, conv2(x), rtol=0, atol=1e-12), "ignores the weight passed")
+
+
+def test_mha_packed_in_proj():
+    with _entry("mha_packed_in_proj"):
+        packed = nn.MultiheadAttention(8, 2)
+        apart = nn.MultiheadAttention(8, 2, kdim=5, vdim=3)
+        got = (compat.mha_packed_in_proj(packed), compat.mha_packed_in_proj(apart))
+    _check("mha_packed_in_proj", got == (True, False), f"(kdim == vdim == embed_dim, kdim=5 vdim=3) gave {got}")
+    _check("mha_packed_in_proj", packed.in_proj_weight.shape == (24, 8) and apart.in_proj_weight is None
+           and apart.k_proj_weight.shape == (8, 5), "the projection weights are laid out otherwise")
+
+
+def test_compiled_original():
+    model = nn.Linear(3, 2)
+    with _entry("compiled_original"):
+        compiled = torch.compile(model)  # nothing is compiled before the first call
+        got = compat.compiled_original(compiled)
+    _check("compiled_original", got is model, f"torch.compile's wrapper gave {type(got).__name__}, not the model")
+    _check("compiled_original", compat.compiled_original(model) is model, "a plain module is not returned as is")
+
+
+# ---------------------------------------------------------------------------- autograd
+
+
+def test_in_functorch_transform():
+    seen = []
+
+    def f(x):
+        seen.append(compat.in_functorch_transform())
+        return (x * x).sum()
+
+    with _entry("in_functorch_transform"):
+        outside = compat.in_functorch_transform()
+        torch.func.vmap(f)(torch.ones(3, 2))
+        torch.func.grad(f)(torch.ones(2))
+    _check("in_functorch_transform", outside is False, f"True outside any transform ({outside!r})")
+    _check("in_functorch_transform", seen == [True, True], f"inside vmap and grad it gave {seen}")
+
+
+def test_storage_use_count():
+    t = torch.empty(6)
+    with _entry("storage_use_count"):
+        base = compat.storage_use_count(t)
+        view = t.view(2, 3)
+        alias = t.detach()
+        shared = compat.storage_use_count(t)
+        del view, alias
+        after = compat.storage_use_count(t)
+        other = compat.storage_use_count(t.clone())
+    _check("storage_use_count", isinstance(base, int), f"returned {base!r}, not an int")
+    _check("storage_use_count", shared == base + 2, f"{base} users, {shared} with a view and an alias (expected {base + 2})")
+    _check("storage_use_count", after == base and other == base, f"{after} / {other} users after freeing / for a clone")
+
+
+def test_queue_backward_callback():
+    log = []
+    w = torch.ones(3, requires_grad=True)
+    v = torch.ones(3, requires_grad=True)
+
+    def hook(g):
+        compat.queue_backward_callback(lambda: log.append(("callback", w.grad is not None, v.grad is not None)))
+        log.append("hook")
+
+    y = w * 2.0
+    y.register_hook(hook)
+    with _entry("queue_backward_callback"):
+        ((y + v) ** 2).sum().backward()
+    _check(
+        "queue_backward_callback", log == ["hook", ("callback", True, True)],
+        f"the callback did not run once after every gradient was accumulated, before backward returned: {log}",
+    )
+
+
+def test_tensor_version():
+    t = torch.zeros(4)
+    with _entry("tensor_version"):
+        v0 = compat.tensor_version(t)
+        t.add_(1.0)
+        v1 = compat.tensor_version(t)
+        view = t[:2]
+        view.mul_(2.0)
+        v2, vv = compat.tensor_version(t), compat.tensor_version(view)
+        _ = t + 1.0
+        v3 = compat.tensor_version(t)
+    _check("tensor_version", isinstance(v0, int), f"returned {v0!r}, not an int")
+    _check("tensor_version", v1 > v0 and v2 > v1 and vv == v2, f"in-place changes gave versions {v0}, {v1}, {v2} (view {vv})")
+    _check("tensor_version", v3 == v2, "an out-of-place op changed the version")
+
+
+def test_is_view():
+    t = torch.zeros(2, 3)
+    with _entry("is_view"):
+        got = (compat.is_view(t), compat.is_view(t.view(3, 2)), compat.is_view(t[0]), compat.is_view(t.clone()))
+    _check("is_view", got == (False, True, True, False), f"(tensor, view, slice, clone) gave {got}")
+
+
+def test_foreach_mul_():
+    a, b = torch.ones(3), torch.full((2, 2), 2.0)
+    with _entry("foreach_mul_"):
+        compat.foreach_mul_([a, b], 3.0)
+        compat.foreach_mul_((a, b), torch.tensor(0.5))
+    _check("foreach_mul_", torch.equal(a, torch.full((3,), 1.5)) and torch.equal(b, torch.full((2, 2), 3.0)),
+           f"in place by 3 then 0.5 gave {a.tolist()}, {b.tolist()}")
+
+
+def test_node_name():
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    with _entry("node_name"):
+        addmm = F.linear(torch.randn(2, 3), w, b).grad_fn
+        mm = F.linear(torch.randn(2, 3), w).grad_fn
+        view = F.linear(torch.randn(2, 5, 3), w, b).grad_fn
+        under = view.next_functions[0][0]
+        t_nodes = [n for n, _ in addmm.next_functions if compat.node_name(n) == "TBackward0"]
+        emb = F.embedding(torch.tensor([[0, 1]]), torch.randn(3, 2, requires_grad=True)).grad_fn
+        names = (compat.node_name(addmm), compat.node_name(mm), compat.node_name(view), compat.node_name(under),
+                 compat.node_name(emb), compat.node_name(None))
+    _check("node_name", names[:2] == ("AddmmBackward0", "MmBackward0"), f"F.linear's nodes are {names[:2]}")
+    _check("node_name", names[2] in ("ViewBackward0", "UnsafeViewBackward0") and names[3] in ("AddmmBackward0", "MmBackward0"),
+           f"a 3-D F.linear's nodes are {names[2:4]}")
+    _check("node_name", len(t_nodes) == 1 and t_nodes[0].next_functions[0][0].variable is w,
+           "F.linear's weight is not reached through one TBackward0 node to its AccumulateGrad")
+    _check("node_name", names[4:] == ("EmbeddingBackward0", None), f"F.embedding's node / no node gave {names[4:]}")
+
+
+def test_embedding_saved():
+    ids = torch.tensor([[0, 2, 1], [2, 2, 0]])
+    table = torch.randn(4, 3, requires_grad=True)
+    with _entry("embedding_saved"):
+        plain = compat.embedding_saved(F.embedding(ids, table).grad_fn)
+        padded = compat.embedding_saved(F.embedding(ids, table, padding_idx=2, scale_grad_by_freq=True).grad_fn)
+    _check("embedding_saved", torch.equal(plain[0], ids) and plain[1:] == (-1, False), f"a plain lookup gave {plain}")
+    _check("embedding_saved", torch.equal(padded[0], ids) and padded[1:] == (2, True), f"padding_idx=2, scale_grad_by_freq gave {padded}")
+
+
+# ---------------------------------------------------------------------------- DDP
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    if not dist.is_available():  # pragma: no cover - every torch build gradlens supports has it
+        pytest.fail("torch.distributed is not available: the DDP entries of gradlens.compat cannot be checked")
+    own = not dist.is_initialized()
+    if own:
+        store = tmp_path_factory.mktemp("compat") / "store"
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    if own:
+        dist.destroy_process_group()
+
+
+def _ddp(**kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    return nn.parallel.DistributedDataParallel(model, **kwargs)
+
+
+def test_active_ddp_module_and_grad_sync(group):
+    ddp = _ddp()
+    seen = []
+    ddp.module[0].register_forward_pre_hook(lambda m, a: seen.append((compat.active_ddp_module(), compat.ddp_grad_sync(ddp))))
+    x = torch.randn(2, 3)
+    with _entry("active_ddp_module"):
+        outside = compat.active_ddp_module()
+        ddp(x).sum().backward()
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        after = compat.active_ddp_module()
+    _check("active_ddp_module", outside is None and after is None, "not None outside a DDP forward")
+    _check("active_ddp_module", [s[0] is ddp for s in seen] == [True, True], "not the DDP module inside its forward")
+    _check("ddp_grad_sync", [s[1] for s in seen] == [True, False], f"(synced, no_sync()) forwards gave {[s[1] for s in seen]}")
+
+
+def test_ddp_comm_hook_and_average_departure(group):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    plain, hooked = _ddp(), _ddp()
+    hooked.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with _entry("ddp_comm_hook"):
+        names = (compat.ddp_comm_hook(plain), compat.ddp_comm_hook(hooked))
+    _check("ddp_comm_hook", names[0] == "", f"a DDP without a comm hook gave {names[0]!r}")
+    _check("ddp_comm_hook", isinstance(names[1], str) and "fp16_compress_hook" in names[1], f"fp16_compress_hook gave {names[1]!r}")
+    _check("ddp_average_departure", hasattr(plain, "mixed_precision") and plain.mixed_precision is None,
+           "DistributedDataParallel.mixed_precision is gone or set by default")
+    with _entry("ddp_average_departure"):
+        why = (compat.ddp_average_departure(plain), compat.ddp_average_departure(hooked))
+    _check("ddp_average_departure", why[0] is None and why[1] == f"a comm hook ({names[1]})", f"gave {why}")
+
+
+def test_ddp_python_reducer(group):
+    ddp = _ddp()
+    _check("ddp_python_reducer", hasattr(ddp, "_use_python_reducer"), "DistributedDataParallel._use_python_reducer is gone")
+    _check("ddp_python_reducer", compat.ddp_python_reducer(ddp) is False, "True for an eager DDP")
+
+
+def test_ddp_delayed_params(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with _entry("ddp_delayed_params"):
+        delayed = nn.parallel.DistributedDataParallel(
+            model, delay_all_reduce_named_params=[("0.weight", model[0].weight)], param_to_hook_all_reduce=model[2].weight
+        )
+        got = (compat.ddp_delayed_params(_ddp()), compat.ddp_delayed_params(delayed))
+    _check("ddp_delayed_params", got[0] == [], f"a plain DDP gave {got[0]}")
+    _check("ddp_delayed_params", len(got[1]) == 1 and got[1][0] is model[0].weight, f"one delayed parameter gave {len(got[1])}")
+
+
+def test_ddp_static_graph_pending(group):
+    static = _ddp(static_graph=True)
+    x = torch.randn(2, 3)
+    with _entry("ddp_static_graph_pending"):
+        before = compat.ddp_static_graph_pending(static)
+        static(x).sum().backward()
+        static(x).sum().backward()
+        after = compat.ddp_static_graph_pending(static)
+        plain = compat.ddp_static_graph_pending(_ddp())
+    _check("ddp_static_graph_pending", before is True and after is False and plain is False,
+           f"static graph before / after its first iterations, plain DDP: {before}, {after}, {plain}")
+
+
+def test_ddp_join_enabled(group):
+    from torch.distributed.algorithms.join import Join
+
+    ddp = _ddp()
+    seen = []
+    ddp.module[0].register_forward_pre_hook(lambda m, a: seen.append(compat.ddp_join_enabled(ddp)))
+    x = torch.randn(2, 3)
+    with _entry("ddp_join_enabled"):
+        ddp(x).sum().backward()
+        with Join([ddp]):
+            ddp(x).sum().backward()
+        ddp(x).sum().backward()
+    # torch leaves the Join config in place when the block exits (gradlens then stays careful)
+    _check("ddp_join_enabled", seen[:2] == [False, True], f"forwards before / inside Join gave {seen[:2]}")
+
+
+# ---------------------------------------------------------------------------- GradScaler
+
+
+def test_grad_scaler_scale():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    loss = (torch.ones(2, requires_grad=True) * 3.0).sum()
+    with _entry("grad_scaler_scale"):
+        before = compat.grad_scaler_scale(scaler)
+        scaled = scaler.scale(loss)
+        after = compat.grad_scaler_scale(scaler)
+        off = compat.grad_scaler_scale(torch.amp.GradScaler("cpu", enabled=False))
+    _check("grad_scaler_scale", before is None, f"before the first scale() it gave {before!r}")
+    _check("grad_scaler_scale", isinstance(after, torch.Tensor) and after.dim() == 0 and float(after) == scaler.get_scale() == 8.0,
+           f"after scale() gave {after!r}, get_scale() {scaler.get_scale()}")
+    _check("grad_scaler_scale", torch.equal(scaled, loss * after), "is not the tensor scale() multiplied by")
+    _check("grad_scaler_scale", off is None, f"a disabled scaler gave {off!r}")
+
+
+def test_optimizer_grad_scale():
+    class _Seen(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            self.seen.append(compat.optimizer_grad_scale(self))
+            return None
+
+    p = nn.Parameter(torch.ones(2))
+    opt = _Seen([p], lr=0.1)
+    opt.seen = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with _entry("optimizer_grad_scale"):
+        scaler.scale((p * p).sum()).backward()
+        scaler.step(opt)
+        outside = compat.optimizer_grad_scale(opt)
+    _check("optimizer_grad_scale", len(opt.seen) == 1 and isinstance(opt.seen[0], torch.Tensor) and float(opt.seen[0]) == 4.0,
+           f"GradScaler.step gave a _step_supports_amp_scaling optimizer the scale {opt.seen}")
+    _check("optimizer_grad_scale", outside is None, f"outside step it gave {outside!r}")
