@@ -47,13 +47,13 @@ from gradlens.distributed import (
     resolve_group,
 )
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
-from gradlens.instruments.noise import sq_norm
+from gradlens.sq_norms import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.records import Record
+from gradlens.state import lens_state_dict, load_lens_state_dict
 
 __all__ = ["Lens"]
 
-_LENS_STATE_VERSION = 2  # the checkpoint format of gradlens.state (which reads it here)
 
 
 @dataclass
@@ -1358,8 +1358,6 @@ class Lens:
         ``torch.load(weights_only=True)`` reads; the partial window and the pending record are a
         pickle inside a uint8 tensor. Like any pickle, load only checkpoints you trust.
         """
-        from gradlens.state import lens_state_dict
-
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
         return lens_state_dict(self)
 
@@ -1374,8 +1372,6 @@ class Lens:
                 as bins or seeds), other tracked parameters (names, shapes, dtypes), or a
                 partial window that this Lens's schedule does not track.
         """
-        from gradlens.state import load_lens_state_dict
-
         self._check_open()
         load_lens_state_dict(self, state_dict)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import WindowStats
 from gradlens.instruments.crosssample import _CrossSample, _DotState, _nbytes
-from gradlens.state import COUNT, TENSORS, StateDictError, check_state, label, optional
+from gradlens.state_checks import COUNT, TENSORS, StateDictError, check_state, label, optional
 
 __all__ = ["Alpha", "alpha_fit"]
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from gradlens.compat import storage_use_count
-from gradlens.state import check_state
+from gradlens.state_checks import check_state
 
 __all__ = ["Accumulators", "DistParts", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
 
@@ -383,8 +383,8 @@ class Instrument:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Checks every key and value first
-        (:func:`gradlens.state.check_state`): a state of another instrument or with other
-        settings raises :class:`gradlens.state.StateDictError` (a ``ValueError``) naming this
+        (:func:`gradlens.state_checks.check_state`): a state of another instrument or with other
+        settings raises :class:`gradlens.state_checks.StateDictError` (a ``ValueError``) naming this
         instrument and the key."""
         check_state(self, state)
 

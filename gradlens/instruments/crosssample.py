@@ -66,7 +66,7 @@ from torch import Tensor
 
 from gradlens.compat import tensor_version
 from gradlens.instruments.base import DistParts, Instrument, WindowStats
-from gradlens.state import check_state
+from gradlens.state_checks import check_state
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 

@@ -38,7 +38,7 @@ from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, ou
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
-from gradlens.state import COUNT, RANGE, check_state
+from gradlens.state_checks import COUNT, RANGE, check_state
 from gradlens.sync import device_paths
 
 

@@ -56,7 +56,7 @@ from gradlens import compat
 from gradlens.accumulate import GradientAccumulateOptimizer
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
-from gradlens.state import FLOAT, check_state
+from gradlens.state_checks import FLOAT, check_state
 
 __all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
 

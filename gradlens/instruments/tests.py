@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import DistParts, Instrument, WindowStats
-from gradlens.state import check_state
+from gradlens.state_checks import check_state
 
 __all__ = ["NormTest", "MeanGSNR", "NoiseScale", "ShiftedMoments"]
 
