@@ -1,5 +1,6 @@
-"""The Lens: watches a model (and optionally its optimizer), opens and closes windows, runs the
-instruments on every captured micro-step, and keeps and streams one record per tracked window.
+"""The Lens: watches a model (and optionally its optimizer), opens and closes windows, starts and
+ends each captured micro-step on its :class:`~gradlens.measure.Meter` (which measures the uses
+for the instruments), and keeps and streams one record per tracked window.
 
 A window is one real optimizer update (docs/design.md). With an ``optimizer``, the window closes in
 the optimizer's step post-hook (with :class:`~gradlens.GradientAccumulateOptimizer` that hook
@@ -39,37 +40,49 @@ from gradlens.instruments.base import LIGHT_QUANTITIES, QUANTITIES, Accumulators
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
 from gradlens.records import Record
-from gradlens.units import MicroStep, check_multiplier, check_reduction, loss_calls_for
+from gradlens.units import check_multiplier
 
 __all__ = ["Lens"]
 
 _LENS_STATE_VERSION = 1
 
-
-def _compile_probe(lens: "Lens"):
-    """A forward pre-hook of tracked windows that notes a compiled forward (a plain function
-    over a weak reference: deep-copying the model copies no Lens)."""
-    import weakref
-
-    ref = weakref.ref(lens)
-
-    def probe(module, args) -> None:
-        if torch.compiler.is_compiling():
-            owner = ref()
-            if owner is not None:
-                owner._compiled_seen = True  # an attribute write: traced without a graph break
-
-    return probe
+_COMPILED = (
+    "the model runs under torch.compile: in a tracked window gradlens hooks every "
+    "watched layer's output, and each hook is a graph break (a 3-layer MLP: 6), so "
+    "tracked windows run partly uncompiled and recompile when tracking starts or "
+    "stops; untracked windows install no hook and stay fully compiled. Track fewer "
+    "windows (Lens(..., every=k)) to keep the cost small. (Said once per Lens.)"
+)
 
 
-def _ddp_probe(route: DDPGradRoute):
-    """A forward pre-hook of tracked windows under torch.distributed: notes the DDP module that
-    runs the forward (see :class:`gradlens.distributed.DDPGradRoute`)."""
+class _ForwardProbes:
+    """Forward pre-hooks of tracked windows on the model: one notes a compiled forward (sets
+    the Lens' ``_compiled_seen``, through a weak reference: deep-copying the model copies no
+    Lens); under torch.distributed one notes the DDP module that runs the forward (see
+    :class:`gradlens.distributed.DDPGradRoute`). ``install()`` / ``remove()`` are idempotent."""
 
-    def probe(module, args) -> None:
-        route.on_forward()
+    def __init__(self, model: nn.Module, lens: "Lens", route: DDPGradRoute | None):
+        self.model, self.route, self.handles = model, route, []
+        ref = weakref.ref(lens)
 
-    return probe
+        def compiled(module, args) -> None:
+            if torch.compiler.is_compiling():
+                owner = ref()
+                if owner is not None:
+                    owner._compiled_seen = True  # an attribute write: traced without a graph break
+
+        self.probes = [compiled]
+        if route is not None:
+            self.probes.append(lambda module, args: route.on_forward())
+
+    def install(self) -> None:
+        if not self.handles:
+            self.handles = [self.model.register_forward_pre_hook(p) for p in self.probes]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 class Lens:
@@ -167,65 +180,10 @@ class Lens:
         sinks: Iterable[Any] = (),
         merge: str = "sync",
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
-        model = getattr(model, "_orig_mod", model)  # torch.compile(model): watch the module itself
-        if not is_extended(model):
-            raise RuntimeError(
-                f"the model ({type(model).__name__}) was not extended; call "
-                "model = gradlens.extend(model) before creating the Lens"
-            )
-        check_not_sharded(model)
-        other = getattr(model, "_gradlens_lens", None)
-        other = other() if other is not None else None
-        if other is not None and not other._closed:
-            raise RuntimeError(
-                f"{type(model).__name__} is already watched by an open Lens ({other!r}); close it "
-                "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
-                "instruments"
-            )
-        instruments = list(instruments)
-        for inst in instruments:
-            if not isinstance(inst, Instrument):
-                raise TypeError(
-                    f"instruments must be gradlens.instruments objects, got {inst!r}; "
-                    "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
-                )
-        for inst in instruments:
-            unknown = set(inst.needs) - QUANTITIES
-            if unknown:
-                raise ValueError(
-                    f"{type(inst).__name__}.needs names {sorted(unknown)}, which no capture provides; "
-                    f"the quantities are {sorted(QUANTITIES)}"
-                )
-        keys = [i.key for i in instruments]
-        dupes = sorted({k for k in keys if keys.count(k) > 1})
-        if dupes:
-            raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
-        if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
-            raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if not isinstance(keep_records, (bool, int)) or (
-            not isinstance(keep_records, bool) and keep_records < 0
-        ):
-            raise ValueError(
-                f"keep_records must be True, False or an int >= 0 (keep the last n), got {keep_records!r}"
-            )
-        if log_mode not in ("resume", "append", "overwrite"):
-            raise ValueError(
-                f"log_mode must be 'resume', 'append' or 'overwrite', got {log_mode!r}"
-            )
-        if not isinstance(chunk_elements, int) or chunk_elements < 1:
-            raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+        model = _watched_model(model)
+        instruments = _check_instruments(instruments)
+        _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
         extra_sinks = _check_sinks(sinks)
-
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise TypeError(
-                f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
-            )
         self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
         self._scale_at_open: float | None = None
         self.model = model
@@ -238,8 +196,6 @@ class Lens:
         self.step = 0
         self.skipped_windows = 0
 
-        if undefined not in ("error", "exclude"):
-            raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
         self.undefined = undefined
         self._exclude = model_exclusions(model) + tuple(exclude)
         params = tracked_parameters(model, self._exclude)
@@ -250,20 +206,11 @@ class Lens:
         self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
                             undefined=undefined)
         self._tap = self._meter.tap
-        self._grad_sq_hooks = self._meter.grad_sq_hooks
         plan = self._meter.plan
 
         self._group = resolve_group(process_group)
         self._merged = False
-        if merge not in ("sync", "deferred"):
-            raise ValueError(f"merge must be 'sync' or 'deferred', got {merge!r}")
-        if merge == "deferred" and not plan.light:
-            heavy = sorted({type(i).__name__ for i in instruments if set(i.needs) - LIGHT_QUANTITIES})
-            raise ValueError(
-                f"Lens(merge='deferred') is for instruments of the window gradient only (GradNorm, "
-                f"NoiseScaleTwoBatch); {heavy} need per-sample statistics whose next window depends "
-                "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
-            )
+        _check_merge(merge, instruments, plan.light)
         self.merge = merge
         self._merge_pending = None  # the current window's collective, issued and not finished
         self._inflight: tuple | None = None  # (step, window, states, empty micro-steps, merge)
@@ -272,25 +219,12 @@ class Lens:
             DDPGradRoute(self._group, light=plan.light)
             if self._group is not None and "grad_sum" in plan.needs else None
         )
-        self._ddp_probe = None
         self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
 
-        self._sinks: list[Any] = []
-        writer = is_writer(self._group)  # under torch.distributed: rank 0 writes
-        if log is not None and writer:
-            from gradlens.sinks import JsonlSink
-
-            sink = log if isinstance(log, JsonlSink) else JsonlSink(
-                log, mode="overwrite" if log_mode == "overwrite" else "append"
-            )
-            self._sinks.append(sink)
-            if log_mode == "resume" and sink.next_step is not None:
-                self.step = sink.next_step
-        if tensorboard is not None and writer:
-            from gradlens.sinks import TensorBoardSink
-
-            self._sinks.append(TensorBoardSink(tensorboard))
-        self._sinks.extend(extra_sinks)
+        # under torch.distributed: rank 0 writes
+        self._sinks, next_step = _open_sinks(log, log_mode, tensorboard, extra_sinks, is_writer(self._group))
+        if next_step is not None:  # log_mode="resume": continue the log's step count
+            self.step = next_step
 
         self._hooks = []
         if optimizer is not None:
@@ -301,7 +235,7 @@ class Lens:
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._empty_micro_steps = 0
         self._pending: tuple[Record, dict[int, Any]] | None = None
-        self._compile_probe = None  # a forward pre-hook of tracked windows: is the model compiled?
+        self._probes = _ForwardProbes(model, self, self._ddp_route)  # tracked windows only
         self._compiled_seen = False
         self._compile_warned = False
         self._window: WindowStats | None = None
@@ -328,25 +262,17 @@ class Lens:
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
-            self._tap.install()
-            if self._grad_sq_hooks is not None:
-                self._grad_sq_hooks.install()
-            if self._compile_probe is None:
-                self._compile_probe = self.model.register_forward_pre_hook(_compile_probe(self))
+            self._meter.install()
+            self._probes.install()
             if self._ddp_route is not None:
                 self._ddp_route.reset()
-                if self._ddp_probe is None:
-                    self._ddp_probe = self.model.register_forward_pre_hook(_ddp_probe(self._ddp_route))
             if self.grad_scaler is not None:
                 self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
             self._window = None
             self._states = {}
-            self._tap.remove()
-            if self._grad_sq_hooks is not None:
-                self._grad_sq_hooks.remove()
-            self._remove_compile_probe()
-            self._remove_ddp_probe()
+            self._meter.remove()
+            self._probes.remove()
         self._merged = False
 
     def _merge_ranks(self, defer_off: bool = False) -> None:
@@ -382,41 +308,13 @@ class Lens:
     def _refresh_params(self) -> None:
         """Follow parameters frozen, unfrozen or added since the last tracked window."""
         params, total = trainable_split(self.model, self._exclude)  # names checked at build
-        for q in self._meter.undefined_params:
-            params.pop(q, None)
-        if params.keys() != self._tap.params.keys() or any(
-            p is not self._tap.params[q] for q, p in params.items()
-        ):
-            if not params:
-                raise ValueError("the model has no trainable parameters left to track")
-            self._tap.set_params(params)
-            if getattr(self, "_grad_sq_hooks", None) is not None:
-                self._grad_sq_hooks.remove()
-                self._grad_sq_hooks.params = list(params.values())
+        self._meter.follow(params)
         self._window_coverage = sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _on_pre_step(self, optimizer, args, kwargs):
         if self._window is None:
             return None
-        # args[0] is the optimizer itself (torch passes step's full positional arguments)
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure):
-            # optimizer.step(closure) (PyTorch Lightning): the closure runs this window's last
-            # micro-step inside step(), after this hook; snapshot once it has run, just before
-            # the update.
-            def closure_then_snapshot(*a, **k):
-                out = closure(*a, **k)
-                if not done:
-                    done.append(True)
-                    self._before_update()
-                return out
-
-            done: list[bool] = []
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": closure_then_snapshot}
-            return (args[0], closure_then_snapshot, *args[2:]), kwargs
-        self._before_update()
-        return None
+        return _after_closure(args, kwargs, self._before_update)
 
     def _before_update(self) -> None:
         if self._window is not None:
@@ -470,32 +368,12 @@ class Lens:
             states,
         )
         if captured:
-            values = {i.key: i.finalize(window, states[id(i)]) for i in self.instruments}
-            loss_value = window.window_loss()
-            values["loss"] = None if math.isnan(loss_value) else loss_value
-            record = Record(step, window.num_samples, window.micro_steps, values)
-            record.meta["coverage"] = self._window_coverage  # as of the window's opening
-            if values["loss"] is None:
-                record.meta["loss"] = (
-                    "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
-                )
-            if empty:
-                record.meta["empty_micro_steps"] = empty
-            record.meta["units"] = (
-                "g_n = B_k * d(micro-step objective)_n (mean objective)"
-                if window.reduction == "mean"
-                else "g_n = d(micro-step objective)_n (sum objective)"
-            )
-            for i in self.instruments:
-                record.meta.update(i.meta(states[id(i)]))
-            self._warn_nonfinite(record)
+            record = _window_record(step, window, states, self.instruments, self._window_coverage, empty)
+            _warn_nonfinite(record, self.optimizer, self.grad_scaler)
             deferring = {id(i): states[id(i)] for i in self.instruments if i.defers(states[id(i)])}
             for i in self.instruments:
                 i.end_window(states[id(i)])
-            if self.keep_records is True or self.keep_records > 0:
-                self.records.append(record)
-                if self.keep_records is not True and len(self.records) > self.keep_records:
-                    del self.records[: len(self.records) - self.keep_records]
+            _keep(self.records, record, self.keep_records)
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
                 self._pending = (record, deferring)
             else:
@@ -519,51 +397,12 @@ class Lens:
             self.skipped_windows += 1
             self._open_window()
 
-    def _remove_ddp_probe(self) -> None:
-        if self._ddp_probe is not None:
-            self._ddp_probe.remove()
-            self._ddp_probe = None
-
-    def _remove_compile_probe(self) -> None:
-        if self._compile_probe is not None:
-            self._compile_probe.remove()
-            self._compile_probe = None
-
     def _warn_compiled(self) -> None:
         if self._meter.plan.light:  # parameter hooks only: no layer output is hooked, no graph break
             return
         if self._compiled_seen and not self._compile_warned:
             self._compile_warned = True
-            warnings.warn(
-                "the model runs under torch.compile: in a tracked window gradlens hooks every "
-                "watched layer's output, and each hook is a graph break (a 3-layer MLP: 6), so "
-                "tracked windows run partly uncompiled and recompile when tracking starts or "
-                "stops; untracked windows install no hook and stay fully compiled. Track fewer "
-                "windows (Lens(..., every=k)) to keep the cost small. (Said once per Lens.)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-
-    def _warn_nonfinite(self, record: Record) -> None:
-        """A record with inf/nan gradients behind a real update: with a plain optimizer and a
-        GradScaler that the Lens does not know, an earlier skipped window was merged here."""
-        if self.optimizer is None or hasattr(self.optimizer, "register_window_end_hook"):
-            return
-        if self.grad_scaler is not None:
-            return
-        gn, l2 = record.get("grad_norm"), record.get("batch_l2")
-        bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
-            isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
-        )
-        if bad:
-            warnings.warn(
-                f"the record of window {record.step} holds inf/nan per-sample gradients although "
-                "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
-                "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
-                "dropped",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(_COMPILED, RuntimeWarning, stacklevel=4)
 
     def _drop_window_skipped_by_scaler(self) -> None:
         """With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's
@@ -650,31 +489,15 @@ class Lens:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
         self._drop_window_skipped_by_scaler()
         self._warn_compiled()
-        calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
-        if expected is not None:
-            check_reduction(self._window, expected)
-        micro = MicroStep(
-            reduction=reduction,
-            batch_size=calls[0].batch_size if len(calls) == 1 else None,
-            stats=WindowStats(reduction=expected or "mean"),
-            states={id(i): i.start_micro(self._states[id(i)]) for i in meter.plan.micro},
-            loss_calls=calls,
-            explicit=reduction is not None,
-            losses=losses,
-        )
-        for call in calls:
-            call.watch_multiplier()
-        micro.factor = multiplier
         undefined = len(meter.undefined_params)
         try:
-            if self._tap.tainted:
-                meter.check_undefined()
+            micro = meter.begin(reduction, loss, multiplier, losses, calls, self._window, self._states,
+                                self._window_sites)
         finally:
             if len(meter.undefined_params) != undefined:  # undefined="exclude" left some out
                 self._window_coverage = self.coverage
         if self._ddp_route is not None:
             self._ddp_route.start_micro(self._tap.params)
-        meter.begin(micro, self._window, self._window_sites)
         try:
             yield
             if micro.seen:
@@ -862,11 +685,8 @@ class Lens:
         self._closed = True
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
-        self._tap.remove()
-        if self._grad_sq_hooks is not None:
-            self._grad_sq_hooks.remove()
-        self._remove_compile_probe()
-        self._remove_ddp_probe()
+        self._meter.remove()
+        self._probes.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -887,7 +707,200 @@ class Lens:
 
 
 
-# ---------------------------------------------------------------------- sinks and multipliers
+# ---------------------------------------------------------------------- optimizer hooks
+def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None]):
+    """A step pre-hook's result that runs ``before_update`` just before the optimizer's update:
+    now (None: arguments unchanged), or, for ``optimizer.step(closure)`` (PyTorch Lightning),
+    once the closure has run this window's last micro-step inside ``step()``: the arguments
+    with the closure wrapped. ``args[0]`` is the optimizer (torch passes step's full positional
+    arguments)."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        before_update()
+        return None
+    done: list[bool] = []
+
+    def closure_then_snapshot(*a, **k):
+        out = closure(*a, **k)
+        if not done:
+            done.append(True)
+            before_update()
+        return out
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_snapshot}
+    return (args[0], closure_then_snapshot, *args[2:]), kwargs
+
+
+# ---------------------------------------------------------------------- arguments
+def _watched_model(model: nn.Module) -> nn.Module:
+    """The module a Lens watches (``torch.compile(model)``: the module itself), checked: an
+    extended, unsharded model not watched by another open Lens."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
+    model = getattr(model, "_orig_mod", model)  # torch.compile(model): watch the module itself
+    if not is_extended(model):
+        raise RuntimeError(
+            f"the model ({type(model).__name__}) was not extended; call "
+            "model = gradlens.extend(model) before creating the Lens"
+        )
+    check_not_sharded(model)
+    other = getattr(model, "_gradlens_lens", None)
+    other = other() if other is not None else None
+    if other is not None and not other._closed:
+        raise RuntimeError(
+            f"{type(model).__name__} is already watched by an open Lens ({other!r}); close it "
+            "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
+            "instruments"
+        )
+    return model
+
+
+def _check_instruments(instruments: Sequence[Instrument]) -> list[Instrument]:
+    """``Lens(instruments=...)`` as a list of instrument instances with known needs and distinct
+    record keys."""
+    instruments = list(instruments)
+    for inst in instruments:
+        if not isinstance(inst, Instrument):
+            raise TypeError(
+                f"instruments must be gradlens.instruments objects, got {inst!r}; "
+                "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
+            )
+    for inst in instruments:
+        unknown = set(inst.needs) - QUANTITIES
+        if unknown:
+            raise ValueError(
+                f"{type(inst).__name__}.needs names {sorted(unknown)}, which no capture provides; "
+                f"the quantities are {sorted(QUANTITIES)}"
+            )
+    keys = [i.key for i in instruments]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
+    return instruments
+
+
+def _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined) -> None:
+    """The Lens' schedule, optimizer, record, GradScaler and ``undefined`` arguments."""
+    if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
+        raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not isinstance(keep_records, (bool, int)) or (
+        not isinstance(keep_records, bool) and keep_records < 0
+    ):
+        raise ValueError(
+            f"keep_records must be True, False or an int >= 0 (keep the last n), got {keep_records!r}"
+        )
+    if log_mode not in ("resume", "append", "overwrite"):
+        raise ValueError(
+            f"log_mode must be 'resume', 'append' or 'overwrite', got {log_mode!r}"
+        )
+    if not isinstance(chunk_elements, int) or chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(
+            f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+        )
+    if undefined not in ("error", "exclude"):
+        raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
+
+
+def _check_merge(merge: str, instruments: list[Instrument], light: bool) -> None:
+    """``Lens(merge=...)``: "deferred" only for instruments of the window gradient (``light``)."""
+    if merge not in ("sync", "deferred"):
+        raise ValueError(f"merge must be 'sync' or 'deferred', got {merge!r}")
+    if merge == "deferred" and not light:
+        heavy = sorted({type(i).__name__ for i in instruments if set(i.needs) - LIGHT_QUANTITIES})
+        raise ValueError(
+            f"Lens(merge='deferred') is for instruments of the window gradient only (GradNorm, "
+            f"NoiseScaleTwoBatch); {heavy} need per-sample statistics whose next window depends "
+            "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
+        )
+
+
+# ---------------------------------------------------------------------- records and sinks
+def _warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
+    """A record with inf/nan gradients behind a real update: with a plain optimizer and a
+    GradScaler that the Lens does not know, an earlier skipped window was merged here."""
+    if optimizer is None or hasattr(optimizer, "register_window_end_hook"):
+        return
+    if grad_scaler is not None:
+        return
+    gn, l2 = record.get("grad_norm"), record.get("batch_l2")
+    bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
+        isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
+    )
+    if bad:
+        warnings.warn(
+            f"the record of window {record.step} holds inf/nan per-sample gradients although "
+            "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
+            "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
+            "dropped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _window_record(step: int, window: WindowStats, states: dict[int, Any], instruments: Sequence[Instrument],
+                   coverage: float, empty: int) -> Record:
+    """The record of a captured window: each instrument's finalized value under its key, the
+    window's mean loss (None if unknown) and the meta data (coverage as of the window's opening,
+    units, empty micro-steps, what the instruments add)."""
+    values = {i.key: i.finalize(window, states[id(i)]) for i in instruments}
+    loss_value = window.window_loss()
+    values["loss"] = None if math.isnan(loss_value) else loss_value
+    record = Record(step, window.num_samples, window.micro_steps, values)
+    record.meta["coverage"] = coverage  # as of the window's opening
+    if values["loss"] is None:
+        record.meta["loss"] = (
+            "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
+        )
+    if empty:
+        record.meta["empty_micro_steps"] = empty
+    record.meta["units"] = (
+        "g_n = B_k * d(micro-step objective)_n (mean objective)"
+        if window.reduction == "mean"
+        else "g_n = d(micro-step objective)_n (sum objective)"
+    )
+    for i in instruments:
+        record.meta.update(i.meta(states[id(i)]))
+    return record
+
+
+def _keep(records: list[Record], record: Record, keep: bool | int) -> None:
+    """Append ``record`` to ``records`` as ``Lens(keep_records=...)`` says: all, none, the last n."""
+    if keep is True or keep > 0:
+        records.append(record)
+        if keep is not True and len(records) > keep:
+            del records[: len(records) - keep]
+
+
+def _open_sinks(log, log_mode: str, tensorboard: Any, extra: list[Any], writer: bool) -> tuple[list[Any], int | None]:
+    """The Lens' sinks, in order: the JSONL log, TensorBoard (both on the writing rank only),
+    then ``extra``; and the step after the log's last record when ``log_mode="resume"`` finds
+    one (else None)."""
+    sinks: list[Any] = []
+    next_step = None
+    if log is not None and writer:
+        from gradlens.sinks import JsonlSink
+
+        sink = log if isinstance(log, JsonlSink) else JsonlSink(
+            log, mode="overwrite" if log_mode == "overwrite" else "append"
+        )
+        sinks.append(sink)
+        if log_mode == "resume" and sink.next_step is not None:
+            next_step = sink.next_step
+    if tensorboard is not None and writer:
+        from gradlens.sinks import TensorBoardSink
+
+        sinks.append(TensorBoardSink(tensorboard))
+    sinks.extend(extra)
+    return sinks, next_step
+
+
 def _check_sinks(sinks: Iterable[Any]) -> list[Any]:
     """The ``sinks=`` argument of :class:`Lens` as a list; every entry must have callable
     ``write(record)`` and ``close()`` (the sink protocol)."""

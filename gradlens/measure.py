@@ -23,11 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from gradlens import ops
-from gradlens.capture import OpUse, ParamTap, Site, Tap, WeightGrad
+from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.instruments.noise import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
-from gradlens.units import MicroStep, check_reduction
+from gradlens.units import MicroStep, check_reduction, loss_calls_for
 
 __all__ = ["Plan", "Meter"]
 
@@ -133,11 +133,63 @@ class Meter:
 
             self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
 
+    # ------------------------------------------------------------------ hooks and parameters
+    def install(self) -> None:
+        """Install the Tap and the parameter hooks (a tracked window opens; idempotent)."""
+        self.tap.install()
+        if self.grad_sq_hooks is not None:
+            self.grad_sq_hooks.install()
+
+    def remove(self) -> None:
+        """Remove every hook the Meter's capture added (idempotent)."""
+        self.tap.remove()
+        if self.grad_sq_hooks is not None:
+            self.grad_sq_hooks.remove()
+
+    def follow(self, params: dict[str, nn.Parameter]) -> None:
+        """Track ``params`` (the model's trainable parameters after exclusions, at a window's
+        opening) less those left out as undefined; the Tap's sites are rebuilt only if they
+        changed (frozen, unfrozen or added parameters)."""
+        for q in self.undefined_params:
+            params.pop(q, None)
+        if params.keys() != self.tap.params.keys() or any(
+            p is not self.tap.params[q] for q, p in params.items()
+        ):
+            if not params:
+                raise ValueError("the model has no trainable parameters left to track")
+            self.tap.set_params(params)
+            if self.grad_sq_hooks is not None:
+                self.grad_sq_hooks.remove()
+                self.grad_sq_hooks.params = list(params.values())
+
     # ------------------------------------------------------------------ micro-step lifecycle
-    def begin(self, micro: MicroStep, window: WindowStats, sites: dict[str, Site]) -> None:
-        """A capture starts: backward's events go to ``micro``; ``window`` (whose sums are
-        accumulated in place) and ``sites`` belong to the Lens."""
+    def begin(self, reduction: str | None, loss: Tensor | None, multiplier: Any, losses: Tensor | None,
+              calls: list[LossCall], window: WindowStats, states: dict[int, Any],
+              sites: dict[str, Site]) -> MicroStep:
+        """A capture starts (arguments of :meth:`gradlens.Lens.capture`, checked; ``calls``: the
+        extended losses computed since the last capture): the new micro-step, to which
+        backward's events now go. ``window`` (whose sums are accumulated in place), the
+        instruments' window ``states`` (read: each instrument's micro-step state starts from
+        its own) and ``sites`` (this window's measured uses) belong to the Lens."""
+        calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
+        if expected is not None:
+            check_reduction(window, expected)
+        micro = MicroStep(
+            reduction=reduction,
+            batch_size=calls[0].batch_size if len(calls) == 1 else None,
+            stats=WindowStats(reduction=expected or "mean"),
+            states={id(i): i.start_micro(states[id(i)]) for i in self.plan.micro},
+            loss_calls=calls,
+            explicit=reduction is not None,
+            losses=losses,
+        )
+        for call in calls:
+            call.watch_multiplier()
+        micro.factor = multiplier
+        if self.tap.tainted:
+            self.check_undefined()
         self.micro, self.window, self.sites = micro, window, sites
+        return micro
 
     def end(self, micro: MicroStep) -> None:
         """A capture ends (normally or not): forget it, reset the Tap's per-micro-step state and
