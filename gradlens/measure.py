@@ -97,8 +97,8 @@ class Meter:
         undefined: ``"error"`` or ``"exclude"`` (see :class:`gradlens.Lens`).
 
     Attributes:
-        tap: the :class:`~gradlens.capture.Tap` (or ``ParamTap``) whose events come here; the
-            Lens installs and removes it.
+        tap: the :class:`~gradlens.capture.Tap` (or ``ParamTap``) whose events come here,
+            installed (:meth:`install`) while the Lens' window is tracked.
         grad_sq_hooks: parameter hooks giving ||dL/dp||^2 ("micro_grad_sq"), or None.
         undefined_params: parameters left out as undefined: name -> the mixing layer.
         micro, window, sites: the micro-step being captured, the Lens' window it folds into and
