@@ -191,12 +191,10 @@ class Lens:
         self.optimizer = optimizer
         self.every = every
         self.keep_records = keep_records
-        self.chunk_elements = chunk_elements
         self.records: list[Record] = []
         self.step = 0
         self.skipped_windows = 0
 
-        self.undefined = undefined
         self._exclude = model_exclusions(model) + tuple(exclude)
         params = tracked_parameters(model, self._exclude)
         if not params:
@@ -294,6 +292,11 @@ class Lens:
         self._merged = True
 
     # ------------------------------------------------------------------ coverage
+    #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
+    chunk_elements = property(lambda self: self._meter.chunk_elements,
+                              lambda self, v: setattr(self._meter, "chunk_elements", v))
+    undefined = property(lambda self: self._meter.undefined, lambda self, v: setattr(self._meter, "undefined", v))
+
     @property
     def tracked(self) -> list[str]:
         """Qualified names of the tracked parameters (as in ``model.named_parameters()``)."""
