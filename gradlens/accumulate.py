@@ -588,7 +588,7 @@ class GradientAccumulateOptimizer(Optimizer):
                 st.reset_window()
                 st.has_updated = False
                 st.skipped_windows += 1
-                st.folded = {p: (weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None}
+                st.folded = {p: (weakref.ref(p.grad), compat.tensor_version(p.grad)) for p in params if p.grad is not None}
                 self._fire_window_end(False)
                 return False
         for hook in list(getattr(self, "_window_grad_hooks", {}).values()):

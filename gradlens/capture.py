@@ -15,8 +15,8 @@ follows every use of a tracked parameter:
   parameter (or a derived tensor) meets the batch is hooked; ``F.linear`` there is a site, the
   rest follows the exact per-operation rules of :mod:`gradlens.ops`.
 
-In backward each hooked output hands its gradient to the Lens, which rescales it to per-sample
-units and measures it. Where the Lens materialises a sequence ``nn.Linear``'s per-sample weight
+In backward each hooked output hands its gradient down to the Meter (:mod:`gradlens.measure`),
+which rescales it to per-sample units and measures it. Where the Meter materialises a sequence ``nn.Linear``'s per-sample weight
 gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as a
 ``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is the axis whose size is the micro-batch size
 (read from the model's first input; dim 1 where a ``batch_first=False`` module says so).
@@ -271,9 +271,11 @@ class Site:
         return Site(self.name, self.module, self.kernel, {a: q for a, q in self.params.items() if a in attrs})
 
 
-#: Called in backward: (site, input a [B, ...], output gradient [B, ...], weight grad comes via
-#: autograd's node, micro-batch size seen in forward, id of that forward pass)
-OnUse = Callable[[Site, Tensor, Tensor, bool, int, int], None]
+#: Called in backward (:meth:`gradlens.measure.Meter.on_use`): (site, input a [B, ...], output
+#: gradient [B, ...], weight grad comes via autograd's node, micro-batch size seen in forward, id
+#: of that forward pass; keyword ``fused=True`` for a fused Linear call), returning that call's
+#: dL/dW when the measurement formed it (else None)
+OnUse = Callable[..., "Tensor | None"]
 
 
 @dataclass(eq=False)
@@ -441,12 +443,15 @@ class _UseMode(TorchFunctionMode):
 class Tap:
     """The hooks of a tracked window (see the module docstring). ``install()`` / ``remove()``
     are idempotent; per micro-step state (use counts, parameters that received a gradient,
-    parameters whose per-sample gradient is undefined) is read and reset by the Lens.
+    parameters whose per-sample gradient is undefined) is read and reset by the Meter.
+
+    The callbacks are the :class:`gradlens.measure.Meter`'s event methods: capture calls down
+    into the measurement, never up into the Lens.
 
     Args:
         model: the extended model.
         params: qualified name -> tracked parameter.
-        on_use: receives each closed-form site use in backward.
+        on_use: receives each closed-form site use in backward (see :data:`OnUse`).
         on_op_use: receives ``(OpUse, output gradient)`` in backward.
         on_weight_grad: optional; receives autograd's own dL/dW of a 2-D ``nn.Linear`` call.
     """
@@ -474,8 +479,8 @@ class Tap:
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
-        #: sequence ``nn.Linear`` calls take dL/dW from the Lens' per-sample pass (set by the
-        #: Lens when it materialises those gradients anyway; before install)
+        #: sequence ``nn.Linear`` calls take dL/dW from the Meter's per-sample pass (set by the
+        #: Meter from its plan when it materialises those gradients anyway; before install)
         self.fuse_weight_grad = False
         self.set_params(params)
         self.reset_micro()
@@ -687,10 +692,12 @@ class Tap:
                     node.register_hook(lambda grad_in, grad_out: on_wg(site, grad_in[0]))
             on_use, via, fid = self.on_use, node is not None, self.forward_id
             wg = getattr(output, "_gradlens_weight_grad", None)
-            if wg is not None:
-                output.register_hook(
-                    lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid, weight_grad=wg)
-                )
+            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
+
+                def fused_hook(g):
+                    wg.value = on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid, fused=True)
+
+                output.register_hook(fused_hook)
                 return None
             output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
             return None
@@ -950,9 +957,11 @@ class _TrackedForward:
 
 
 class WeightGrad:
-    """One call of a fused ``nn.Linear`` (:func:`_fused_linear_forward`): its dL/dW when the Lens
-    formed it while measuring the call (the sum of the per-sample gradients it materialised
-    anyway, divided by the per-sample scale), else None and the call's backward computes it."""
+    """One call of a fused ``nn.Linear`` (:func:`_fused_linear_forward`): its dL/dW when the
+    Meter formed it while measuring the call (the sum of the per-sample gradients it
+    materialised anyway, divided by the per-sample scale), else None and the call's backward
+    computes it. Written only by the output hook of :meth:`Tap._site_post` (from the value
+    :meth:`gradlens.measure.Meter.on_use` returns), read by :class:`_FusedLinear`."""
 
     __slots__ = ("value",)
 
@@ -961,7 +970,7 @@ class WeightGrad:
 
 
 class _FusedLinear(torch.autograd.Function):
-    """``F.linear`` whose backward takes dL/dW from its :class:`WeightGrad` when the Lens filled
+    """``F.linear`` whose backward takes dL/dW from its :class:`WeightGrad` when the Meter formed
     it (the output's hook, which measures the call, runs before this backward), so that the
     weight-gradient matmul is not computed twice. Input and bias gradients as ``F.linear``."""
 

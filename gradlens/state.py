@@ -151,7 +151,7 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
         "empty_micro_steps": int(lens._empty_micro_steps),
         "instruments": instruments,
         "parameters": _parameters(lens),
-        "undefined": sorted(lens._undefined_params),
+        "undefined": sorted(lens._meter.undefined_params),
         "window": mid_window,
         "pending": pending_step,
         "blob": _dumps(payload, lens) if mid_window or pending_step is not None else None,
@@ -252,7 +252,7 @@ def _check_parameters(state: dict, lens: "Lens") -> None:
     saved = {n: (list(s), d) for n, s, d in zip(p["names"], p["shapes"], p["dtypes"])}
     now = _parameters(lens)
     mine = {n: (s, d) for n, s, d in zip(now["names"], now["shapes"], now["dtypes"])}
-    undefined_saved, undefined_mine = set(state["undefined"]), set(lens._undefined_params)
+    undefined_saved, undefined_mine = set(state["undefined"]), set(lens._meter.undefined_params)
     names_saved = set(saved) | undefined_saved
     names_mine = set(mine) | undefined_mine
     fix = (

@@ -126,7 +126,7 @@ def test_batch_dot_alone_carries_the_scale_and_matches_the_oracle(split, reducti
     real_units = crosssample._Layer.units
     monkeypatch.setattr(crosssample._Layer, "units", lambda lay: copies.append(lay.scale) or real_units(lay))
     rec, grads, lens = _run(copy.deepcopy(model), tokens, targets, splits, [BatchDot()], reduction)
-    assert lens._carry_scale
+    assert lens._meter.plan.carry_scale
     # the window's Gram scales its blocks: no delta * scale copy, one micro-step or several
     assert not [c for c in copies if c is not None]
     # every closed-form use (3 LayerNorms, 6 fused Linears) came unscaled, with its scale
@@ -146,7 +146,7 @@ def test_tensor_scale_of_a_divided_loss(split):
     model, tokens, targets = _problem()
     splits = SPLITS[split]
     rec, grads, lens = _run(copy.deepcopy(model), tokens, targets, splits, [BatchDot()], divide=3.0)
-    assert lens._carry_scale
+    assert lens._meter.plan.carry_scale
     want = _oracle_gram(model, tokens, targets)
     torch.testing.assert_close(rec["batch_dot"], want, rtol=1e-10, atol=1e-12 * float(want.abs().max()))
     for k, g in _autograd_grads(model, tokens, targets, splits, divide=3.0).items():
@@ -169,7 +169,7 @@ def test_beside_other_instruments_no_scale_is_carried(others):
     model, tokens, targets = _problem()
     splits = SPLITS["K3-unequal"]
     rec, grads, lens = _run(copy.deepcopy(model), tokens, targets, splits, [BatchDot(), *others])
-    assert not lens._carry_scale
+    assert not lens._meter.plan.carry_scale
     alone, _, _ = _run(copy.deepcopy(model), tokens, targets, splits, [BatchDot()])
     torch.testing.assert_close(rec["batch_dot"], alone["batch_dot"], rtol=1e-12, atol=0)
     want = _oracle_gram(model, tokens, targets)
@@ -182,5 +182,5 @@ def test_sketch_mode_does_not_carry_the_scale():
     """Sketch mode reduces each use at once: it sees per-sample units (no carried scale)."""
     model, _, _ = _problem()
     lens = Lens(gradlens.extend(model), [BatchDot(mode="sketch", k=16)])
-    assert not lens._carry_scale
+    assert not lens._meter.plan.carry_scale
     lens.close()

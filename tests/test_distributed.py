@@ -340,7 +340,7 @@ def _dot_alone_worker(rank: int, world: int, port: int, out_dir: str, name: str)
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)  # theta fixed: one oracle for both
         lens = Lens(model, [BatchDot()], optimizer=opt)
-        assert lens._carry_scale
+        assert lens._meter.plan.carry_scale
         x, y = windows[0]
         for K in (1, 3):
             for xb, yb in zip(torch.tensor_split(x[mine], K), torch.tensor_split(y[mine], K)):

@@ -354,7 +354,7 @@ def test_batch_dot_alone_matches_oracle(name, reduction):
     for split in ("K3-unequal", "K1"):
         sizes = SPLITS[split]
         lens, thetas = run_lens(case, model, windows, sizes, reduction, [BatchDot()], kwargs)
-        assert lens._carry_scale
+        assert lens._meter.plan.carry_scale
         G = flat(per_sample_grads(case, thetas[0], windows[0], sizes))
         _close(lens.records[0]["batch_dot"], G @ G.T, case.rtol)
 

@@ -145,7 +145,7 @@ def test_resumed_run_writes_the_records_of_the_uninterrupted_run(name, reduction
     for got, want in zip(resumed, full.records):
         assert got == want, got.step
     if name == "light":
-        assert lens._light and ckpt["lens"]["pending"] is None
+        assert lens._meter.plan.light and ckpt["lens"]["pending"] is None
         smoothed = [r["noise_scale_two_batch"]["b_simple_smoothed"] for r in resumed]
         assert smoothed[2] != resumed[2]["noise_scale_two_batch"]["b_simple"]  # an average over windows
         return

@@ -113,6 +113,9 @@ class WindowStats:
         batch_l2: per micro-step ``[B_k]`` vectors of ||g_n||^2 (concatenate for ``[N]``).
         sum_grad_squared: parameter name -> ``[*param]``, sum_n g_n^2.
         grad_sum: parameter name -> ``[*param]``, sum_n g_n.
+        loss_unknown: micro-steps (of every rank) whose loss gradlens could not read (a
+            functional loss captured with ``multiplier=`` and no ``loss=``): the window's loss
+            is then unknown, not nan.
     """
 
     reduction: str = "mean"
@@ -130,6 +133,7 @@ class WindowStats:
     #: ||sum_n g_n||^2 when it is known without ``grad_sum`` (the global gradient read from
     #: DDP's ``p.grad`` for instruments that need only this norm), else None
     grad_sum_sq: Tensor | None = None
+    loss_unknown: int = 0
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
@@ -148,6 +152,7 @@ class WindowStats:
             grad_sum=_add_dicts(self.grad_sum, other.grad_sum),
             micro_grad_sq=self.micro_grad_sq + other.micro_grad_sq,  # 0-d: no device sync
             micro_size_sq=self.micro_size_sq + other.micro_size_sq,
+            loss_unknown=self.loss_unknown + other.loss_unknown,
         )
 
     # ---- derived views, in per-sample units --------------------------------------------
@@ -189,7 +194,8 @@ class WindowStats:
         this rank has no entry, and a presence count), and ``batch_l2`` ``[N_r]`` to gather."""
         f64 = torch.float64
         sums = [
-            torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq)], dtype=torch.int64),
+            torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq), self.loss_unknown],
+                         dtype=torch.int64),
             self.loss_sum.double().reshape(()),
             self.micro_grad_sq.double().reshape(()),
         ]
@@ -214,6 +220,7 @@ class WindowStats:
             loss_sum=loss_sum,
             micro_grad_sq=micro_sq,
             micro_size_sq=float(counts[2]),
+            loss_unknown=int(round(float(counts[3]))),
             sum_grad_squared=Accumulators(getattr(self.sum_grad_squared, "pool", None)),
             grad_sum=Accumulators(getattr(self.grad_sum, "pool", None)),
         )

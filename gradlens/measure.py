@@ -1,0 +1,637 @@
+"""The Meter: everything between "a watched use's output received its gradient" and "the
+window's statistics and instrument states are updated".
+
+Calls go down: the Tap (or the ParamTap of light capture, :mod:`gradlens.capture`) reports
+plain events to the Meter: a use with its input and output gradient (:meth:`Meter.on_use`), an
+operation use (:meth:`Meter.on_op_use`), autograd's own dL/dW of a Linear call
+(:meth:`Meter.on_weight_grad`), a parameter's dL/dp (:meth:`Meter.on_param_grad`). The Meter
+rescales each output gradient to per-sample units (:class:`gradlens.units.MicroStep`) and
+computes, once per use, what the :class:`Plan` asks for (the kernel's reductions, factor
+products, materialised slices, sums), handing the same pieces to every instrument that needs
+them. The Lens starts and ends micro-steps (:meth:`Meter.begin`, :meth:`Meter.finish`,
+:meth:`Meter.end`, :meth:`Meter.fold`) and owns the window's state; the Meter holds references
+to it for one micro-step only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradlens import ops
+from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
+from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
+from gradlens.compat import queue_backward_callback
+from gradlens.sq_norms import sq_norm
+from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
+from gradlens.units import MicroStep, check_reduction, loss_calls_for
+
+__all__ = ["Plan", "Meter"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the instruments declare, compiled once per Lens: which instruments receive which
+    pieces of a use, and how capture runs. It depends on the instruments only (not on the
+    tracked parameters), so a window whose parameters changed keeps the same plan.
+
+    Attributes:
+        needs: the union of the instruments' ``needs`` (quantities of gradlens.instruments.base).
+        per_sample: instruments that see per-sample gradients g_n ([b, *param] slices, or
+            their factors); ``sampled``: those of them that draw entries from the factors
+            (``sample`` set); ``exact``: the others (offered the rank-one factor fast path).
+        layer: instruments that read a use's factors (input a, output gradient delta) directly.
+        micro: instruments with a micro-step state (per_sample, then the other layer ones).
+        carry_scale: every use goes to instruments that keep delta unscaled with its scale
+            (BatchDot): no per-use ``delta * scale`` copy.
+        light: instruments of the window gradient only (GradNorm, NoiseScaleTwoBatch):
+            parameter hooks (ParamTap), no per-sample capture.
+        fuse_weight_grad: sequence ``nn.Linear`` calls take dL/dW from the per-sample pass
+            (the sum of squares, exact per-sample instruments and BatchDot materialise them).
+    """
+
+    needs: frozenset
+    per_sample: tuple
+    sampled: tuple
+    exact: tuple
+    layer: tuple
+    micro: tuple
+    carry_scale: bool
+    light: bool
+    fuse_weight_grad: bool
+
+    @classmethod
+    def compile(cls, instruments: list[Instrument]) -> "Plan":
+        """The plan of ``instruments`` (already checked by the Lens)."""
+        needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
+        per_sample = tuple(i for i in instruments if "per_sample" in i.needs)
+        layer = tuple(i for i in instruments if "layer" in i.needs)
+        exact = tuple(i for i in per_sample if i.sample is None)
+        return cls(
+            needs=needs,
+            per_sample=per_sample,
+            sampled=tuple(i for i in per_sample if i.sample is not None),
+            exact=exact,
+            layer=layer,
+            micro=per_sample + tuple(i for i in layer if i not in per_sample),
+            carry_scale=bool(layer) and not (needs - {"layer"})
+            and all(getattr(i, "carries_scale", False) for i in layer),
+            light=not (needs - LIGHT_QUANTITIES),
+            fuse_weight_grad="sum_grad_squared" in needs
+            or bool(exact)
+            or any(getattr(i, "fills_weight_grad", False) for i in layer),
+        )
+
+
+class Meter:
+    """Measures each captured micro-step's uses for the instruments of a :class:`Plan`.
+
+    Args:
+        model: the extended model.
+        params: qualified name -> tracked parameter.
+        plan: the compiled :class:`Plan`.
+        chunk_elements: upper bound on the elements of one materialised ``[b, *param]`` slice.
+        undefined: ``"error"`` or ``"exclude"`` (see :class:`gradlens.Lens`).
+
+    Attributes:
+        tap: the :class:`~gradlens.capture.Tap` (or ``ParamTap``) whose events come here,
+            installed (:meth:`install`) while the Lens' window is tracked.
+        grad_sq_hooks: parameter hooks giving ||dL/dp||^2 ("micro_grad_sq"), or None.
+        undefined_params: parameters left out as undefined: name -> the mixing layer.
+        micro, window, sites: the micro-step being captured, the Lens' window it folds into and
+            the window's measured uses (name -> Site); set by :meth:`begin`, cleared by :meth:`end`.
+    """
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], plan: Plan, *,
+                 chunk_elements: int = CHUNK_ELEMENTS, undefined: str = "error"):
+        self.model = model
+        self.plan = plan
+        self.chunk_elements = chunk_elements
+        self.undefined = undefined
+        self.undefined_params: dict[str, str] = {}
+        self.consumed: set[int] = set()  # forward passes measured by earlier captures
+        self.micro: MicroStep | None = None
+        self.window: WindowStats | None = None
+        self.sites: dict[str, Site] = {}
+        if plan.light:
+            self.tap = ParamTap(model, params, self.on_param_grad)
+        else:
+            self.tap = Tap(
+                model,
+                params,
+                self.on_use,
+                self.on_op_use,
+                on_weight_grad=self.on_weight_grad if "grad_sum" in plan.needs else None,
+            )
+            self.tap.fuse_weight_grad = plan.fuse_weight_grad
+        self.grad_sq_hooks = None
+        if "micro_grad_sq" in plan.needs and not plan.light:
+            from gradlens.instruments.noise import ParamGradSquares
+
+            self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
+
+    # ------------------------------------------------------------------ hooks and parameters
+    def install(self) -> None:
+        """Install the Tap and the parameter hooks (a tracked window opens; idempotent)."""
+        self.tap.install()
+        if self.grad_sq_hooks is not None:
+            self.grad_sq_hooks.install()
+
+    def remove(self) -> None:
+        """Remove every hook the Meter's capture added (idempotent)."""
+        self.tap.remove()
+        if self.grad_sq_hooks is not None:
+            self.grad_sq_hooks.remove()
+
+    def follow(self, params: dict[str, nn.Parameter]) -> None:
+        """Track ``params`` (the model's trainable parameters after exclusions, at a window's
+        opening) less those left out as undefined; the Tap's sites are rebuilt only if they
+        changed (frozen, unfrozen or added parameters)."""
+        for q in self.undefined_params:
+            params.pop(q, None)
+        if params.keys() != self.tap.params.keys() or any(
+            p is not self.tap.params[q] for q, p in params.items()
+        ):
+            if not params:
+                raise ValueError("the model has no trainable parameters left to track")
+            self.tap.set_params(params)
+            if self.grad_sq_hooks is not None:
+                self.grad_sq_hooks.remove()
+                self.grad_sq_hooks.params = list(params.values())
+
+    # ------------------------------------------------------------------ micro-step lifecycle
+    def begin(self, reduction: str | None, loss: Tensor | None, multiplier: Any, losses: Tensor | None,
+              calls: list[LossCall], window: WindowStats, states: dict[int, Any],
+              sites: dict[str, Site]) -> MicroStep:
+        """A capture starts (arguments of :meth:`gradlens.Lens.capture`, checked; ``calls``: the
+        extended losses computed since the last capture): the new micro-step, to which
+        backward's events now go. ``window`` (whose sums are accumulated in place), the
+        instruments' window ``states`` (read: each instrument's micro-step state starts from
+        its own) and ``sites`` (this window's measured uses) belong to the Lens."""
+        calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
+        if expected is not None:
+            check_reduction(window, expected)
+        micro = MicroStep(
+            reduction=reduction,
+            batch_size=calls[0].batch_size if len(calls) == 1 else None,
+            stats=WindowStats(reduction=expected or "mean"),
+            states={id(i): i.start_micro(states[id(i)]) for i in self.plan.micro},
+            loss_calls=calls,
+            explicit=reduction is not None,
+            losses=losses,
+        )
+        for call in calls:
+            call.watch_multiplier()
+        micro.factor = multiplier
+        if self.tap.tainted:
+            self.check_undefined()
+        self.micro, self.window, self.sites = micro, window, sites
+        return micro
+
+    def end(self, micro: MicroStep) -> None:
+        """A capture ends (normally or not): forget it, reset the Tap's per-micro-step state and
+        remember the forward passes it measured (bounded: forward ids only grow)."""
+        self.micro, self.window, self.sites = None, None, {}
+        self.tap.reset_micro()
+        if micro.forwards:
+            self.consumed.update(micro.forwards)
+            newest = max(self.consumed)
+            self.consumed = {f for f in self.consumed if f > newest - 64}
+
+    def fold(self, micro: MicroStep, window: WindowStats, states: dict[int, Any]) -> WindowStats:
+        """After a measured micro-step: its statistics (loss sum, per-sample norms, ||s_k||^2 in
+        per-sample units) merged into ``window``, returned as the window's new statistics; the
+        instruments' micro-step states merged into their window states ``states`` (the Lens'
+        dict, instrument id -> state, updated in place). A tracked parameter the backward never
+        reached has g_n = 0 for this micro-step's samples."""
+        micro.resolve()
+        b = micro.batch_size
+        s = micro.stats
+        s.reduction = micro.reduction
+        s.num_samples, s.micro_steps = b, 1
+        if micro.loss_value is not None:
+            v = micro.loss_value.double()
+            s.loss_sum = v * b if micro.reduction == "mean" else v
+        elif micro.losses is not None:
+            s.loss_sum = micro.losses.detach().double().sum()
+        else:
+            s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
+            s.loss_unknown = 1  # the record says "unknown", not "non-finite"
+        if micro.batch_l2 is not None:
+            s.batch_l2 = [micro.batch_l2]
+        if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
+            scale = micro.scale()
+            s.micro_grad_sq = micro.grad_sq * (scale * scale)
+            s.micro_size_sq = float(b) ** 2
+        window = window.merge(s)
+        skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
+        for inst in self.plan.per_sample:
+            for q in skipped:
+                inst.update_zeros(micro.states[id(inst)], q, self.tap.params[q], b)
+        for inst in self.plan.micro:
+            key = id(inst)
+            inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
+            states[key] = inst.merge(states[key], micro.states[key])
+        return window
+
+    def check_undefined(self) -> None:
+        """Parameters whose output reached a layer that mixes samples (found in the forward):
+        an error naming them all, or (``undefined="exclude"``) left out of the Tap and noted in
+        :attr:`undefined_params`."""
+        bad = {q: why for q, why in self.tap.tainted.items() if q in self.tap.params}
+        if not bad:
+            return
+        params = self.tap.params
+        total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        lost = sum(params[q].numel() for q in bad)
+        keep = sum(p.numel() for p in params.values()) - lost
+        if self.undefined == "exclude":
+            self.undefined_params.update(bad)
+            rest = {q: p for q, p in params.items() if q not in bad}
+            if not rest:
+                raise RuntimeError(
+                    f"every tracked parameter reaches a layer that mixes samples ({sorted(set(bad.values()))}); "
+                    "nothing is left to track: put those layers in eval mode"
+                )
+            self.tap.set_params(rest)  # the Lens updates its coverage after the capture
+            return
+        layers = sorted(set(bad.values()))
+        raise RuntimeError(
+            f"per-sample gradients of {len(bad)} parameters ({100 * lost / max(total, 1):.2f}% of the "
+            f"trainable elements) are undefined: their output reaches {', '.join(layers)}, which "
+            f"mixes the samples of a micro-batch: {sorted(bad)}. Put those layers in eval mode, or "
+            f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
+            f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
+            "after it stay exact)"
+        )
+
+    # ------------------------------------------------------------------ events from capture
+    def on_grad_sq(self, sq: Tensor) -> None:
+        """||dL/dp||^2 of tracked parameters (0-d), summed into the micro-step's "micro_grad_sq"."""
+        micro = self.micro
+        if micro is not None:
+            micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
+
+    def on_weight_grad(self, w: Site, grad: Tensor | None) -> None:
+        """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
+        sum_n g_n of the weight is that times the per-sample scale; no extra matmul."""
+        micro = self.micro
+        if micro is None or grad is None or self.window is None:
+            return
+        key = w.params.get("weight")
+        if key is None or key not in self.tap.params or self.tap.uses[key] > 1:
+            return
+        self._add_grad_sum(key, grad, micro.scale())
+
+    def _add_grad_sum(self, key: str, grad: Tensor, scale: float | Tensor) -> None:
+        """``grad_sum[key] += scale * grad`` (a buffer of the pool on the first add)."""
+        with torch.no_grad():
+            acc = self.window.grad_sum
+            if key in acc:
+                if isinstance(scale, Tensor):
+                    acc[key].addcmul_(grad, scale)
+                else:
+                    acc[key].add_(grad, alpha=scale)
+                return
+            dtype = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32
+            out = acc.buffer(key, tuple(grad.shape), grad.to(dtype) if dtype != grad.dtype else grad)
+            acc[key] = torch.mul(grad, scale, out=out)
+
+    def on_param_grad(self, q: str, grad: Tensor) -> None:
+        """Light capture (:class:`~gradlens.capture.ParamTap`): dL/dp of parameter ``q`` in this
+        backward, before it reaches ``p.grad``: the micro-step's squared norm and the window's
+        gradient sum, in per-sample units."""
+        if self.micro is None and not self.tap.installed:  # hooks of a window already closed
+            return
+        micro = self._in_backward(q)
+        if not micro.seen:  # the first gradient of this backward
+            micro.resolve()
+            if micro.batch_size is None:
+                micro.batch_size = self.tap.batch
+            if micro.batch_size is None:
+                raise RuntimeError(
+                    "gradlens found no batch size for this micro-step: neither an extended loss "
+                    "module nor the model's forward saw the input; compute the loss with "
+                    "gradlens.extend(loss_fn), or run the forward through the watched model"
+                )
+            if micro.reduction is not None:
+                check_reduction(self.window, micro.reduction)
+            if micro.batch_size == 0:
+                micro.empty = True
+        micro.seen.add(q)
+        if micro.empty:
+            return
+        g = grad.detach()
+        if g.is_sparse:
+            g = g.to_dense()
+        if "micro_grad_sq" in self.plan.needs:
+            sq = sq_norm(g)
+            micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
+        if "grad_sum" in self.plan.needs:
+            self._add_grad_sum(q, g, micro.scale())
+
+    def _in_backward(self, what: str) -> MicroStep:
+        """The micro-step whose backward just reached ``what`` (a use, or a parameter): inside
+        a capture, its first backward (whose end is then watched)."""
+        micro = self.micro
+        if micro is None:
+            raise RuntimeError(
+                f"backward reached {what!r} outside lens.capture() during a tracked window; wrap "
+                "the backward: with lens.capture(): loss.backward()"
+            )
+        if micro.backward_done:
+            raise RuntimeError(
+                "a second backward() inside one lens.capture(): each micro-step's backward needs "
+                "its own capture (with lens.capture(): loss.backward())"
+            )
+        if not micro.end_watched:
+            micro.end_watched = True
+            queue_backward_callback(lambda: setattr(micro, "backward_done", True))
+        return micro
+
+    def _begin_use(self, what: str, batch: int, forward: int) -> MicroStep | None:
+        """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
+        micro = self._in_backward(what)
+        if forward in self.consumed:
+            raise RuntimeError(
+                f"this backward reached {what!r} of a forward pass that an earlier lens.capture() "
+                "already measured (a graph backpropagated twice, retain_graph=True): its samples "
+                "would count twice; run a new forward pass for each captured micro-step"
+            )
+        micro.forwards.add(forward)
+        if batch == 0:
+            micro.empty = True
+        if micro.empty:
+            return None
+        if self.tap.tainted:
+            self.check_undefined()
+        micro.resolve()
+        if micro.reduction is not None:
+            check_reduction(self.window, micro.reduction)
+        if micro.batch_size is None:
+            micro.batch_size = batch
+        elif batch != micro.batch_size:
+            raise RuntimeError(
+                f"the loss saw a batch of {micro.batch_size} but the model's input had {batch} "
+                f"samples (at {what!r}); gradlens needs the first dimension of the loss input and "
+                "of the model's first input to be the sample dimension"
+            )
+        return micro
+
+    @staticmethod
+    def _dtype(g: Tensor) -> torch.dtype:
+        """The dtype of measurement: float32 or float64 as given, float32 for lower precisions."""
+        return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
+
+    def on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int,
+               fused: bool = False) -> Tensor | None:
+        """Backward reached a closed-form use (``a`` its input, ``g`` its output gradient, both
+        batch-first): measure it, or keep it if its parameters are shared (their g_n is the sum
+        over uses, measured when the micro-step ends).
+
+        ``fused``: the use is a fused Linear call (:class:`~gradlens.capture._FusedLinear`)
+        whose backward has not formed dL/dW yet. Returns that call's dL/dW ``[*weight]`` when
+        this measurement formed it anyway (the sum of the per-sample weight gradients it
+        materialised, divided by the per-sample scale), else None (the call computes it)."""
+        micro = self._begin_use(site.name, batch, forward)
+        if micro is None:
+            return None
+        tap = self.tap
+        names = {attr: q for attr, q in site.params.items() if q in tap.params}
+        if not names:
+            return None
+        # the hand-off slot for the fused call's dL/dW: kernels (LinearKernel.reduce) and
+        # instruments (BatchDot.update_layer) fill ``slot.value``; it never leaves the Meter
+        slot = WeightGrad() if fused else None
+        with torch.no_grad():
+            dtype = self._dtype(g)
+            raw = g.detach().to(dtype)
+            scale = micro.scale()
+            a = a.detach()
+            if a.is_floating_point():
+                a = a.to(dtype)
+            micro.seen.update(names.values())
+            single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
+            shared = set(names) - single
+            # per-sample units; kept unscaled (with the scale) where only BatchDot reads it
+            delta = raw * scale if shared or not self.plan.carry_scale else None
+            if single:
+                wg = (slot, scale) if slot is not None and "weight" in single else None
+                if delta is None:
+                    self._measure(site.only(single), a, raw, micro, False, wg, scale=scale)
+                else:
+                    self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
+            if shared:
+                part = site.only(shared)
+                if part.kernel.kind == "linear":
+                    micro.linear_uses.append((part, a, delta))
+                else:
+                    self._add_shared(micro, part, a, delta)
+        return None if slot is None else slot.value
+
+    def _add_shared(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
+        pending = [attr for attr, q in site.params.items() if q not in micro.shared]
+        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=pending) if pending else {}
+        for attr, q in site.params.items():
+            if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
+                site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
+            else:  # owned: later uses add into it, and a, delta may be kept by other measurements
+                g = got[attr]
+                micro.shared[q] = g.clone() if _shares_storage(g, a) or _shares_storage(g, delta) else g
+
+    def on_op_use(self, use: OpUse, g: Tensor) -> None:
+        """Backward reached an operation where parameters meet the batch: per-sample gradients
+        of each parameter through the exact per-operation rule (see :mod:`gradlens.ops`)."""
+        micro = self._begin_use(use.name, use.batch, use.forward)
+        if micro is None:
+            return
+        tap = self.tap
+        dtype = self._dtype(g)
+        delta = (g.detach().to(dtype) * micro.scale())
+        per_q: dict[str, Tensor] = {}
+        for pos, t, names in use.inputs:
+            names = [q for q in names if q in tap.params]
+            if not names:
+                continue
+            params = [tap.params[q] for q in names]
+            direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
+            if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
+                add_into(per_q, names[0], direct.detach())
+                continue
+            gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
+            if len(names) == 1 and t is tap.params[names[0]]:
+                got = [gt]
+            else:
+                got = ops.chain_to_params(t, [tap.params[q] for q in names], gt.to(t.dtype))
+            for q, gq in zip(names, got):
+                if gq is not None:
+                    add_into(per_q, q, gq.detach().to(dtype))
+        with torch.no_grad():
+            for q, gq in per_q.items():
+                micro.seen.add(q)
+                if tap.uses[q] <= 1:
+                    self._measure_materialised(f"{use.name}:{q}", q, gq, micro)
+                else:
+                    add_into(micro.shared, q, gq)
+
+    def _measure_materialised(self, name: str, q: str, g: Tensor, micro: MicroStep) -> None:
+        site = Site(name, Materialised("p", self.tap.params[q]), MaterialisedKernel(), {"p": q})
+        self._measure(site, g, g.new_zeros(g.shape[0]), micro)
+
+    def finish(self, micro: MicroStep) -> None:
+        """After backward: measure the shared parameters (sum over their uses) and check that
+        every tracked parameter that received a gradient was measured."""
+        with torch.no_grad():
+            groups: dict[tuple, list] = {}
+            for site, a, delta in micro.linear_uses:
+                groups.setdefault(tuple(sorted(site.params.items())), []).append((site, a, delta))
+            owners: dict[str, int] = {}
+            for key in groups:
+                for _, q in key:
+                    owners[q] = owners.get(q, 0) + 1
+            for key, uses in groups.items():
+                mixed = any(owners[q] > 1 or q in micro.shared for _, q in key)
+                if mixed:
+                    for site, a, delta in uses:
+                        self._add_shared(micro, site, a, delta)
+                    continue
+                site0 = uses[0][0]
+                b = uses[0][2].shape[0]
+                a = torch.cat([u[1].reshape(b, -1, u[1].shape[-1]) for u in uses], dim=1)
+                d = torch.cat([u[2].reshape(b, -1, u[2].shape[-1]) for u in uses], dim=1)
+                m = site0.module
+                attrs = tuple(attr for attr, _ in key)
+                stand_in = OpLinear(m.weight, getattr(m, "bias", None), attrs)
+                name = "+".join(q for _, q in key) + "#uses"
+                self._measure(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
+            for q, g in micro.shared.items():
+                self._measure_materialised(f"{q}#uses", q, g, micro)
+        micro.linear_uses, micro.shared = [], {}
+        if self.plan.light:
+            return
+        tap = self.tap
+        missing = sorted(q for q in tap.received if q in tap.params and q not in micro.seen)
+        if missing:
+            raise RuntimeError(
+                f"the tracked parameters {missing} received a gradient in this backward, but "
+                "no use of them inside the model's forward was measured (a parameter used only "
+                "outside model(...), e.g. in a loss term, has no per-sample gradient); exclude "
+                f"them: Lens(..., exclude={missing!r})"
+            )
+
+    def _measure(
+        self, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, weight_via_node: bool = False,
+        weight_grad=None, scale=None,
+    ) -> None:
+        """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
+        units (both batch-first). ``weight_grad``: ``(slot, per-sample scale)`` of a fused
+        Linear call, handed to the kernel's reduction or an instrument (which may fill
+        ``slot.value`` with dL/dW); :meth:`on_use` returns it. ``scale`` (a plan that carries
+        it, see :attr:`Plan.carry_scale`): ``delta`` is unscaled and every instrument receives
+        it with its scale.
+
+        Each piece is computed once and handed to every instrument that needs it: the kernel's
+        reduction (norms and sums, straight into the window's accumulators), the rank-one
+        factors, and one pass of materialised ``[b, *param]`` slices whose squares serve both
+        the norms and the sum of squares."""
+        if scale is not None:
+            self.sites[w.name] = w
+            for inst in self.plan.layer:
+                fill = weight_grad is not None and weight_grad[0].value is None and inst.fills_weight_grad
+                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad if fill else None,
+                                  scale=scale)
+            return
+        self.sites[w.name] = w
+        kernel, module, needs, window = w.kernel, w.module, self.plan.needs, self.window
+        per_sample = bool(self.plan.per_sample)
+        # Quantities with a factor formula (Linear) never materialise; the rest come from the
+        # per-sample pass when one runs anyway, else from the kernel's own reduction.
+        from_chunks = set()
+        if not getattr(kernel, "factored", False):  # one materialising pass serves them all
+            from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
+        want = (needs & {"batch_l2", "sum_grad_squared", "grad_sum"}) - from_chunks
+        if want:
+            # sums go straight into the window's accumulators (in place, no per-step copies)
+            acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
+            if weight_grad is not None:
+                acc["weight_grad"] = weight_grad
+            skip = {("grad_sum", "weight")} if weight_via_node else ()
+            l2 = kernel.reduce(module, a, delta, want, w.params, acc, skip)
+            if l2:
+                self._add_l2(micro, sum(l2))
+        for inst in self.plan.layer:
+            if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
+                inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
+            else:
+                inst.update_layer(micro.states[id(inst)], w, a, delta)
+        if not (per_sample or from_chunks):
+            return
+        done: set[tuple[int, str]] = set()
+        # Sampled histograms draw their entries from the layer's factors: no materialisation.
+        for inst in self.plan.sampled:
+            for attr, qname in w.params.items():
+                draw = functools.partial(kernel.entries, module, a, delta, attr)
+                inst.update_sampled(micro.states[id(inst)], qname, self.tap.params[qname], draw,
+                                    delta.shape[0])
+                done.add((id(inst), attr))
+        # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
+        factors = kernel.outer_factors(module, a, delta) if self.plan.exact else {}
+        for attr, (d2, a2) in factors.items():
+            if attr in w.params:
+                qname = w.params[attr]
+                for inst in self.plan.exact:
+                    if inst.update_outer(micro.states[id(inst)], qname, self.tap.params[qname], d2, a2):
+                        done.add((id(inst), attr))
+        attrs = [
+            attr
+            for attr in w.params
+            if from_chunks or any((id(i), attr) not in done for i in self.plan.per_sample)
+        ]
+        if not attrs:
+            return
+        numel = sum(getattr(module, attr).numel() for attr in attrs)
+        l2_parts = []
+        # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
+        fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
+        wsum = delta.new_zeros(module.weight.shape) if fill else None
+        for s, e in sample_chunks(numel, delta.shape[0], self.chunk_elements):
+            chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
+            l2 = 0
+            if wsum is not None:
+                wsum.view(1, -1).addmm_(delta.new_ones(1, e - s), chunk["weight"].reshape(e - s, -1))
+            for attr in attrs:
+                gb = chunk[attr]
+                qname = w.params[attr]
+                param = self.tap.params[qname]
+                for inst in self.plan.per_sample:
+                    if (id(inst), attr) not in done:
+                        inst.update(micro.states[id(inst)], qname, param, gb)
+                sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
+                if "batch_l2" in from_chunks:
+                    l2 = l2 + sq.flatten(1).sum(1)
+                if "sum_grad_squared" in from_chunks:
+                    add_into(window.sum_grad_squared, qname, sq.sum(0))
+                if "grad_sum" in from_chunks:
+                    add_into(window.grad_sum, qname, gb.sum(0))
+            if "batch_l2" in from_chunks:
+                l2_parts.append(l2)
+        if l2_parts:
+            self._add_l2(micro, torch.cat(l2_parts))
+        if wsum is not None:
+            holder, scale = weight_grad
+            holder.value = (wsum / scale).to(module.weight.dtype)
+
+    @staticmethod
+    def _add_l2(micro: MicroStep, l2: Tensor) -> None:
+        l2 = l2.double()
+        micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
+
+
+def _shares_storage(t: Tensor, other: Tensor) -> bool:
+    """Whether ``t`` is a view into ``other``'s memory (e.g. a 2-D Linear's per-sample bias
+    gradient, which is its output gradient itself)."""
+    return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()

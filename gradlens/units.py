@@ -1,0 +1,195 @@
+"""Units of one micro-step: which losses were backpropagated, their reduction, batch size and
+multiplier, and from them the per-sample scale that turns output gradients into g_n.
+
+The units of docs/design.md ("Units"): with L the micro-step's backpropagated objective split by
+sample, L = sum_n L_n, the per-sample gradient is g_n = B * dL_n / c for a mean objective and
+dL_n / c for a sum, c being the known multiplier of the loss on its way to ``backward`` (1, a
+GradScaler's scale, 1/K, ...). :meth:`MicroStep.scale` is that factor, B / c or 1 / c.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradlens.capture import LossCall
+from gradlens.instruments.base import WindowStats
+
+__all__ = ["MicroStep", "loss_calls_for", "check_multiplier", "check_reduction"]
+
+
+@dataclass
+class MicroStep:
+    """One captured micro-step: its units (loss calls, reduction, batch size B, multiplier c,
+    the per-sample scale) and what its backward measured before it folds into the window.
+
+    ``scale()`` is B / c under a mean objective and 1 / c under a sum (float, or a 0-d tensor
+    when c was measured in backward); ``output gradient * scale()`` is in g_n units.
+    """
+
+    reduction: str | None  # None until resolved from the losses that backward reached
+    batch_size: int | None
+    stats: WindowStats
+    states: dict[int, Any]
+    loss_calls: list = field(default_factory=list)
+    explicit: bool = False  # capture(reduction=...) stated the reduction
+    loss_value: Tensor | None = None
+    seen: set[str] = field(default_factory=set)
+    batch_l2: Tensor | None = None
+    losses: Tensor | None = None
+    #: shared parameters: qualified name -> [B, *param] per-sample gradients summed over uses
+    shared: dict[str, Tensor] = field(default_factory=dict)
+    #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
+    linear_uses: list = field(default_factory=list)
+    grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
+    forwards: set[int] = field(default_factory=set)  # forward passes this backward reached
+    backward_done: bool = False
+    end_watched: bool = False  # a callback marks backward_done when this backward ends
+    empty: bool = False
+    factor: Any = None  # capture(multiplier=...): a known factor applied to the loss
+    _multiplier: Any = None
+    _resolved: bool = False
+    _scale: Any = None
+
+    def resolve(self) -> None:
+        """Once backward has passed the losses: which of the losses computed since the last
+        capture were backpropagated, their reduction, batch size and common multiplier.
+
+        Several loss terms (``ce + 0.01 * mse``): a mean objective if any term is a mean; the
+        largest multiplier among the terms is taken as the common one (1/K, a GradScaler scale)
+        and divided out, the terms' relative weights being part of the objective; the loss value
+        is the backpropagated objective over that multiplier. Order of the terms is irrelevant.
+        """
+        if self._resolved:
+            return
+        self._resolved = True
+        active = [c for c in self.loss_calls if c.multiplier is not None]
+        if self.explicit:
+            m = None
+            if active:
+                m, self.loss_value = active[0].multiplier, active[0].value
+            if self.factor is not None:  # a known factor applied on top of the named loss
+                m = self.factor if m is None else m * self.factor
+            self._multiplier = m
+            return
+        if not active:
+            names = [c.module_name for c in self.loss_calls]
+            raise RuntimeError(
+                f"none of the losses computed since the last capture ({names}) was "
+                "backpropagated in this capture; compute the loss you backpropagate with an "
+                "extended loss module, or state its reduction: lens.capture(reduction='mean', loss=loss)"
+            )
+        self.reduction = "mean" if any(c.reduction == "mean" for c in active) else "sum"
+        sizes = {c.batch_size for c in active if c.batch_size is not None}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"the losses of this micro-step saw different batch sizes {sorted(sizes)}; "
+                "gradlens needs one sample dimension per micro-step"
+            )
+        if sizes and self.batch_size is None:
+            self.batch_size = sizes.pop()
+        if len(active) == 1:
+            self._multiplier, self.loss_value = active[0].multiplier, active[0].value
+            return
+        mults = [c.multiplier.reshape(()).double() for c in active]
+        common = torch.stack(mults).max()
+        total = sum(m * c.value.double() for m, c in zip(mults, active))
+        self._multiplier, self.loss_value = common, total / common
+
+    def scale(self) -> float | Tensor:
+        """Output gradients -> per-sample units: B / c under a mean loss, 1 / c under a sum,
+        c being what multiplied the loss in backward (1, a GradScaler scale, 1/K, ...)."""
+        if self._scale is None:
+            self.resolve()
+            base = float(self.batch_size) if self.reduction == "mean" else 1.0
+            c = self._multiplier
+            self._scale = base if c is None else base / c
+        return self._scale
+
+
+def check_reduction(window: WindowStats, reduction: str) -> None:
+    """One reduction per window: ``reduction`` must be that of the window's earlier micro-steps."""
+    if window.micro_steps and window.reduction != reduction:
+        raise ValueError(
+            f"this micro-step's loss uses reduction={reduction!r} but the window's earlier "
+            f"micro-steps used {window.reduction!r}; use one reduction per window"
+        )
+
+
+def loss_calls_for(
+    reduction: str | None, loss: Tensor | None, multiplier: Any, calls: list[LossCall]
+) -> tuple[list[LossCall], str | None, str | None]:
+    """The loss calls whose multipliers a capture watches, from ``capture()``'s arguments and the
+    calls of extended losses since the last capture. Returns ``(calls, reduction, expected)``:
+    ``reduction`` stays set only when the user's statement decides it; ``expected`` is the
+    reduction known before backward (None when only backward can tell)."""
+    if reduction is not None:
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if loss is not None:  # the user names the loss: what multiplies it is divided out
+            if not (isinstance(loss, Tensor) and loss.dim() == 0):
+                raise TypeError(f"loss must be the 0-d loss tensor, got {type(loss).__name__}")
+            calls = [LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")]
+        elif multiplier is not None:  # a known factor already applied to the loss
+            calls = []
+        elif calls:  # a loss computed inside the model (or an extended one): it knows more
+            reduction = None
+        else:
+            raise ValueError(
+                f"lens.capture(reduction={reduction!r}) needs the loss tensor too, so that "
+                "whatever multiplies it before backward (a 1/K, a constant, a GradScaler "
+                f"scale) is divided out instead of changing the units: "
+                f"lens.capture(reduction={reduction!r}, loss=loss) with loss the unscaled loss"
+            )
+    elif not calls:
+        raise RuntimeError(
+            "no loss passed through gradlens.extend() ran since the last capture; "
+            "wrap the loss module (loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())) "
+            "or state the reduction: lens.capture(reduction='mean')"
+        )
+    expected = reduction
+    if expected is None and len({c.reduction for c in calls}) == 1:
+        expected = calls[0].reduction  # known before backward in the usual one-loss case
+    return calls, reduction, expected
+
+
+def check_multiplier(reduction, multiplier, loss) -> float | Tensor | None:
+    """Checks capture()'s multiplier= and loss= arguments; returns the multiplier (detached)."""
+    if multiplier is None and loss is None:
+        return None
+    if reduction is None:
+        raise ValueError(
+            "lens.capture(multiplier=..., loss=...) go with a stated reduction "
+            "(lens.capture(reduction='mean', ...)); with a loss module passed through "
+            "gradlens.extend() the multiplier is measured by itself: drop them"
+        )
+    if multiplier is not None:
+        if isinstance(multiplier, Tensor):
+            if multiplier.dim() != 0 or not multiplier.is_floating_point():
+                raise ValueError(
+                    "lens.capture(multiplier=...) must be a positive number or a 0-d float tensor, "
+                    f"got a {multiplier.dtype} tensor of shape {tuple(multiplier.shape)}"
+                )
+            multiplier = multiplier.detach()
+        elif isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not (
+            0 < multiplier < float("inf")
+        ):
+            raise ValueError(
+                f"lens.capture(multiplier=...) must be a positive finite number (e.g. 1 / K), got "
+                f"{multiplier!r}"
+            )
+    if loss is not None:
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            what = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"lens.capture(loss=...) must be the 0-d loss tensor that is backpropagated, got {what}"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "lens.capture(loss=...) does not require grad, so backward cannot pass through "
+                "it; pass the loss before .detach()/.item()"
+            )
+    return multiplier

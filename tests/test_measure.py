@@ -1,0 +1,136 @@
+"""The measurement layer (gradlens/measure.py): the Plan compiled from what the instruments
+declare, the direction of calls (the Tap reports down to the Meter, never up to the Lens), the
+Meter holding the Lens' window only while a micro-step is captured, and the fused Linear's
+dL/dW handed back as the Meter's return value, checked against plain float64 autograd with K
+unequal micro-steps, mean and sum losses, and a divided loss."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.capture import ParamTap
+from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
+from gradlens.measure import Meter, Plan
+
+B, T = 7, 5
+SPLITS = {"one": (slice(0, B),), "unequal": (slice(0, 2), slice(2, 3), slice(3, B))}
+
+
+def test_plan_groups_the_instruments_by_what_they_declare():
+    l2, sgs, norm = BatchL2(), SumGradSquared(), GradNorm()
+    hist, drawn, dot = GradHist1d(), GradHist1d(sample=0.5), BatchDot()
+    light = Plan.compile([norm])
+    assert light.light and not light.per_sample and not light.fuse_weight_grad
+    assert light.needs == frozenset({"grad_sum"})
+    factors = Plan.compile([l2, norm])
+    assert not factors.light and not factors.fuse_weight_grad and not factors.carry_scale
+    assert Plan.compile([sgs]).fuse_weight_grad  # the sum of squares materialises sequence slices
+    mixed = Plan.compile([l2, hist, drawn, dot])
+    assert mixed.per_sample == (hist, drawn)
+    assert mixed.exact == (hist,) and mixed.sampled == (drawn,)
+    assert mixed.layer == (dot,) and mixed.micro == (hist, drawn, dot)
+    assert mixed.fuse_weight_grad and not mixed.carry_scale and not mixed.light
+    only_drawn = Plan.compile([drawn])
+    assert not only_drawn.fuse_weight_grad  # sampled entries come from the factors
+    alone = Plan.compile([dot])
+    assert alone.carry_scale and alone.micro == (dot,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        alone.light = True
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return gradlens.extend(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double())
+
+
+def test_capture_reports_down_to_the_meter_and_the_meter_lets_go_of_the_window():
+    model = _mlp()
+    lens = Lens(model, [BatchL2(), GradNorm()])
+    meter = lens._meter
+    tap = lens._tap
+    assert tap is meter.tap
+    for callback in (tap.on_use, tap.on_op_use, tap.on_weight_grad):
+        assert callback.__self__ is meter  # the Meter's own events, not the Lens'
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    torch.manual_seed(1)
+    x, y = torch.randn(B, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
+    loss = loss_fn(model(x), y)
+    assert meter.micro is None and meter.window is None
+    with lens.capture():
+        assert meter.micro is not None and meter.window is lens._window
+        loss.backward()
+    assert meter.micro is None and meter.window is None and meter.sites == {}
+    assert lens._window.micro_steps == 1 and lens._window.num_samples == B
+    lens.close()
+
+    light = Lens(_mlp(), [GradNorm()])
+    assert isinstance(light._tap, ParamTap) and light._tap.on_grad.__self__ is light._meter
+    light.close()
+
+
+class _Seq(nn.Module):
+    """``inp``: a sequence Linear used once (fused: its dL/dW comes from the Meter); ``twice``:
+    one Linear called twice (shared: the Meter returns None, autograd computes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.twice = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # [B, T, 4]
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("divide", [None, 3.0])
+def test_fused_weight_grad_is_what_the_meter_returns(split, reduction, divide, monkeypatch):
+    torch.manual_seed(0)
+    model = _Seq().double()
+    ref = copy.deepcopy(model)
+    torch.manual_seed(2)
+    x, y = torch.randn(B, T, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
+    returned: list[tuple[str, torch.Tensor | None]] = []
+    real = Meter.on_use
+
+    def spy(self, site, a, g, via, batch, forward, fused=False):
+        out = real(self, site, a, g, via, batch, forward, fused=fused)
+        if fused:
+            returned.append((site.name, out))
+        return out
+
+    monkeypatch.setattr(Meter, "on_use", spy)
+    m = gradlens.extend(model)
+    lens = Lens(m, [SumGradSquared()])
+    want_inp = []
+    for sl in SPLITS[split]:
+        loss = F.cross_entropy(m(x[sl]), y[sl], reduction=reduction)
+        objective = loss if divide is None else loss / divide
+        with lens.capture(reduction=reduction, loss=loss):
+            objective.backward()
+        ref_loss = F.cross_entropy(ref(x[sl]), y[sl], reduction=reduction)
+        ref_objective = ref_loss if divide is None else ref_loss / divide
+        gi, = torch.autograd.grad(ref_objective, [ref.inp.weight])
+        want_inp.append(gi)
+    lens.flush()
+    lens.close()
+    by_name: dict[str, list] = {}
+    for name, out in returned:
+        by_name.setdefault(name, []).append(out)
+    assert len(by_name["inp"]) == len(SPLITS[split])  # one fused call per micro-step
+    for got, want in zip(by_name["inp"], want_inp):
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    # the shared Linear's two calls: not measured per call, so autograd forms their dL/dW
+    assert by_name.get("twice", []) and all(out is None for out in by_name["twice"])
