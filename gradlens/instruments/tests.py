@@ -77,6 +77,19 @@ class ShiftedMoments:
             self.count[name] += n
         return self
 
+    def fill_zeros(self, num_samples: int) -> "ShiftedMoments":
+        """Count the samples of the window that never reached a parameter (a layer some
+        micro-steps skip) as exact zeros: every parameter then has ``num_samples`` samples,
+        the window's one N. With e = -c: ``s1 += m e``, ``s2 += m e^2`` for the m missing."""
+        for name, n in self.count.items():
+            missing = num_samples - n
+            if missing > 0:
+                c = self.shift[name]
+                self.s1[name] = self.s1[name] - missing * c
+                self.s2[name] = self.s2[name] + missing * c * c
+                self.count[name] = num_samples
+        return self
+
     def mean_var(self, name: str) -> tuple[Tensor, Tensor]:
         """(G, unbiased var) ``[*param]`` float64 of parameter ``name`` (var NaN if N < 2)."""
         n = self.count[name]
@@ -108,15 +121,16 @@ def _trace_cov(stats: WindowStats) -> tuple[float, float]:
     return diff / (n - 1), g2
 
 
-def _trace_shifted(moments: ShiftedMoments) -> tuple[float, float, int]:
-    """(tr(Sigma), ||G||^2, N) from shifted sums."""
-    tr, g2, n = 0.0, 0.0, 0
+def _trace_shifted(moments: ShiftedMoments, n: int) -> tuple[float, float]:
+    """(tr(Sigma), ||G||^2) from shifted sums over the window's ``n`` samples (a parameter
+    that some micro-steps skipped counts their samples as zeros)."""
+    moments.fill_zeros(n)
+    tr, g2 = 0.0, 0.0
     for name in moments.count:
         mean, var = moments.mean_var(name)
-        n = moments.count[name]
-        tr += float(var.sum()) if n >= 2 else math.nan
+        tr += float(var.sum())
         g2 += float(mean.square().sum())
-    return tr, g2, n
+    return (tr if n >= 2 else math.nan), g2
 
 
 class _TraceInstrument(Instrument):
@@ -141,7 +155,7 @@ class _TraceInstrument(Instrument):
 
     def _trace(self, stats: WindowStats, state) -> tuple[float, float, int]:
         if self.per_sample:
-            tr, g2, _ = _trace_shifted(state)
+            tr, g2 = _trace_shifted(state, stats.num_samples)
             return tr, g2, stats.num_samples
         tr, g2 = _trace_cov(stats)
         return tr, g2, stats.num_samples
@@ -249,6 +263,7 @@ class MeanGSNR(Instrument):
         if n < 2:
             return math.nan
         total, count = 0.0, 0
+        state.fill_zeros(n)  # samples that skipped a layer: g_n = 0 there, one N per window
         moments = [state.mean_var(name) for name in state.count]
         if not moments:
             return math.nan

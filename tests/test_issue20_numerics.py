@@ -1,0 +1,112 @@
+"""Issue 20, numerical rows: each against the float64 per-sample oracle (torch.func vmap(grad)
+of each sample's own loss on a copy of the model), K micro-steps of unequal sizes, both
+reductions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import (
+    BatchDot,
+    InnerTest,
+    MeanGSNR,
+    NoiseScale,
+    NormTest,
+    OrthoTest,
+    SumGradSquared,
+)
+
+SPLITS = [[3, 1, 4], [1, 7], [8]]
+
+
+def _oracle(model, micro_batches, reduction, call=None):
+    """``{name: [N, *param]}`` float64 per-sample gradients; ``micro_batches``: (x, y, kwargs)
+    per micro-step (kwargs passed to the forward, e.g. which branch runs)."""
+    model = copy.deepcopy(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    rows: dict[str, list] = {k: [] for k in params}
+    for xb, yb, kw in micro_batches:
+        def one(p, xi, yi):
+            out = functional_call(model, p, (xi.unsqueeze(0),), kw)
+            return F.cross_entropy(out, yi.unsqueeze(0), reduction=reduction)
+
+        gs = vmap(grad(one), in_dims=(None, 0, 0))(params, xb, yb)
+        for k, g in gs.items():
+            rows[k].append(g)
+    return {k: torch.cat(v) for k, v in rows.items()}
+
+
+def _flat(gs):
+    return torch.cat([g.flatten(1) for g in gs.values()], 1)
+
+
+def _run(model, micro_batches, reduction, instruments, **lens_kw):
+    m = gradlens.extend(copy.deepcopy(model))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    lens = Lens(m, instruments, **lens_kw)
+    for xb, yb, kw in micro_batches:
+        loss = loss_fn(m(xb, **kw), yb)
+        with lens.capture():
+            loss.backward()
+    rec = lens.flush()
+    tracked = lens.tracked
+    lens.close()
+    return rec, tracked
+
+
+class Branchy(nn.Module):
+    """``b`` runs only when the forward is told so (a branch some micro-batches take)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x, branch=False):
+        h = torch.tanh(self.a(x))
+        if branch:
+            h = torch.tanh(self.b(h))
+        return self.head(h)
+
+
+def _branch_batches(split, flags, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(split)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return [(xb, yb, {"branch": f}) for xb, yb, f in zip(x.split(split), y.split(split), flags)]
+
+
+# ------------------------------------------------------------------ row 1: skipped layers
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("split,flags", [([3, 1, 4], [True, False, True]), ([1, 7], [True, False]),
+                                         ([2, 5, 1], [False, False, True])])
+def test_skipped_layer_counts_its_zeros_in_gsnr_norm_test_and_noise_scale(reduction, split, flags):
+    """The samples of micro-steps that skip ``b`` have g_n = 0 there: one N for the window.
+    Was: MeanGSNR over the samples that ran ``b`` only; NormTest / NoiseScale(per_sample) with
+    N from one parameter's count (NaN when ``b`` ran for one sample)."""
+    torch.manual_seed(0)
+    model = Branchy().double()
+    batches = _branch_batches(split, flags)
+    G = _flat(_oracle(model, batches, reduction))
+    n = G.shape[0]
+    mean = G.mean(0)
+    var = ((G - mean) ** 2).sum(0) / (n - 1)
+    ok = var > 1e-300
+    trace = var.sum()
+    for per_sample in (True, False):
+        insts = [MeanGSNR(), NormTest(per_sample=per_sample), NoiseScale(per_sample=per_sample)]
+        rec, _ = _run(model, batches, reduction, insts)
+        assert rec.num_samples == n
+        assert rec["mean_gsnr"] == pytest.approx(float((mean[ok] ** 2 / var[ok]).mean()), rel=1e-9)
+        assert rec["noise_scale"] == pytest.approx(float(trace / mean.square().sum()), rel=1e-9)
+        assert rec["norm_test"] == pytest.approx(float((trace / n).sqrt() / mean.norm()), rel=1e-9)
