@@ -920,6 +920,12 @@ class Lens:
             s.micro_size_sq = float(b) ** 2
         self._window = self._window.merge(s)
         skipped = [q for q in self._tap.params if q not in micro.seen]  # g_n = 0 for these
+        if "sum_grad_squared" in self._needs:  # every tracked parameter has an entry, zeros if unreached
+            for q in skipped:
+                if q not in self._window.sum_grad_squared:
+                    p = self._tap.params[q]
+                    self._window.sum_grad_squared[q] = torch.zeros(
+                        p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
         for inst in self._per_sample_insts:
             for q in skipped:
                 inst.update_zeros(micro.states[id(inst)], q, self._tap.params[q], b)
