@@ -27,12 +27,21 @@ from gradlens.instruments import (
 SPLITS = [[3, 1, 4], [1, 7], [8]]
 
 
-def _oracle(model, micro_batches, reduction, call=None):
+def _oracle(model, micro_batches, reduction, loop=False):
     """``{name: [N, *param]}`` float64 per-sample gradients; ``micro_batches``: (x, y, kwargs)
-    per micro-step (kwargs passed to the forward, e.g. which branch runs)."""
+    per micro-step (kwargs passed to the forward, e.g. which branch runs). ``loop``: a loop of
+    plain autograd over the samples instead of vmap(grad) (for layers vmap cannot go through)."""
     model = copy.deepcopy(model)
     params = {k: v.detach() for k, v in model.named_parameters()}
     rows: dict[str, list] = {k: [] for k in params}
+    if loop:
+        names, ps = zip(*model.named_parameters())
+        for xb, yb, kw in micro_batches:
+            for i in range(len(xb)):
+                loss = F.cross_entropy(model(xb[i : i + 1], **kw), yb[i : i + 1], reduction=reduction)
+                for k, g in zip(names, torch.autograd.grad(loss, ps, allow_unused=True)):
+                    rows[k].append(torch.zeros_like(params[k])[None] if g is None else g[None])
+        return {k: torch.cat(v) for k, v in rows.items()}
     for xb, yb, kw in micro_batches:
         def one(p, xi, yi):
             out = functional_call(model, p, (xi.unsqueeze(0),), kw)
@@ -174,3 +183,43 @@ def test_sum_grad_squared_has_an_entry_for_every_tracked_parameter(reduction, fl
         torch.testing.assert_close(got, g.square().sum(0), rtol=1e-12, atol=0)
     if not any(flags):
         assert torch.equal(rec["sum_grad_squared"]["b.weight"], torch.zeros(5, 5, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ row 4: length-1 convs
+class TransposedSeqConv(nn.Module):
+    """``[B, 1, C]`` (a length-1 sequence, channels last) transposed for a conv: the conv's
+    input has non-row-major strides on its length-1 axis."""
+
+    def __init__(self, conv: nn.Module, length: int):
+        super().__init__()
+        self.conv = conv
+        self.head = nn.Linear(conv.out_channels * length, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x.transpose(1, 2))).flatten(1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("make,length", [
+    (lambda: nn.Conv1d(4, 3, 3, padding="same"), 1),
+    (lambda: nn.Conv1d(4, 3, 3, padding="same", bias=False), 1),
+    (lambda: nn.ConvTranspose1d(4, 3, 2, stride=3, output_padding=1), 3),
+    (lambda: nn.ConvTranspose1d(4, 3, 3, stride=2, dilation=2, output_padding=1), 6),
+])
+def test_length_one_transposed_input_to_a_conv_is_exact(make, length, reduction):
+    """Was: "slow_conv2d: grad_weight must be contiguous" from the per-sample conv path."""
+    torch.manual_seed(2)
+    model = TransposedSeqConv(make(), length).double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 1, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,), generator=g)
+    batches = [(xb, yb, {}) for xb, yb in zip(x.split([3, 1, 4]), y.split([3, 1, 4]))]
+    gs = _oracle(model, batches, reduction, loop=True)  # vmap(grad) itself refuses these strides
+    G = _flat(gs)
+    from gradlens.instruments import BatchL2
+
+    rec, _ = _run(model, batches, reduction, [BatchL2(), SumGradSquared(), BatchDot(), MeanGSNR()])
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(rec["batch_dot"].double(), G @ G.T, rtol=1e-10, atol=1e-14)
+    for name, gn in gs.items():
+        torch.testing.assert_close(rec["sum_grad_squared"][name].double(), gn.square().sum(0), rtol=1e-10, atol=1e-14)
