@@ -223,3 +223,104 @@ def test_length_one_transposed_input_to_a_conv_is_exact(make, length, reduction)
     torch.testing.assert_close(rec["batch_dot"].double(), G @ G.T, rtol=1e-10, atol=1e-14)
     for name, gn in gs.items():
         torch.testing.assert_close(rec["sum_grad_squared"][name].double(), gn.square().sum(0), rtol=1e-10, atol=1e-14)
+
+
+# ------------------------------------------------------------------ row 2: pairing of uses
+class PrefixNet(nn.Module):
+    """A circular-padded conv (a per-operation use) before a train-mode BatchNorm, ``h * scale``
+    (another per-operation use) after it: with ``undefined="exclude"`` the conv is dropped at
+    the first micro-step, so the later micro-steps count one operation fewer before ``scale``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1, padding_mode="circular")
+        self.bn = nn.BatchNorm1d(3)
+        self.scale = nn.Parameter(torch.randn(3, 1))
+        self.head = nn.Linear(3 * 5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.conv(x)) * self.scale).flatten(1))
+
+
+class DirectNet(nn.Module):
+    """Directly used parameters: ``x * w1`` only when ``first`` (some micro-steps skip it)
+    before ``x * w2``; ``twice`` uses ``w2`` a second time (one use in a micro-step, two in
+    another, summed) and the Linear ``mix`` a second time (a module's factors in one micro-step,
+    the summed uses' in another: a differently shaped measurement of the same parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4))
+        self.w2 = nn.Parameter(torch.randn(4))
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, first=True, twice=False):
+        if first:
+            x = torch.tanh(x * self.w1)
+        h = torch.tanh(self.mix(torch.tanh(x * self.w2)))
+        if twice:
+            h = torch.tanh(self.mix(torch.tanh(h * self.w2)))
+        return self.head(h)
+
+
+def _batch_oracle(model, batches, tracked, reduction):
+    """``[N, D]`` per-sample gradients of the ``tracked`` parameters, each micro-batch forwarded
+    together (a train-mode BatchNorm normalises with its statistics): per sample, the gradient of
+    its own loss in that forward (plain autograd, float64; unused parameters give zeros)."""
+    rows = []
+    for xb, yb, kw in batches:
+        ref = copy.deepcopy(model)
+        ps = dict(ref.named_parameters())
+        losses = F.cross_entropy(ref(xb, **kw), yb, reduction="none")
+        for i in range(len(xb)):
+            gs = torch.autograd.grad(losses[i], [ps[q] for q in tracked], retain_graph=True, allow_unused=True)
+            rows.append(torch.cat([(torch.zeros_like(ps[q]) if g is None else g).flatten()
+                                   for q, g in zip(tracked, gs)]))
+    return torch.stack(rows)
+
+
+def _mean_tests(G):
+    n = G.shape[0]
+    mean = G.mean(0)
+    g2 = float(mean @ mean)
+    p = G @ mean
+    inner = (float(p.var()) / n) ** 0.5 / g2
+    v = (float(G.square().sum()) - float(p.square().sum()) / g2) / (n - 1)
+    return inner, (max(v, 0.0) / (n * g2)) ** 0.5
+
+
+def _pairing_case(kind, split, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(split)
+    torch.manual_seed(seed)
+    if kind == "prefix":
+        model = PrefixNet().double().train()
+        x = torch.randn(n, 2, 5, generator=g, dtype=torch.float64)
+        kws = [{}] * len(split)
+        lens_kw = {"undefined": "exclude"}
+    else:
+        model = DirectNet().double()
+        x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+        flags = [(i % 2 == 0, kind == "twice" and i == 1) for i in range(len(split))]
+        kws = [{"first": f, "twice": t} for f, t in flags]
+        lens_kw = {}
+    y = torch.randint(0, 3, (n,), generator=g)
+    return model, [(xb, yb, kw) for xb, yb, kw in zip(x.split(split), y.split(split), kws)], lens_kw
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("split", [[3, 2, 4], [1, 5, 1]])
+@pytest.mark.parametrize("kind", ["prefix", "direct", "twice"])
+def test_cross_micro_step_blocks_pair_uses_by_their_parameters(kind, split, reduction):
+    """BatchDot's off-diagonal blocks and InnerTest / OrthoTest when the per-operation uses
+    differ between micro-steps (was: uses paired by position, 0.5% / 9% off)."""
+    model, batches, lens_kw = _pairing_case(kind, split, seed=3)
+    rec, tracked = _run(model, batches, reduction, [BatchDot(), InnerTest(), OrthoTest()], **lens_kw)
+    if kind == "prefix":
+        assert sorted(tracked) == ["bn.bias", "bn.weight", "head.bias", "head.weight", "scale"]
+    G = _batch_oracle(model, batches, tracked, reduction)
+    torch.testing.assert_close(rec["batch_dot"].double(), G @ G.T, rtol=1e-10, atol=1e-13)
+    inner, ortho = _mean_tests(G)
+    assert rec["inner_test"] == pytest.approx(inner, rel=1e-9)
+    assert rec["ortho_test"] == pytest.approx(ortho, rel=1e-9)
