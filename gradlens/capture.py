@@ -521,7 +521,11 @@ class Tap:
         # must not copy the Tap (and the Lens, its sinks, ...)
         root, tap = self.model, self
         self._handles.append(
-            root.register_forward_pre_hook(lambda m, a, k: tap._root_pre(m, a, k), with_kwargs=True)
+            # k=None: this hook was removed by an earlier pre-hook of the same forward (the Lens
+            # refreshing its parameters, which then opens the forward itself); torch still calls
+            # it, without kwargs: nothing to do
+            root.register_forward_pre_hook(lambda m, a, k=None: None if k is None else tap._root_pre(m, a, k),
+                                           with_kwargs=True)
         )
         for mod in root.modules():
             entry = self.sites.get(id(mod))

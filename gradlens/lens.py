@@ -150,6 +150,29 @@ def _compile_probe(lens: "Lens"):
     return probe
 
 
+def _params_probe(lens: "Lens"):
+    """A one-shot forward pre-hook of a tracked window: at the window's first forward with
+    gradients, before anything of it is measured, re-read which parameters are trainable (a
+    freeze or unfreeze made after the optimizer's step opened the window counts from it)."""
+    ref = weakref.ref(lens)
+
+    def probe(module, args, kwargs) -> None:
+        owner = ref()
+        if owner is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if owner._params_probe is not None:
+            owner._params_probe.remove()
+            owner._params_probe = None
+        if owner._window is not None and not owner._window.micro_steps and owner._micro is None:
+            tap = owner._tap
+            handles = list(getattr(tap, "_handles", ()))
+            owner._refresh_params()
+            if handles and getattr(tap, "_handles", handles) != handles:  # hooks reinstalled: this
+                tap._root_pre(module, args, kwargs)  # forward calls only the removed root hook
+
+    return probe
+
+
 def _ddp_probe(route: DDPGradRoute):
     """A forward pre-hook of tracked windows under torch.distributed: notes the DDP module that
     runs the forward (see :class:`gradlens.distributed.DDPGradRoute`)."""
@@ -445,6 +468,12 @@ class Lens:
             self._merge_pending = None
         if self.is_tracked():
             self._refresh_params()
+            if getattr(self, "_params_probe", None) is None:
+                # the window opens in the optimizer's step post-hook, before the training loop can
+                # freeze or unfreeze a parameter: its first forward with gradients refreshes again
+                # (registered first, so that the Tap's hooks of that forward see the new set)
+                self._params_probe = self.model.register_forward_pre_hook(
+                    _params_probe(self), prepend=True, with_kwargs=True)
             self._window = WindowStats(
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
@@ -463,6 +492,9 @@ class Lens:
             if self.grad_scaler is not None:
                 self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
+            if getattr(self, "_params_probe", None) is not None:
+                self._params_probe.remove()
+                self._params_probe = None
             self._window = None
             self._states = {}
             self._tap.remove()
@@ -520,6 +552,8 @@ class Lens:
             if getattr(self, "_grad_sq_hooks", None) is not None:
                 self._grad_sq_hooks.remove()
                 self._grad_sq_hooks.params = list(params.values())
+                if self._window is not None:  # refreshed inside a tracked window's first forward
+                    self._grad_sq_hooks.install()
         self._window_coverage = sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _check_undefined(self) -> None:
@@ -1428,6 +1462,9 @@ class Lens:
             self._grad_sq_hooks.remove()
         self._remove_compile_probe()
         self._remove_ddp_probe()
+        if getattr(self, "_params_probe", None) is not None:
+            self._params_probe.remove()
+            self._params_probe = None
         for h in self._hooks:
             h.remove()
         self._hooks = []
