@@ -365,3 +365,33 @@ def test_a_parameter_frozen_or_unfrozen_between_windows_counts_from_the_next_rec
             torch.testing.assert_close(rec["sum_grad_squared"][q], gq.square().sum(0), rtol=1e-10, atol=1e-14)
         assert rec.meta["coverage"] == G.shape[1] / sum(p.numel() for p in model.parameters() if p.requires_grad)
     lens.close()
+
+
+def test_sketch_mode_uses_one_map_per_parameter_in_every_micro_step():
+    """Sketch mode: s_n = R g_n with the same R for a parameter in every micro-step, whatever
+    the position of its use (was: R drawn per positional use name, so a micro-step that skips
+    ``x * w1`` sketched ``w2`` with another R and the cross-micro-step blocks had expectation 0).
+    Only ``w1``, ``w2`` are tracked, so the blocks between the micro-steps come from ``w2``
+    alone; the mean over 48 sketch seeds is within 5 standard deviations (E s(x).s(y) = x.y,
+    Var <= 8 ||x||^2 ||y||^2 / k, documented) of the exact block."""
+    torch.manual_seed(5)
+    model = DirectNet().double()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (7,), generator=g)
+    split, flags = [3, 4], [True, False]
+    batches = [(xb, yb, {"first": f}) for xb, yb, f in zip(x.split(split), y.split(split), flags)]
+    tracked = ["w1", "w2"]
+    G = _batch_oracle(model, batches, tracked, "mean")
+    exact = (G @ G.T)[:3, 3:]
+    k, seeds = 256, 48
+    mean = torch.zeros_like(exact)
+    for seed in range(seeds):
+        rec, got = _run(model, batches, "mean", [BatchDot(mode="sketch", k=k, seed=seed)],
+                        exclude=["mix", "head"])
+        assert got == tracked
+        mean += rec["batch_dot"].double()[:3, 3:] / seeds
+    norms = G.norm(dim=1)
+    sd = (8 / (k * seeds)) ** 0.5 * norms[:3, None] * norms[None, 3:]
+    assert (exact.abs() > 10 * sd).any()  # the test tells the exact block from 0
+    assert ((mean - exact).abs() <= 5 * sd).all()
