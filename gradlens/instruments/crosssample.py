@@ -44,6 +44,13 @@ Every dot product ``x . y`` of sketched vectors is estimated by ``s(x) . s(y)``:
 gradient and the update direction d or the window gradient g. R is fixed for the lifetime of the
 instrument (``seed``), so start and end points of Alpha share it.
 
+Micro-steps are paired use by use through what a use measures, the qualified names of its
+parameters (:func:`use_key`), never through its position in the forward: a branch that one
+micro-step skips, or a prefix that ``undefined="exclude"`` leaves out after the first micro-step,
+moves the later uses' positions. Uses of one key whose maths differ between micro-steps (a
+module's factors in one, several uses summed in another) are paired through their materialised
+per-sample gradients.
+
 The per-layer maths (projections, Gram pieces, sketches) are methods of the layer's kernel
 (:class:`gradlens.kernels.Kernel`); this module keeps and combines what they return.
 

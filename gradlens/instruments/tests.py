@@ -18,6 +18,9 @@ leaves rounding noise (1e-21 instead of 0 in float64, far more in float32) and a
   the accumulation dtype); a T below that bound cannot be told from 0 and is reported as 0
   (so equal gradients give exactly 0). ``per_sample=True`` computes tr(Sigma) from the shifted
   sums instead (exact for any spread, at the cost of materialising).
+
+One N per window: a layer that some micro-steps skip (a branch taken only for some micro-batches)
+has g_n = 0 for their samples, and all three count those zeros (:meth:`ShiftedMoments.fill_zeros`).
 """
 
 from __future__ import annotations
