@@ -597,6 +597,8 @@ class Tap:
         stack = self._stack
 
         def pre(module, args):
+            if stack is not self._stack:  # removed (and reinstalled) earlier in this forward
+                return None
             stack.append(hint)
             if site and self._mode_depth:
                 self._skip += 1
@@ -884,7 +886,9 @@ class ParamTap:
             return
         tap = self
         root = self.model
-        self._handles.append(root.register_forward_pre_hook(lambda m, a, k: tap._pre(m, a, k), with_kwargs=True))
+        # k=None: removed by an earlier pre-hook of the same forward, see Tap.install
+        self._handles.append(root.register_forward_pre_hook(
+            lambda m, a, k=None: None if k is None else tap._pre(m, a, k), with_kwargs=True))
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._post(), always_call=True))
         for q, p in self.params.items():
             if p.requires_grad:

@@ -164,11 +164,16 @@ def _params_probe(lens: "Lens"):
             owner._params_probe.remove()
             owner._params_probe = None
         if owner._window is not None and not owner._window.micro_steps and owner._micro is None:
-            tap = owner._tap
-            handles = list(getattr(tap, "_handles", ()))
+            before = dict(module._forward_pre_hooks)
             owner._refresh_params()
-            if handles and getattr(tap, "_handles", handles) != handles:  # hooks reinstalled: this
-                tap._root_pre(module, args, kwargs)  # forward calls only the removed root hook
+            # hooks the Tap reinstalled on the model: torch runs this forward's hooks as they
+            # were when it started (the removed ones do nothing then), so the new ones run here
+            for hid, hook in list(module._forward_pre_hooks.items()):
+                if hid not in before:
+                    if hid in module._forward_pre_hooks_with_kwargs:
+                        hook(module, args, kwargs)
+                    else:
+                        hook(module, args)
 
     return probe
 
