@@ -526,7 +526,11 @@ class Tap:
         # must not copy the Tap (and the Lens, its sinks, ...)
         root, tap = self.model, self
         self._handles.append(
-            root.register_forward_pre_hook(lambda m, a, k: tap._root_pre(m, a, k), with_kwargs=True)
+            # k=None: this hook was removed by an earlier pre-hook of the same forward (the Lens
+            # refreshing its parameters, which then opens the forward itself); torch still calls
+            # it, without kwargs: nothing to do
+            root.register_forward_pre_hook(lambda m, a, k=None: None if k is None else tap._root_pre(m, a, k),
+                                           with_kwargs=True)
         )
         for mod in root.modules():
             entry = self.sites.get(id(mod))
@@ -598,6 +602,8 @@ class Tap:
         stack = self._stack
 
         def pre(module, args):
+            if stack is not self._stack:  # removed (and reinstalled) earlier in this forward
+                return None
             stack.append(hint)
             if site and self._mode_depth:
                 self._skip += 1
@@ -887,7 +893,9 @@ class ParamTap:
             return
         tap = self
         root = self.model
-        self._handles.append(root.register_forward_pre_hook(lambda m, a, k: tap._pre(m, a, k), with_kwargs=True))
+        # k=None: removed by an earlier pre-hook of the same forward, see Tap.install
+        self._handles.append(root.register_forward_pre_hook(
+            lambda m, a, k=None: None if k is None else tap._pre(m, a, k), with_kwargs=True))
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._post(), always_call=True))
         for q, p in self.params.items():
             if p.requires_grad:

@@ -820,6 +820,17 @@ def _explicit_padding(module: nn.Module, a: Tensor) -> tuple[Tensor, tuple[int, 
     return F.pad(a, pads), (0,) * nd
 
 
+def _standard_strides(t: Tensor) -> Tensor:
+    """``t`` with row-major strides on every axis, size-1 axes included (a copy only if needed)."""
+    want, step = [], 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(want)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class VmapConvKernel(Kernel):
     """Any ``nn.Conv{1,2,3}d`` / ``nn.ConvTranspose{1,2,3}d`` (every padding, stride, dilation,
     group, ``output_padding``): g_n of the weight is the VJP of this one convolution at sample
@@ -830,7 +841,9 @@ class VmapConvKernel(Kernel):
         from torch.func import vjp, vmap
 
         names = self.params(module) if attrs is None else attrs
-        x, d = a[start:stop], delta[start:stop]
+        # fresh standard strides: a length-1 axis may carry any stride (a [B, 1, C] sequence
+        # transposed for the conv counts as contiguous), which the batched conv backward refuses
+        x, d = _standard_strides(a[start:stop]), _standard_strides(delta[start:stop])
         out = {}
         if "weight" in names:
             transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)

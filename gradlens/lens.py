@@ -90,6 +90,32 @@ class _ForwardProbes:
         self.handles = []
 
 
+def _params_probe(lens: "Lens"):
+    """A one-shot forward pre-hook of a tracked window: at the window's first forward with
+    gradients, before anything of it is measured, re-read which parameters are trainable (a
+    freeze or unfreeze made after the optimizer's step opened the window counts from it)."""
+    ref = weakref.ref(lens)
+
+    def probe(module, args, kwargs) -> None:
+        owner = ref()
+        if owner is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        owner._remove_params_probe()
+        if owner._window is not None and not owner._window.micro_steps and owner._meter.micro is None:
+            before = dict(module._forward_pre_hooks)
+            owner._refresh_params()
+            # hooks the Tap reinstalled on the model: torch runs this forward's hooks as they
+            # were when it started (the removed ones do nothing then), so the new ones run here
+            for hid, hook in list(module._forward_pre_hooks.items()):
+                if hid not in before:
+                    if hid in module._forward_pre_hooks_with_kwargs:
+                        hook(module, args, kwargs)
+                    else:
+                        hook(module, args)
+
+    return probe
+
+
 class Lens:
     """Per-sample gradient statistics of a model, one :class:`~gradlens.records.Record` per
     tracked window.
@@ -275,6 +301,7 @@ class Lens:
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
+        self._params_probe = None  # see _params_probe (tracked windows only)
         model.__dict__["_gradlens_lens"] = weakref.ref(self)  # plain attribute, not a submodule
         self._open_window()
 
@@ -290,6 +317,12 @@ class Lens:
             self._merge_pending = None
         if self.is_tracked():
             self._refresh_params()
+            if self._params_probe is None:
+                # the window opens in the optimizer's step post-hook, before the training loop can
+                # freeze or unfreeze a parameter: its first forward with gradients refreshes again
+                # (registered first, so that the Tap's hooks of that forward see the new set)
+                self._params_probe = self.model.register_forward_pre_hook(
+                    _params_probe(self), prepend=True, with_kwargs=True)
             self._window = WindowStats(
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
@@ -303,6 +336,7 @@ class Lens:
             if self.grad_scaler is not None:
                 self._scale_at_open = float(self.grad_scaler.get_scale())
         else:
+            self._remove_params_probe()
             self._window = None
             self._states = {}
             self._meter.remove()
@@ -436,6 +470,11 @@ class Lens:
         if not updated:
             self.skipped_windows += 1
             self._open_window()
+
+    def _remove_params_probe(self) -> None:
+        if self._params_probe is not None:
+            self._params_probe.remove()
+            self._params_probe = None
 
     def _warn_compiled(self) -> None:
         if self._meter.plan.light:  # parameter hooks only: no layer output is hooked, no graph break
@@ -648,6 +687,7 @@ class Lens:
             del self.model.__dict__["_gradlens_lens"]
         self._meter.remove()
         self._probes.remove()
+        self._remove_params_probe()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -162,6 +162,8 @@ class Meter:
             if self.grad_sq_hooks is not None:
                 self.grad_sq_hooks.remove()
                 self.grad_sq_hooks.params = list(params.values())
+                if self.tap.installed:  # refreshed inside a tracked window's first forward
+                    self.grad_sq_hooks.install()
 
     # ------------------------------------------------------------------ micro-step lifecycle
     def begin(self, reduction: str | None, loss: Tensor | None, multiplier: Any, losses: Tensor | None,
@@ -229,6 +231,12 @@ class Meter:
             s.micro_size_sq = float(b) ** 2
         window = window.merge(s)
         skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
+        if "sum_grad_squared" in self.plan.needs:  # every tracked parameter has an entry, zeros if unreached
+            for q in skipped:
+                if q not in window.sum_grad_squared:
+                    p = self.tap.params[q]
+                    window.sum_grad_squared[q] = torch.zeros(
+                        p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
         for inst in self.plan.per_sample:
             for q in skipped:
                 inst.update_zeros(micro.states[id(inst)], q, self.tap.params[q], b)

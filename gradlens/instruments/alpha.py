@@ -46,13 +46,19 @@ def alpha_fit(
     y = torch.tensor([fs[0], fs[1], dfs[0], dfs[1]], dtype=torch.float64)
     var = torch.tensor([*var_fs, *var_dfs], dtype=torch.float64)
     var = torch.where(var == 0, torch.full_like(var, _VAR_FLOOR), var)
-    w = 1.0 / var
-    lhs = phi.T @ (w[:, None] * phi)
-    rhs = phi.T @ (w * y)
-    try:
-        mu = torch.linalg.solve(lhs, rhs)
-    except RuntimeError:
+    # weighted least squares as an ordinary one, sqrt(w) phi mu ~ sqrt(w) y, solved by
+    # Householder QR: the normal equations would square the condition number of phi
+    # (columns scaled to unit norm first, so that a short step's t^2 column is not lost)
+    root_w = var.rsqrt()
+    a = root_w[:, None] * phi
+    norms = a.norm(dim=0)
+    if not bool((norms > 0).all()):
         return None, "singular quadratic fit"
+    q, r = torch.linalg.qr(a / norms)  # q [4, 3], r [3, 3] upper triangular
+    diag = r.diagonal().abs()
+    if not bool((diag > 4 * torch.finfo(torch.float64).eps * diag.max()).all()):
+        return None, "singular quadratic fit"
+    mu = torch.linalg.solve_triangular(r, (q.T @ (root_w * y))[:, None], upper=True)[:, 0] / norms
     mu1, mu2 = float(mu[1]), float(mu[2])
     if mu2 <= 0:
         return -1.0, "the fit has no minimum along d (concave or linear): alpha = -1 as in Cockpit"

@@ -47,6 +47,13 @@ Every dot product ``x . y`` of sketched vectors is estimated by ``s(x) . s(y)``:
 gradient and the update direction d or the window gradient g. R is fixed for the lifetime of the
 instrument (``seed``), so start and end points of Alpha share it.
 
+Micro-steps are paired use by use through what a use measures, the qualified names of its
+parameters (:func:`use_key`), never through its position in the forward: a branch that one
+micro-step skips, or a prefix that ``undefined="exclude"`` leaves out after the first micro-step,
+moves the later uses' positions. Uses of one key whose maths differ between micro-steps (a
+module's factors in one, several uses summed in another) are paired through their materialised
+per-sample gradients.
+
 The per-layer maths (projections, Gram pieces, sketches) are methods of the layer's kernel
 (:class:`gradlens.kernels.Kernel`); this module keeps and combines what they return.
 
@@ -72,6 +79,17 @@ __all__ = ["DEFAULT_MAX_BYTES"]
 
 #: default memory budget of one exact-mode instrument (bytes kept for its window)
 DEFAULT_MAX_BYTES = 1 << 30
+
+
+def use_key(w) -> str:
+    """What a use of tracked parameters *is*, the same in every micro-step: the qualified names
+    of the parameters it measures (``w.params``' values, sorted, joined by ``+``). Within one
+    micro-step each tracked parameter is measured at one use (several uses of a parameter are
+    summed first), so the key is unique there. A use's ``name`` is not: ``"op<k>:..."`` counts
+    the operations of a forward, and a use that one micro-step skips (a branch, a prefix that
+    ``undefined="exclude"`` dropped after the first micro-step) shifts the k of the later ones.
+    Cross-micro-step blocks pair uses by this key."""
+    return "+".join(sorted(w.params.values()))
 
 
 # =============================================================================== sketches
@@ -105,11 +123,12 @@ class _Sketcher:
         return need
 
     def _pair(self, w, block: str, rows: int, cols: int, like: Tensor) -> tuple[Tensor, Tensor]:
-        key = (w.name, block, like.dtype, like.device)
+        name = use_key(w)  # the same R for the same parameters in every micro-step
+        key = (name, block, like.dtype, like.device)
         if key not in self._cache:
             self.nbytes += self._check_room(w, block, rows, cols, like)
             gen = torch.Generator().manual_seed(
-                (self.seed * 1_000_003 + zlib.crc32(f"{w.name}/{block}".encode())) % (1 << 62)
+                (self.seed * 1_000_003 + zlib.crc32(f"{name}/{block}".encode())) % (1 << 62)
             )
             u = torch.randint(0, 2, (self.k, rows), generator=gen).mul_(2).sub_(1)
             v = torch.randint(0, 2, (self.k, cols), generator=gen).mul_(2).sub_(1)
@@ -329,7 +348,8 @@ class _CrossSample(Instrument):
         :attr:`carries_scale`): ``delta`` is the output gradient as autograd delivered it, and
         ``delta * scale`` its per-sample units (float or 0-d tensor)."""
         part = state.part()
-        state.modules[module.name] = module
+        key = use_key(module)
+        state.modules[key] = module
         for attr, q in module.params.items():
             state.params[q] = getattr(module.module, attr)
         if self._sketcher is not None:
@@ -337,7 +357,7 @@ class _CrossSample(Instrument):
             part.sketch = s if part.sketch is None else part.sketch + s
             return
         a, delta = _own(a), _own(delta)
-        lay = part.layers[module.name] = _Layer(module, a, delta, (tensor_version(a), tensor_version(delta)), scale=scale)
+        lay = part.layers[key] = _Layer(module, a, delta, (tensor_version(a), tensor_version(delta)), scale=scale)
         if weight_grad is not None and self.fills_weight_grad:
             holder, wscale = weight_grad
             k, wsum = module.kernel.gram_with_sum(module.module, a, delta, module.params)
@@ -460,13 +480,18 @@ class _CrossSample(Instrument):
         for p in state.parts:
             names += [nm for nm in p.layers if nm not in names]
         for name in names:
-            pieces, idx = [], []
+            lays, idx = [], []
             for p, o in zip(state.parts, offsets):
                 if name in p.layers:
-                    lay = p.layers[name]
-                    pieces.append((lay.w, lay.a, lay.delta, lay.scale) if raw else (lay.w, lay.a, lay.units()))
+                    lays.append(p.layers[name])
                     idx.append(torch.arange(o, o + p.batch))
-            yield name, pieces, (None if len(pieces) == len(state.parts) else torch.cat(idx))
+            where = None if len(lays) == len(state.parts) else torch.cat(idx)
+            if not _alike(lays):  # e.g. one use in a micro-step, several (summed) in another
+                for q, pieces in _materialised_pieces(lays):
+                    yield f"{name}:{q}", [pc + (None,) for pc in pieces] if raw else pieces, where
+                continue
+            pieces = [(lay.w, lay.a, lay.delta, lay.scale) if raw else (lay.w, lay.a, lay.units()) for lay in lays]
+            yield name, pieces, where
 
     def _sketches(self, state: _DotState) -> Tensor:
         """``[N, k]`` float64 sketches of the window's g_n (sketch mode)."""
@@ -525,8 +550,9 @@ class _CrossSample(Instrument):
             )
         else:
             self._check_versions(state)
-            for w in ctx.watched:
-                have = [p.layers[w.name] for p in parts if w.name in p.layers]
+            for w in _watched_uses(ctx):
+                key = use_key(w)
+                have = [p.layers[key] for p in parts if key in p.layers]
                 if not have:
                     row += [-1.0, -1.0]
                     pieces += [torch.zeros(0, dtype=torch.float64)] * 2
@@ -559,7 +585,7 @@ class _CrossSample(Instrument):
             theta0=state.theta0,
             start=state.start,
         )
-        by_name = {w.name: w for w in ctx.watched}
+        watched = _watched_uses(ctx)
         for r in range(world):
             n, has_losses, has_end, token, dense = (float(v) for v in rows[r, :5])
             if n <= 0:
@@ -573,14 +599,14 @@ class _CrossSample(Instrument):
             if self.mode == "sketch":
                 part.sketch = pieces[0][r]
             else:
-                for i, w in enumerate(ctx.watched):
+                for i, w in enumerate(watched):
                     codes = rows[r, 5 + 2 * i : 7 + 2 * i]
                     if float(codes[0]) < 0:
                         continue
                     a = pieces[2 * i][r].to(_DTYPES[int(codes[0])])
                     d = pieces[2 * i + 1][r].to(_DTYPES[int(codes[1])])
-                    part.layers[w.name] = _Layer(w, a, d, (tensor_version(a), tensor_version(d)))
-                    out.modules[w.name] = by_name[w.name]
+                    part.layers[use_key(w)] = _Layer(w, a, d, (tensor_version(a), tensor_version(d)))
+                    out.modules[use_key(w)] = w
                     for attr, q in w.params.items():
                         out.params.setdefault(q, getattr(w.module, attr))
             out.parts.append(part)
@@ -599,6 +625,53 @@ class _CrossSample(Instrument):
 
     def _settings(self) -> dict:
         return {"mode": self.mode, "k": self.k, "seed": self.seed}
+
+
+def _watched_uses(ctx) -> list:
+    """The window's watched uses (``ctx.watched``, in its order), one per :func:`use_key`."""
+    seen: set[str] = set()
+    out = []
+    for w in ctx.watched:
+        key = use_key(w)
+        if key not in seen:
+            seen.add(key)
+            out.append(w)
+    return out
+
+
+def _alike(lays: list[_Layer]) -> bool:
+    """Whether the uses of one key in different micro-steps share their maths: the same kernel
+    type, the same attribute -> parameter map and inputs of the same rank (what one kernel call
+    over all of them assumes)."""
+    w0, a0 = lays[0].w, lays[0].a
+    return all(
+        type(lay.w.kernel) is type(w0.kernel) and lay.w.params == w0.params and lay.a.dim() == a0.dim()
+        for lay in lays[1:]
+    )
+
+
+def _materialised_pieces(lays: list[_Layer]):
+    """Per parameter q of the key: ``(q, [(site, [B, *param] g_n, zeros [B]) per micro-step])``,
+    the per-sample gradients formed from each micro-step's own use (per-sample units), as
+    :class:`gradlens.kernels.MaterialisedKernel` pieces (one layer's ``[N, *param]`` at a time)."""
+    from gradlens.capture import Site
+    from gradlens.kernels import Materialised, MaterialisedKernel
+
+    kernel = MaterialisedKernel()
+    for q in sorted(lays[0].w.params.values()):
+        pieces = []
+        for lay in lays:
+            # formed once per layer and kept with it (the window memo keys on tensor ids, which
+            # must stay alive while the memo does)
+            dense = lay.__dict__.setdefault("_dense", {})
+            if q not in dense:
+                w, delta = lay.w, lay.units()
+                attr = next(at for at, name in w.params.items() if name == q)
+                g = w.kernel.per_sample(w.module, lay.a, delta, 0, delta.shape[0], attrs=[attr])[attr]
+                site = Site(q, Materialised("p", getattr(w.module, attr)), kernel, {"p": q})
+                dense[q] = (site, g, g.new_zeros(g.shape[0]))
+            pieces.append(dense[q])
+        yield q, pieces
 
 
 # =============================================================================== window memo

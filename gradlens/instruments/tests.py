@@ -18,6 +18,9 @@ leaves rounding noise (1e-21 instead of 0 in float64, far more in float32) and a
   the accumulation dtype); a T below that bound cannot be told from 0 and is reported as 0
   (so equal gradients give exactly 0). ``per_sample=True`` computes tr(Sigma) from the shifted
   sums instead (exact for any spread, at the cost of materialising).
+
+One N per window: a layer that some micro-steps skip (a branch taken only for some micro-batches)
+has g_n = 0 for their samples, and all three count those zeros (:meth:`ShiftedMoments.fill_zeros`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,19 @@ class ShiftedMoments:
             self.count[name] += n
         return self
 
+    def fill_zeros(self, num_samples: int) -> "ShiftedMoments":
+        """Count the samples of the window that never reached a parameter (a layer some
+        micro-steps skip) as exact zeros: every parameter then has ``num_samples`` samples,
+        the window's one N. With e = -c: ``s1 += m e``, ``s2 += m e^2`` for the m missing."""
+        for name, n in self.count.items():
+            missing = num_samples - n
+            if missing > 0:
+                c = self.shift[name]
+                self.s1[name] = self.s1[name] - missing * c
+                self.s2[name] = self.s2[name] + missing * c * c
+                self.count[name] = num_samples
+        return self
+
     def mean_var(self, name: str) -> tuple[Tensor, Tensor]:
         """(G, unbiased var) ``[*param]`` float64 of parameter ``name`` (var NaN if N < 2)."""
         n = self.count[name]
@@ -109,15 +125,16 @@ def _trace_cov(stats: WindowStats) -> tuple[float, float]:
     return diff / (n - 1), g2
 
 
-def _trace_shifted(moments: ShiftedMoments) -> tuple[float, float, int]:
-    """(tr(Sigma), ||G||^2, N) from shifted sums."""
-    tr, g2, n = 0.0, 0.0, 0
+def _trace_shifted(moments: ShiftedMoments, n: int) -> tuple[float, float]:
+    """(tr(Sigma), ||G||^2) from shifted sums over the window's ``n`` samples (a parameter
+    that some micro-steps skipped counts their samples as zeros)."""
+    moments.fill_zeros(n)
+    tr, g2 = 0.0, 0.0
     for name in moments.count:
         mean, var = moments.mean_var(name)
-        n = moments.count[name]
-        tr += float(var.sum()) if n >= 2 else math.nan
+        tr += float(var.sum())
         g2 += float(mean.square().sum())
-    return tr, g2, n
+    return (tr if n >= 2 else math.nan), g2
 
 
 class _TraceInstrument(Instrument):
@@ -142,7 +159,7 @@ class _TraceInstrument(Instrument):
 
     def _trace(self, stats: WindowStats, state) -> tuple[float, float, int]:
         if self.per_sample:
-            tr, g2, _ = _trace_shifted(state)
+            tr, g2 = _trace_shifted(state, stats.num_samples)
             return tr, g2, stats.num_samples
         tr, g2 = _trace_cov(stats)
         return tr, g2, stats.num_samples
@@ -257,6 +274,7 @@ class MeanGSNR(Instrument):
         if n < 2:
             return math.nan
         total, count = 0.0, 0
+        state.fill_zeros(n)  # samples that skipped a layer: g_n = 0 there, one N per window
         moments = [state.mean_var(name) for name in state.count]
         if not moments:
             return math.nan
