@@ -407,6 +407,8 @@ class Lens:
                 or any(getattr(i, "fills_weight_grad", False) for i in self._layer_insts)
             )
 
+        for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
+            inst.attach(lambda: self._tap.params, optimizer)
         self._group = resolve_group(process_group)
         self._merged = False
         if merge not in ("sync", "deferred"):
