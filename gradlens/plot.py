@@ -6,8 +6,10 @@ this module imports matplotlib; ``import gradlens`` alone does not.
 
 - :func:`hist1d` - the histogram of per-sample gradient elements ``g_{n,j}`` of one window.
 - :func:`hist2d` - the joint histogram of (parameter value ``theta_j``, ``g_{n,j}``) with marginals.
-- :func:`dashboard` - one figure over a run: loss, gradient norm, noise scale, norm test,
-  alpha, mean GSNR, the latest window's histograms and the evolution of the 1D histogram.
+- :func:`dashboard` - one figure over a run, of what was tracked: loss, gradient norm, noise
+  scale, norm test, alpha, mean GSNR, distance, update size, CABS, EB, the latest window's
+  histograms, the evolution of the 1D histogram, and a layerwise panel when records have groups.
+- :func:`layerwise` - one heatmap row per parameter group (``record.groups``) over the steps.
 
 Units: ``g_{n,j} = d loss_n / d theta_j`` is the gradient of sample n's own loss (not divided by
 the batch size), in loss units per parameter unit; counts are numbers of (sample, parameter
@@ -154,6 +156,8 @@ def hist1d(record_or_hist: Record | Hist1d, ax: Axes | None = None) -> Axes:
     dashed lines. Elements outside the range (counted in the end bins by the instrument) are
     taken out of those bins and drawn as red hatched bars just outside the range, labelled
     with their count and share, so clamping is never mistaken for mass at the range's ends.
+    The y axis leaves headroom (the tallest bar reaches 60% of its log height), so the legend
+    in the upper right corner never covers a bar.
 
     Args:
         record_or_hist: a record holding ``"grad_hist_1d"``, or a ``Hist1d``.

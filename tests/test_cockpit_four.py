@@ -206,3 +206,17 @@ def test_early_stopping_is_one_minus_n_times_mean_gsnr():
     lens.close()
     assert r["early_stopping"] == 1.0 - 12 * r["mean_gsnr"]
     assert math.isfinite(r["early_stopping"])
+
+
+def test_squared_norms_restrict_to_a_group_and_merge():
+    from gradlens.instruments.trajectory import SquaredNorms
+
+    a = SquaredNorms({"fc1.weight": torch.tensor(9.0, dtype=torch.float64),
+                      "fc1.bias": torch.tensor(16.0, dtype=torch.float64)})
+    assert a.norm() == 5.0
+    assert a.norm(["fc1.bias", "head.weight"]) == 4.0
+    assert SquaredNorms().norm() is None
+    b = SquaredNorms({"fc1.bias": torch.tensor(9.0, dtype=torch.float64)})
+    merged = a.merge(b)
+    assert merged.norm(["fc1.bias"]) == 5.0 and a.norm() == 5.0  # a itself unchanged
+    assert SquaredNorms().merge(b) is b and b.merge(SquaredNorms()) is b

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -45,11 +45,13 @@ class SquaredNorms:
             out[q] = out[q] + v if q in out else v
         return SquaredNorms(out, self.snapshot, self.note)
 
-    def norm(self) -> float | None:
-        """sqrt of the summed squares (a host read), None if not measured."""
+    def norm(self, names: Iterable[str] | None = None) -> float | None:
+        """sqrt of the summed squares (a host read) over all parameters, or over ``names`` (a
+        group's parameters), None if not measured."""
         if self.sq is None:
             return None
-        total = sum(self.sq.values(), torch.zeros((), dtype=torch.float64))
+        keep = self.sq if names is None else {q: self.sq[q] for q in names if q in self.sq}
+        total = sum(keep.values(), torch.zeros((), dtype=torch.float64))
         return math.sqrt(float(total))
 
 
