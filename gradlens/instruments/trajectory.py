@@ -12,7 +12,7 @@ on every rank under data parallelism, so nothing is sent when ranks merge.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
