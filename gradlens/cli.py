@@ -3,7 +3,8 @@
 ``gradlens demo`` trains a small CNN on scikit-learn's bundled 8x8 handwritten digits (no
 download) with gradient accumulation and the gradlens instruments attached, and writes the
 JSON-lines log, the dashboard and the latest window's histograms. ``gradlens plot LOG.jsonl``
-draws the dashboard of a saved log.
+draws the dashboard of a saved log; ``gradlens plot LOG.jsonl --layerwise batch_l2`` one row per
+parameter group over the steps.
 
 Errors a user can cause (bad arguments, a missing or corrupt log, a missing optional package)
 are reported as one line on stderr with a non-zero exit status (2 for usage errors, 1 for the
@@ -100,15 +101,23 @@ def _build_parser() -> _Parser:
 
     plot = commands.add_parser(
         "plot",
-        help="draw the dashboard of a saved JSON-lines log",
-        description="Draw the dashboard (loss, gradient norm, noise scale, norm test, alpha, "
-        "mean GSNR, latest histograms and their evolution) of a log written by gradlens.",
+        help="draw the dashboard (or a layerwise heatmap) of a saved JSON-lines log",
+        description="Draw the dashboard (what the log tracked: loss, gradient norm, noise scale, "
+        "norm test, alpha, mean GSNR, ..., latest histograms and their evolution, the layerwise "
+        "panel when the records have groups) of a log written by gradlens, or with --layerwise "
+        "KEY one row per parameter group over the steps.",
     )
     plot.add_argument("log", type=Path, metavar="LOG.jsonl", help="the log to plot")
     plot.add_argument(
         "-o", "--output", type=Path, default=None, metavar="OUT.png",
-        help="where to save the dashboard, .png or .pdf (default: LOG-dashboard.png next to "
-        "the log)",
+        help="where to save the figure, .png or .pdf (default: LOG-dashboard.png, or "
+        "LOG-layerwise-KEY.png with --layerwise, next to the log)",
+    )
+    plot.add_argument(
+        "--layerwise", default=None, metavar="KEY",
+        help="draw the layerwise heatmap of record.groups[...][KEY] (one row per parameter group "
+        "over the steps, e.g. batch_l2, grad_norm, mean_gsnr) instead of the dashboard; the log "
+        "needs groups (Lens(..., groups='module'))",
     )
     plot.set_defaults(run=_cmd_plot)
     return parser
@@ -153,21 +162,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cmd_plot(args: argparse.Namespace) -> None:
     from gradlens.plot import SAVE_SUFFIXES
 
-    output = args.output
+    output, key = args.output, args.layerwise
+    what = "dashboard" if key is None else "layerwise figure"
     if output is None:
-        output = args.log.with_name(f"{args.log.stem}-dashboard.png")
+        tail = "dashboard" if key is None else f"layerwise-{key}"
+        output = args.log.with_name(f"{args.log.stem}-{tail}.png")
     if output.suffix.lower() not in SAVE_SUFFIXES:
         raise _UsageError(
-            f"gradlens plot: error: -o {str(output)!r}: the dashboard can be saved as {' or '.join(SAVE_SUFFIXES)}; "
+            f"gradlens plot: error: -o {str(output)!r}: the {what} can be saved as {' or '.join(SAVE_SUFFIXES)}; "
             "give a file name ending in one of them"
         )
     records = _load_log_reporting_warnings(args.log, "gradlens plot")
     if not records:
         raise CliError(f"{str(args.log)!r} holds no records; nothing to plot")
-    from gradlens.plot import dashboard
+    from gradlens.plot import dashboard, layerwise
 
-    dashboard(records, path=output)
-    print(f"dashboard of {len(records)} windows written to {output}")
+    if key is None:
+        dashboard(records, path=output)
+    else:
+        layerwise(records, key, path=output)
+    print(f"{what} of {len(records)} windows written to {output}")
 
 
 def _load_log_reporting_warnings(path: Path, prog: str) -> list:

@@ -256,8 +256,12 @@ class Lens:
         self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
                             undefined=undefined)
         self._tap = self._meter.tap
+        for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
+            inst.attach(lambda: self._tap.params, optimizer)
         plan = self._meter.plan
 
+        for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
+            inst.attach(lambda: self._tap.params, optimizer)
         self._group = resolve_group(process_group)
         self._merged = False
         _check_merge(merge, instruments, plan.light)

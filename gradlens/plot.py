@@ -6,8 +6,10 @@ this module imports matplotlib; ``import gradlens`` alone does not.
 
 - :func:`hist1d` - the histogram of per-sample gradient elements ``g_{n,j}`` of one window.
 - :func:`hist2d` - the joint histogram of (parameter value ``theta_j``, ``g_{n,j}``) with marginals.
-- :func:`dashboard` - one figure over a run: loss, gradient norm, noise scale, norm test,
-  alpha, mean GSNR, the latest window's histograms and the evolution of the 1D histogram.
+- :func:`dashboard` - one figure over a run, of what was tracked: loss, gradient norm, noise
+  scale, norm test, alpha, mean GSNR, distance, update size, CABS, EB, the latest window's
+  histograms, the evolution of the 1D histogram, and a layerwise panel when records have groups.
+- :func:`layerwise` - one heatmap row per parameter group (``record.groups``) over the steps.
 
 Units: ``g_{n,j} = d loss_n / d theta_j`` is the gradient of sample n's own loss (not divided by
 the batch size), in loss units per parameter unit; counts are numbers of (sample, parameter
@@ -16,22 +18,24 @@ entry) pairs in the window, so a window of N samples over D tracked entries hold
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colorbar import Colorbar
-from matplotlib.colors import LogNorm
+from matplotlib.collections import QuadMesh
+from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
-from gradlens.records import Hist1d, Hist2d, Record
+from gradlens.records import Hist1d, Hist2d, Record, TensorSummary
 
-__all__ = ["hist1d", "hist2d", "dashboard", "Hist2dAxes", "SAVE_SUFFIXES"]
+__all__ = ["hist1d", "hist2d", "dashboard", "layerwise", "Hist2dAxes", "SAVE_SUFFIXES", "LAYERWISE_SUMMARIES"]
 
 #: File suffixes :func:`dashboard` can save to.
 SAVE_SUFFIXES = (".png", ".pdf")
@@ -40,6 +44,7 @@ _CLAMP_COLOR = "#d62728"  # out-of-range counts
 _RANGE_COLOR = "0.35"
 _OUTSIDE_RANGE_COLOR = "0.88"  # evolution heatmap: outside a window's histogram range
 _CMAP = "viridis"
+_BAR_REACH = 0.6  # hist1d: the tallest bar's height, as a fraction of the (log) y axis
 
 
 class Hist2dAxes(NamedTuple):
@@ -151,6 +156,8 @@ def hist1d(record_or_hist: Record | Hist1d, ax: Axes | None = None) -> Axes:
     dashed lines. Elements outside the range (counted in the end bins by the instrument) are
     taken out of those bins and drawn as red hatched bars just outside the range, labelled
     with their count and share, so clamping is never mistaken for mass at the range's ends.
+    The y axis leaves headroom (the tallest bar reaches 60% of its log height), so the legend
+    in the upper right corner never covers a bar.
 
     Args:
         record_or_hist: a record holding ``"grad_hist_1d"``, or a ``Hist1d``.
@@ -186,8 +193,9 @@ def hist1d(record_or_hist: Record | Hist1d, ax: Axes | None = None) -> Axes:
         ax.axvline(0.0, color="k", lw=0.6, alpha=0.5)
 
     ax.set_yscale("log")
-    top = max(float(counts.max()) if counts.size else 1.0, 1.0)
-    ax.set_ylim(0.5, top * 8.0)  # headroom for the legend
+    top = max(float(counts.max()) if counts.size else 1.0, low, high, 1.0)
+    # headroom for the legend: the tallest bar reaches _BAR_REACH of the log height
+    ax.set_ylim(0.5, 0.5 * (top / 0.5) ** (1.0 / _BAR_REACH))
     ax.set_xlim(lo - 1.6 * width, hi + 1.6 * width)
     ax.set_xlabel(r"per-sample gradient element $g_{n,j}=\partial\ell_n/\partial\theta_j$")
     ax.set_ylabel("count (log scale)")
@@ -292,6 +300,211 @@ def hist2d(record_or_hist: Record | Hist2d, ax: Axes | None = None) -> Hist2dAxe
     return Hist2dAxes(ax, top, right, colorbar)
 
 
+# --------------------------------------------------------------------------- layerwise
+
+#: record key -> (what one cell shows, colour-bar label with units); see :func:`layerwise`
+LAYERWISE_SUMMARIES: dict[str, tuple[str, str]] = {
+    "batch_l2": (r"median per-sample norm $\mathrm{median}_n\,\|g_n\|$",
+                 r"$\|g_n\|$ (loss per parameter unit)"),
+    "sum_grad_squared": (r"$\sum_n \|g_n\|^2$ over the group's entries",
+                         r"$\sum_n\|g_n\|^2$ (loss per parameter unit)$^2$"),
+    "grad_norm": (r"window gradient norm $\|g\|$", r"$\|g\|$ (loss per parameter unit)"),
+    "grad_hist_1d": ("fraction of gradient elements outside the histogram range",
+                     "fraction outside the range"),
+    "grad_hist_2d": ("fraction of gradient elements outside the gradient range",
+                     "fraction outside the gradient range"),
+    "norm_test": ("norm test", "norm test statistic"),
+    "mean_gsnr": ("mean GSNR", r"GSNR $G_j^2/\mathrm{var}_j$"),
+    "noise_scale": ("gradient noise scale", "B_simple (samples)"),
+    "batch_dot": (r"Frobenius norm of the Gram matrix $[g_n\cdot g_m]$",
+                  r"$\|[g_n\cdot g_m]\|_F$ (loss per parameter unit)$^2$"),
+    "inner_test": ("inner product test", "inner test statistic"),
+    "ortho_test": ("orthogonality test", "ortho test statistic"),
+    "distance": (r"distance from the start $\|\theta_t-\theta_0\|$", "parameter units (L2)"),
+    "update_size": (r"update size $\|\theta_{t+1}-\theta_t\|$", "parameter units (L2)"),
+}
+_RMS_BATCH_L2 = (r"RMS per-sample norm $\sqrt{\mathrm{mean}_n\|g_n\|^2}$ (the log kept summaries)",
+                 r"$\|g_n\|$ (loss per parameter unit)")
+_MISSING_COLOR = "0.82"  # a group without the value at that step
+
+
+def _cell(key: str, value: Any, rms: bool) -> float:
+    """The one number a layerwise cell shows for ``value`` (NaN when there is none)."""
+    if value is None:
+        return math.nan
+    if isinstance(value, Hist1d):
+        total = float(value.total)
+        return (float(value.clamped_low) + float(value.clamped_high)) / total if total > 0 else math.nan
+    if isinstance(value, Hist2d):
+        total = float(value.total)
+        return float(value.clamped_grad) / total if total > 0 else math.nan
+    number = _as_float(value)
+    if number is not None:
+        return number
+    if key == "batch_l2" and isinstance(value, (torch.Tensor, TensorSummary)):
+        if isinstance(value, TensorSummary):
+            return math.sqrt(max(value.sum, 0.0) / value.numel) if value.numel else math.nan
+        sq = value.detach().double().reshape(-1)
+        if sq.numel() == 0:
+            return math.nan
+        middle = float(sq.mean()) if rms else float(np.median(sq.cpu().numpy()))
+        return math.sqrt(max(middle, 0.0))
+    if isinstance(value, Mapping):  # per parameter: the sum over the group's entries
+        total = 0.0
+        for v in value.values():
+            if isinstance(v, torch.Tensor):
+                total += float(v.detach().double().sum())
+            elif isinstance(v, TensorSummary):
+                total += v.sum
+            else:
+                total += _cell("", v, rms)
+        return total if value else math.nan
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().double().norm())
+    if isinstance(value, TensorSummary):
+        return value.norm
+    return math.nan
+
+
+def _layerwise_data(records: Sequence[Record], key: str, fn: str):
+    """(group names, steps [T], values [G, T], (what, unit)) for ``key``."""
+    if not isinstance(key, str):
+        raise TypeError(f"{fn}(key=...) must be a record key such as 'batch_l2', got {type(key).__name__}")
+    with_groups = [r for r in records if r.groups]
+    if not with_groups:
+        raise ValueError(
+            f"{fn}: no record has groups (record.groups is empty in all {len(records)}); build the "
+            "Lens with groups, e.g. Lens(model, instruments, groups='module')"
+        )
+    used = [r for r in with_groups if any(key in v for v in r.groups.values())]
+    if not used:
+        keys = sorted({k for r in with_groups for v in r.groups.values() for k in v})
+        raise ValueError(
+            f"{fn}(key={key!r}): no group of any record has {key!r}; the groups hold {keys}: "
+            f"pick one of them, e.g. key={keys[0]!r}" if keys else
+            f"{fn}(key={key!r}): the records' groups hold no values"
+        )
+    names: dict[str, None] = {}
+    for r in used:
+        names.update(dict.fromkeys(r.groups))
+    groups = list(names)
+    rms = key == "batch_l2" and any(
+        isinstance(v.get(key), TensorSummary) for r in used for v in r.groups.values()
+    )
+    data = np.full((len(groups), len(used)), np.nan)
+    for t, r in enumerate(used):
+        for i, g in enumerate(groups):
+            if g in r.groups:
+                data[i, t] = _cell(key, r.groups[g].get(key), rms)
+    what = _RMS_BATCH_L2 if rms else LAYERWISE_SUMMARIES.get(key, (key, key))
+    return groups, np.array([r.step for r in used], dtype=float), data, what
+
+
+def _label_font(rows: int, height_in: float) -> tuple[float, int]:
+    """(font size in points, label stride) so that group labels of ``rows`` rows in an axes
+    ``height_in`` inches tall do not overlap."""
+    pitch = 72.0 * height_in / max(rows, 1)  # points per row
+    size = float(min(9.0, max(5.0, pitch / 1.35)))
+    stride = max(1, math.ceil(size * 1.3 / pitch))
+    return size, stride
+
+
+def _layerwise_into(ax: Axes, records: Sequence[Record], key: str, log_scale: bool | None,
+                    height_in: float, fn: str) -> tuple[QuadMesh, list[str]]:
+    groups, steps, data, (what, unit) = _layerwise_data(records, key, fn)
+    use_steps = bool(steps.size == 1 or np.all(np.diff(steps) > 0))
+    x = steps if use_steps else np.arange(steps.size, dtype=float)
+    finite = data[np.isfinite(data)]
+    positive = finite.size > 0 and bool((finite > 0).all())
+    if log_scale is None:
+        log_scale = positive and float(finite.max()) / float(finite.min()) > 100.0
+    elif log_scale and not positive:
+        raise ValueError(
+            f"{fn}(log_scale=True): the {key!r} summaries include values <= 0 (or none is "
+            "finite), which a log colour scale cannot show; use log_scale=None or False"
+        )
+    if log_scale:
+        norm = _log_norm(data)
+    else:
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        norm = Normalize(vmin=lo, vmax=hi if hi > lo else lo + 1.0)
+    mesh = ax.pcolormesh(
+        _window_edges(x), np.arange(len(groups) + 1, dtype=float), np.ma.masked_invalid(data),
+        norm=norm, cmap=_cmap_with_bad(_MISSING_COLOR), shading="flat", rasterized=True,
+    )
+    ax.set_ylim(len(groups), 0)  # the first group on top
+    size, stride = _label_font(len(groups), height_in)
+    rows = np.arange(0, len(groups), stride)
+    ax.set_yticks(rows + 0.5, [groups[i] for i in rows], fontsize=size)
+    ax.tick_params(axis="y", length=2)
+    ax.set_xlabel("step (optimizer update)" if use_steps else "record index (steps not increasing)")
+    shown = "" if stride == 1 else f", 1 in {stride} named"
+    ax.set_ylabel(f"group ({len(groups)}{shown})")
+    colorbar = ax.figure.colorbar(mesh, ax=ax, pad=0.01, aspect=max(20.0, 3.0 * height_in))
+    colorbar.set_label(unit + (" (log)" if log_scale else ""), fontsize="small")
+    colorbar.ax.tick_params(labelsize="x-small")
+    missing = int(np.isnan(data).sum())
+    note = f"; grey: no value ({missing} cells)" if missing else ""
+    ax.set_title(f"{what} per group, {key!r}{note}", fontsize="medium")
+    return mesh, groups
+
+
+def layerwise(records_or_log: Sequence[Record] | str | os.PathLike, key: str = "batch_l2",
+              path: str | os.PathLike | None = None, *, log_scale: bool | None = None) -> Figure:
+    """One row per parameter group over the steps: a heatmap of ``record.groups[g][key]``.
+
+    Each cell is one number per group and window (x = step, y = group in the order the Lens
+    made them, the first on top), by key (:data:`LAYERWISE_SUMMARIES`):
+
+    - ``batch_l2`` (``[N]`` of ||g_n||^2): the median per-sample norm median_n ||g_n|| (loss
+      units per parameter unit); from a log that kept only a summary of ``batch_l2``, the RMS
+      sqrt(mean_n ||g_n||^2) for every cell (the title says so);
+    - numbers (``grad_norm``, ``mean_gsnr``, ``norm_test``, ``noise_scale``, ``distance``,
+      ``update_size``, ``inner_test``, ``ortho_test``, ...): the value;
+    - ``grad_hist_1d``: the fraction of elements outside the range (clamped low + high over all);
+      ``grad_hist_2d``: the fraction outside the gradient range;
+    - per-parameter dicts (``sum_grad_squared``): the sum over the group's entries,
+      sum_n ||g_n||^2 of the group; other tensors (``batch_dot``): their L2 (Frobenius) norm.
+
+    The colour scale is logarithmic when every value is positive and they span more than two
+    decades (``log_scale`` forces it on or off); grey cells have no value (a group missing at
+    a step, NaN, None). Readable with many groups: the figure grows with the number of groups
+    (up to 18 inches), label fonts shrink to 5 pt and then every k-th group is named.
+
+    Args:
+        records_or_log: records (``lens.records``) or the path of a ``.jsonl`` log.
+        key: the record key inside each group.
+        path: when given, save the figure there (``.png`` at 100 dpi, or ``.pdf``).
+        log_scale: ``None`` (automatic), True or False.
+
+    Returns:
+        The figure (its first axes holds the heatmap: a ``QuadMesh`` of ``[groups, steps]``).
+
+    Raises:
+        ValueError: no records, no record with groups, no group with ``key``, a bad ``path``
+            suffix, or ``log_scale=True`` with values <= 0.
+    """
+    save_to = _check_save_path(path, "layerwise") if path is not None else None
+    if log_scale is not None and not isinstance(log_scale, bool):
+        raise TypeError(f"layerwise(log_scale=...) must be None, True or False, got {log_scale!r}")
+    records, source = _load_records(records_or_log, "layerwise")
+    if not records:
+        where = f" in {source!r}" if source else ""
+        raise ValueError(f"layerwise: no records{where}; nothing to plot")
+    groups, _, _, _ = _layerwise_data(records, key, "layerwise")
+    height = float(np.clip(1.6 + 0.11 * len(groups), 3.5, 18.0))
+    width = 11.0 + min(3.0, max(len(g) for g in groups) * 0.06)
+    fig = _new_figure((width, height))
+    ax = fig.add_subplot()
+    _layerwise_into(ax, records, key, log_scale, height - 1.2, "layerwise")
+    if source:
+        fig.suptitle(source, fontsize="small")
+    if save_to is not None:
+        save_to.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(save_to, dpi=100)
+    return fig
+
+
 # --------------------------------------------------------------------------- dashboard
 
 # (record key, panel title, y label, draw a y=0 line)
@@ -302,10 +515,17 @@ _SCALAR_PANELS = (
     ("noise_scale", "gradient noise scale", "samples", False),
     ("norm_test", "norm test", "statistic", False),
     ("mean_gsnr", "mean GSNR (gradient signal-to-noise)", "GSNR", False),
+    ("distance", r"distance from the start $\|\theta_t-\theta_0\|$", "parameter units (L2)", False),
+    ("update_size", r"update size $\|\theta_{t+1}-\theta_t\|$", "parameter units (L2)", False),
+    ("cabs", "CABS batch size (plain SGD)", "samples", False),
+    ("early_stopping", "EB early-stopping criterion (stop when > 0)", "EB", True),
 )
+#: the group key the dashboard's layerwise panel shows: the first of these the groups hold
+_LAYERWISE_PREFERENCE = ("batch_l2", "grad_norm", "sum_grad_squared", "mean_gsnr", "norm_test",
+                         "noise_scale", "grad_hist_1d", "update_size", "distance")
 
 
-def _load_records(records_or_log_path: Any) -> tuple[list[Record], str]:
+def _load_records(records_or_log_path: Any, fn: str = "dashboard") -> tuple[list[Record], str]:
     if isinstance(records_or_log_path, (str, os.PathLike)):
         from gradlens.sinks import load_log
 
@@ -316,23 +536,23 @@ def _load_records(records_or_log_path: Any) -> tuple[list[Record], str]:
         records = list(records_or_log_path)
     except TypeError:
         raise TypeError(
-            "dashboard(records_or_log_path=...) needs a list of gradlens Records or the path "
+            f"{fn}(records_or_log_path=...) needs a list of gradlens Records or the path "
             f"of a .jsonl log, got {type(records_or_log_path).__name__}"
         ) from None
     bad = [type(r).__name__ for r in records if not isinstance(r, Record)]
     if bad:
         raise TypeError(
-            f"dashboard(records_or_log_path=...) got a sequence holding {bad[0]}, expected "
+            f"{fn}(records_or_log_path=...) got a sequence holding {bad[0]}, expected "
             "gradlens Records only"
         )
     return records, ""
 
 
-def _check_save_path(path: str | os.PathLike) -> Path:
+def _check_save_path(path: str | os.PathLike, fn: str = "dashboard") -> Path:
     path = Path(path)
     if path.suffix.lower() not in SAVE_SUFFIXES:
         raise ValueError(
-            f"dashboard(path={str(path)!r}): cannot save a {path.suffix or 'suffix-less'!s} "
+            f"{fn}(path={str(path)!r}): cannot save a {path.suffix or 'suffix-less'!s} "
             f"file; use one of {', '.join(SAVE_SUFFIXES)}"
         )
     return path
@@ -459,37 +679,52 @@ def _evolution_panel(ax: Axes, records: Sequence[Record]) -> None:
     ax.set_title(f"{title}\n({note})", fontsize="medium")
 
 
+def _has_scalar(records: Sequence[Record], key: str) -> bool:
+    return any(_as_float(r.get(key)) is not None for r in records)
+
+
+def _dashboard_layerwise_key(records: Sequence[Record]) -> str | None:
+    keys = {k for r in records for v in r.groups.values() for k in v}
+    return next((k for k in _LAYERWISE_PREFERENCE if k in keys), min(keys) if keys else None)
+
+
 def dashboard(records_or_log_path: Sequence[Record] | str | os.PathLike,
-              path: str | os.PathLike | None = None) -> Figure:
+              path: str | os.PathLike | None = None, *, layerwise_key: str | None = None) -> Figure:
     """One figure summarising a run, from records or a saved JSON-lines log.
 
-    Layout (3 x 3 panels, constrained layout, 17 x 12 inches):
+    Only what was tracked is drawn (17 inches wide, constrained layout, rows stacked):
 
-    - row 1: loss (``"loss"``, the window mean), gradient norm (``"grad_norm"``, L2 norm of the
-      window gradient over the tracked parameters), ``"alpha"``;
-    - row 2: gradient noise scale (``"noise_scale"``, in samples), norm test (``"norm_test"``),
-      mean gradient signal-to-noise ratio (``"mean_gsnr"``);
-      each against the optimizer step; a quantity no record has shows a "not tracked" panel;
+    - scalar panels, three per row, against the optimizer step, for each of ``"loss"`` (the
+      window mean), ``"grad_norm"`` (L2 norm of the window gradient), ``"alpha"``,
+      ``"noise_scale"`` (samples), ``"norm_test"``, ``"mean_gsnr"``, ``"distance"``,
+      ``"update_size"``, ``"cabs"`` (samples) and ``"early_stopping"`` that some record holds;
       a y axis is logarithmic when all values are positive and span more than two decades;
-    - row 3: the latest window's 1D histogram (:func:`hist1d`) and 2D histogram
+    - a histogram row: the latest window's 1D histogram (:func:`hist1d`) and 2D histogram
       (:func:`hist2d`), and the 1D histograms over all windows as a heatmap (x = step,
-      y = gradient element, colour = log count). When every window has the same bins the
-      heatmap shows the recorded counts unchanged. When range adaptation changed the bins
-      between windows, nothing is resampled: each column is drawn at its own window's bins,
-      the colour becomes count per unit gradient value (so bins of different width compare),
-      and the area outside a window's range is grey.
+      y = gradient element, colour = log count), those that exist. When every window has the
+      same bins the heatmap shows the recorded counts unchanged. When range adaptation changed
+      the bins between windows, nothing is resampled: each column is drawn at its own window's
+      bins, the colour becomes count per unit gradient value (so bins of different width
+      compare), and the area outside a window's range is grey;
+    - when records have groups (``Lens(groups=...)``), a layerwise panel (:func:`layerwise`) of
+      ``layerwise_key`` (default: the first of ``batch_l2``, ``grad_norm``,
+      ``sum_grad_squared``, ``mean_gsnr``, ... that the groups hold).
+
+    The quantities no record holds are named in one line at the bottom ("not tracked: ...").
 
     Args:
         records_or_log_path: the records (e.g. ``lens.records``) or a ``.jsonl`` log path
             (read with :func:`gradlens.sinks.load_log`).
         path: when given, save the figure there; the suffix picks the format (``.png`` at
             100 dpi, or ``.pdf``).
+        layerwise_key: the group key of the layerwise panel (see above).
 
     Returns:
         The figure.
 
     Raises:
-        ValueError: no records, or ``path`` has a suffix other than ``.png`` / ``.pdf``.
+        ValueError: no records, ``path`` has a suffix other than ``.png`` / ``.pdf``, or no
+            group holds ``layerwise_key``.
     """
     save_to = _check_save_path(path) if path is not None else None
     records, source = _load_records(records_or_log_path)
@@ -497,34 +732,59 @@ def dashboard(records_or_log_path: Sequence[Record] | str | os.PathLike,
         where = f" in {source!r}" if source else ""
         raise ValueError(f"dashboard: no records{where}; nothing to plot")
 
-    fig = _new_figure((17.0, 12.0))
-    # Two subfigures, so the histogram row's insets (marginals, colorbars) do not widen the
-    # columns of the scalar rows.
-    upper, lower = fig.subfigures(2, 1, height_ratios=[1.0, 1.0])
-    axes = upper.subplot_mosaic([["loss", "grad_norm", "alpha"], ["noise_scale", "norm_test", "mean_gsnr"]])
-    axes.update(lower.subplot_mosaic([["hist1d", "hist2d", "evolution"]], width_ratios=[1.0, 1.0, 1.15]))
-    for key, title, ylabel, zero_line in _SCALAR_PANELS:
-        _scalar_panel(axes[key], records, key, title, ylabel, zero_line)
-
+    scalars = [p for p in _SCALAR_PANELS if _has_scalar(records, p[0])]
     latest1 = next((r for r in reversed(records) if isinstance(r.get("grad_hist_1d"), Hist1d)), None)
-    if latest1 is None:
-        _not_tracked(axes["hist1d"], "latest gradient-element histogram", "no 'grad_hist_1d'")
-    else:
-        ax1 = hist1d(latest1, ax=axes["hist1d"])
-        ax1.set_title(f"latest window, {ax1.get_title()}", fontsize="medium")
     latest2 = next((r for r in reversed(records) if isinstance(r.get("grad_hist_2d"), Hist2d)), None)
-    if latest2 is None:
-        _not_tracked(axes["hist2d"], "latest joint histogram", "no 'grad_hist_2d'")
-    else:
-        top = hist2d(latest2, ax=axes["hist2d"]).param_marginal
-        top.set_title(f"latest window, {top.get_title()}", fontsize="small")
-    _evolution_panel(axes["evolution"], records)
+    hists = [k for k, ok in (("hist1d", latest1), ("hist2d", latest2), ("evolution", latest1)) if ok is not None]
+    lw_key = layerwise_key if layerwise_key is not None else _dashboard_layerwise_key(records)
+    has_groups = lw_key is not None and any(r.groups for r in records)
+    untracked = [p[0] for p in _SCALAR_PANELS if p not in scalars]
+    untracked += [what for what, ok in (("grad_hist_1d", latest1), ("grad_hist_2d", latest2)) if ok is None]
+    if not has_groups:
+        untracked.append("groups (Lens(groups=...))")
+
+    ncols = 3
+    scalar_rows = [scalars[i : i + ncols] for i in range(0, len(scalars), ncols)]
+    n_groups = len(_layerwise_data(records, lw_key, "dashboard")[0]) if has_groups else 0
+    lw_height = float(np.clip(2.0 + 0.05 * n_groups, 4.0, 9.0))
+    heights = [3.6] * len(scalar_rows) + ([5.6] if hists else []) + ([lw_height] if has_groups else [])
+    if not heights:  # nothing at all: one empty note panel
+        heights = [3.0]
+    fig = _new_figure((17.0, sum(heights) + 0.9))
+    subfigs = fig.subfigures(len(heights), 1, height_ratios=heights, squeeze=False)[:, 0]
+    row = 0
+    for panels in scalar_rows:
+        keys = [p[0] for p in panels]
+        if len(scalar_rows) > 1:  # a short last row keeps the column width of the others
+            keys += ["."] * (ncols - len(panels))
+        axes = subfigs[row].subplot_mosaic([keys], empty_sentinel=".")
+        for key, title, ylabel, zero_line in panels:
+            _scalar_panel(axes[key], records, key, title, ylabel, zero_line)
+        row += 1
+    if hists:
+        ratios = [1.15 if k == "evolution" else 1.0 for k in hists]
+        axes = subfigs[row].subplot_mosaic([hists], width_ratios=ratios)
+        if latest1 is not None:
+            ax1 = hist1d(latest1, ax=axes["hist1d"])
+            ax1.set_title(f"latest window, {ax1.get_title()}", fontsize="medium")
+            _evolution_panel(axes["evolution"], records)
+        if latest2 is not None:
+            top = hist2d(latest2, ax=axes["hist2d"]).param_marginal
+            top.set_title(f"latest window, {top.get_title()}", fontsize="small")
+        row += 1
+    if has_groups:
+        ax = subfigs[row].add_subplot()
+        _layerwise_into(ax, records, lw_key, None, lw_height - 1.0, "dashboard")
+        row += 1
+    if row == 0:
+        _not_tracked(subfigs[0].add_subplot(), "nothing to draw", "no record holds a quantity the dashboard shows")
 
     steps = [r.step for r in records]
     head = f"gradlens: {len(records)} windows, steps {min(steps)}-{max(steps)}"
     fig.suptitle(f"{head}  ({source})" if source else head, fontsize="large")
+    if untracked:
+        fig.supxlabel("not tracked: " + ", ".join(untracked), fontsize="small", color="0.4")
     if save_to is not None:
         save_to.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(save_to, dpi=100)
     return fig
-

@@ -5,6 +5,7 @@ finalized value of every instrument under its record key (``record["batch_l2"]``
 are tensors (on the CPU, float64 for floats), Python floats, dicts of parameter name -> tensor,
 or the histogram types below. :func:`record_to_json` / :func:`record_from_json` turn a record
 into plain JSON data and back (tensors as nested lists with dtype and shape).
+``record.groups`` holds the same kinds of values per layer group (``Lens(groups=...)``).
 """
 
 from __future__ import annotations
@@ -177,6 +178,10 @@ class Record:
         values: record key -> value; also reachable as ``record[key]``.
         meta: how values were produced (e.g. ``{"batch_dot": "exact"}``) and notes such as why a
             value is missing.
+        groups: group name -> {record key -> value}, the values of the instruments that
+            decompose over parameters restricted to one group of parameters
+            (``Lens(groups=...)``; e.g. ``record.groups["fc1"]["batch_l2"]`` ``[N]``); the same
+            kinds of values as :attr:`values`. Empty without groups.
     """
 
     step: int
@@ -184,6 +189,7 @@ class Record:
     micro_steps: int
     values: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -216,6 +222,7 @@ class Record:
             == (other.step, other.num_samples, other.micro_steps)
             and self.meta == other.meta
             and _values_equal(self.values, other.values)
+            and _values_equal(self.groups, other.groups)
         )
 
 
@@ -350,22 +357,32 @@ def _decode(value: Any) -> Any:
 
 def record_to_json(record: Record) -> dict[str, Any]:
     """Plain JSON data for ``record`` (``json.dumps`` accepts it); inverse of
-    :func:`record_from_json`."""
-    return {
+    :func:`record_from_json`. ``"groups"`` is written only when the record has groups."""
+    data = {
         "step": record.step,
         "num_samples": record.num_samples,
         "micro_steps": record.micro_steps,
         "values": _encode(record.values),
         "meta": _encode(record.meta),
     }
+    if record.groups:
+        data["groups"] = {str(g): _encode(v) for g, v in record.groups.items()}
+    return data
 
 
 def record_from_json(data: Mapping[str, Any]) -> Record:
     """Rebuild a :class:`Record` from :func:`record_to_json` output.
 
     Raises:
-        ValueError: if ``data`` lacks a record's fields.
+        ValueError: if ``data`` lacks a record's fields, or its ``"groups"`` is not a mapping of
+            group name -> mapping of values.
     """
+    groups = data.get("groups", {}) if isinstance(data, Mapping) else {}
+    if not isinstance(groups, Mapping) or not all(isinstance(v, Mapping) for v in groups.values()):
+        raise ValueError(
+            f"not a gradlens record: 'groups' must map group names to dicts of values, got "
+            f"{type(groups).__name__}"
+        )
     try:
         return Record(
             step=int(data["step"]),
@@ -373,6 +390,7 @@ def record_from_json(data: Mapping[str, Any]) -> Record:
             micro_steps=int(data["micro_steps"]),
             values=_decode(data["values"]),
             meta=_decode(data.get("meta", {})),
+            groups={str(g): _decode(dict(v)) for g, v in groups.items()},
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a gradlens record: {err!r}") from err

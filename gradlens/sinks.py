@@ -67,6 +67,8 @@ class JsonlSink:
     - a per-parameter dict of tensors (``sum_grad_squared``) and any larger tensor as a
       :class:`~gradlens.records.TensorSummary` (shape, dtype, sum, L2 norm, min, max): a
       ResNet-18's record is a few KB instead of ~100 MB;
+    - each group of ``record.groups`` by the same rules, key by key (its ``full`` values under
+      ``"groups/<group>/<key>"`` in the binary file);
     - the values of the keys in ``full`` in full, in a binary file next to the log
       (``<log>.arrays/step-<step>.pt``, ``torch.save`` of a dict key -> value; runs after the
       first of a log add ``-run<r>``), which :func:`load_log` reads back in place.
@@ -184,20 +186,29 @@ class JsonlSink:
         return f"step-{step:08d}{run}.pt"
 
     def _shrink(self, record: Record) -> Record:
-        """The record as it goes into the log: selected keys, summaries, array references."""
-        values, arrays = {}, {}
+        """The record as it goes into the log: selected keys, summaries, array references
+        (the same rules for the totals and for each group of ``record.groups``)."""
+        arrays: dict[str, Any] = {}
         name = self._array_name(record.step)
-        for key, value in record.values.items():
-            if self.keys is not None and key not in self.keys:
-                continue
-            big = _is_big(value, self.max_elements)
-            if big and (self.full is True or (self.full is not True and key in self.full)):
-                arrays[key] = _to_cpu(value)
-                values[key] = {"__array__": f"{self.arrays_dir.name}/{name}", "key": key}
-            elif big:
-                values[key] = _summarise(value, self.max_elements)
-            else:
-                values[key] = value
+
+        def shrink(items, prefix: str) -> dict[str, Any]:
+            values = {}
+            for key, value in items:
+                if self.keys is not None and key not in self.keys:
+                    continue
+                big = _is_big(value, self.max_elements)
+                if big and (self.full is True or (self.full is not True and key in self.full)):
+                    arrays[prefix + key] = _to_cpu(value)
+                    values[key] = {"__array__": f"{self.arrays_dir.name}/{name}", "key": prefix + key}
+                elif big:
+                    values[key] = _summarise(value, self.max_elements)
+                else:
+                    values[key] = value
+            return values
+
+        values = shrink(record.values.items(), "")
+        # a group's arrays are stored under "groups/<group>/<key>" (record keys have no "/")
+        groups = {g: shrink(v.items(), f"groups/{g}/") for g, v in record.groups.items()}
         if arrays:
             self.arrays_dir.mkdir(parents=True, exist_ok=True)
             target = self.arrays_dir / name
@@ -208,7 +219,7 @@ class JsonlSink:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-        return Record(record.step, record.num_samples, record.micro_steps, values, record.meta)
+        return Record(record.step, record.num_samples, record.micro_steps, values, record.meta, groups)
 
     def write(self, record: Record) -> None:
         """Append ``record`` as one JSON line (after a segment header, if one is waiting).
@@ -420,6 +431,7 @@ def load_log(path: PathLike, *, arrays: bool = True, run: int | str = -1) -> lis
     (``JsonlSink(full=...)``) are read back from ``<log>.arrays`` when ``arrays`` is True (a
     missing file leaves the value ``None``, with a warning); with ``arrays=False`` they stay
     ``{"__array__": file, "key": key}`` references.
+    ``record.groups`` is restored like the totals (the same summaries and array references).
 
     Raises:
         FileNotFoundError: ``path`` does not exist (the message gives the path).
@@ -502,17 +514,18 @@ def _load_arrays(path: Path, records: list[Record]) -> None:
     cache: dict[str, Any] = {}
     missing: list[str] = []
     for record in records:
-        for key, value in record.values.items():
-            if isinstance(value, dict) and set(value) == {"__array__", "key"}:
-                name = value["__array__"]
-                if name not in cache:
-                    try:
-                        cache[name] = torch.load(path.parent / name, weights_only=True)
-                    except (OSError, RuntimeError, EOFError) as err:
-                        cache[name] = None
-                        missing.append(f"{name} ({type(err).__name__})")
-                data = cache[name]
-                record.values[key] = None if data is None else data.get(value["key"])
+        for values in (record.values, *record.groups.values()):  # totals, then each group
+            for key, value in values.items():
+                if isinstance(value, dict) and set(value) == {"__array__", "key"}:
+                    name = value["__array__"]
+                    if name not in cache:
+                        try:
+                            cache[name] = torch.load(path.parent / name, weights_only=True)
+                        except (OSError, RuntimeError, EOFError) as err:
+                            cache[name] = None
+                            missing.append(f"{name} ({type(err).__name__})")
+                    data = cache[name]
+                    values[key] = None if data is None else data.get(value["key"])
     if missing:
         warnings.warn(
             f"gradlens log {str(path)!r}: array file(s) {', '.join(missing)} could not be read; "

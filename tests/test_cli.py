@@ -67,6 +67,44 @@ def test_plot_writes_the_dashboard(log, tmp_path, capsys):
     assert captured.err == ""
 
 
+def _grouped_log(tmp_path) -> Path:
+    path = tmp_path / "groups.jsonl"
+    gen = torch.Generator().manual_seed(2)
+    with JsonlSink(path) as sink:
+        for r in make_records():
+            r.groups = {f"layer{i}": {"batch_l2": torch.rand(8, generator=gen, dtype=torch.float64) * (i + 1),
+                                      "grad_norm": float(i + 1) / (r.step + 1)} for i in range(5)}
+            sink.write(r)
+    return path
+
+
+def test_plot_layerwise_writes_the_heatmap(tmp_path, capsys):
+    log = _grouped_log(tmp_path)
+    out = tmp_path / "layers.png"
+    assert main(["plot", str(log), "--layerwise", "batch_l2", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert capsys.readouterr().out.strip() == f"layerwise figure of 6 windows written to {out}"
+    assert main(["plot", str(log), "--layerwise", "grad_norm"]) == 0
+    assert (tmp_path / "groups-layerwise-grad_norm.png").read_bytes()[:8] == PNG_MAGIC
+    # the dashboard of a log with groups draws its layerwise panel too
+    assert main(["plot", str(log), "-o", str(tmp_path / "dash.png")]) == 0
+    assert (tmp_path / "dash.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_layerwise_errors_give_one_line(log, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["plot", str(log), "--layerwise", "batch_l2", "-o", str(tmp_path / "l.png")]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("gradlens plot: error: layerwise: no record has groups")
+    grouped = _grouped_log(tmp_path)
+    assert main(["plot", str(grouped), "--layerwise", "alpha", "-o", str(tmp_path / "l.png")]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert "no group of any record has 'alpha'" in line and "key='batch_l2'" in line
+    assert main(["plot", str(grouped), "--layerwise", "batch_l2", "-o", str(tmp_path / "l.svg")]) == 2
+    assert "the layerwise figure can be saved as .png or .pdf" in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "l.png").exists()
+
+
 def test_plot_default_output_next_to_the_log(log, capsys):
     assert main(["plot", str(log)]) == 0
     assert (log.parent / "run-dashboard.png").read_bytes()[:8] == PNG_MAGIC

@@ -255,9 +255,10 @@ def test_dashboard_content_and_legibility(tmp_path):
     fig = dashboard(records, path=out)
     assert out.read_bytes()[:8] == PNG_MAGIC
     assert fig.get_layout_engine().__class__.__name__ == "ConstrainedLayoutEngine"
-    # 6 scalar panels + hist1d + hist2d + evolution, and the two colorbars added with constrained
-    # layout (the evolution one); hist2d's marginals/colorbar are its inset axes
-    assert len(fig.get_axes()) == 10
+    # the 5 tracked scalar panels (no alpha) + hist1d + hist2d + evolution, and the colorbar
+    # added with constrained layout (the evolution one); hist2d's marginals/colorbar are its
+    # inset axes; nothing is drawn for alpha, which one line at the bottom names
+    assert len(fig.get_axes()) == 9
     assert "50 windows" in fig._suptitle.get_text()
     steps = [r.step for r in records]
     for title, key in [("loss", "loss"), ("gradient norm", "grad_norm"), ("noise scale", "noise_scale"),
@@ -267,8 +268,8 @@ def test_dashboard_content_and_legibility(tmp_path):
         assert list(line.get_xdata()) == steps
         np.testing.assert_allclose(line.get_ydata(), [float(r[key]) for r in records])
         assert ax.get_xlabel().startswith("step")
-    alpha = _panel(fig, "alpha")
-    assert any("not tracked" in t.get_text() for t in alpha.texts)
+    assert not [ax for ax in _all_axes(fig) if "alpha" in ax.get_title()]
+    assert fig._supxlabel.get_text().startswith("not tracked: alpha, ")
     # latest histograms are the last record's
     h1 = _panel(fig, "latest window, step 98, N=128, K=4: 2,000 gradient elements")
     (stairs,) = _steppatches(h1)
@@ -321,8 +322,13 @@ def test_dashboard_from_log_and_pdf(tmp_path):
 def test_dashboard_missing_quantities_say_not_tracked():
     records = [Record(step=s, num_samples=8, micro_steps=1, values={"loss": 1.0 / (s + 1)}) for s in range(3)]
     fig = dashboard(records)
-    not_tracked = [ax for ax in _all_axes(fig) if any("not tracked" in t.get_text() for t in ax.texts)]
-    assert len(not_tracked) == 8  # everything but the loss
+    # everything but the loss is named in one line, and only the loss panel is drawn
+    note = fig._supxlabel.get_text()
+    missing = ["alpha", "noise_scale", "norm_test", "mean_gsnr", "grad_norm", "distance", "update_size",
+               "cabs", "early_stopping", "grad_hist_1d", "grad_hist_2d", "groups"]
+    assert note.startswith("not tracked: ") and all(m in note for m in missing), note
+    assert "loss" not in note
+    assert [ax.get_title() for ax in _all_axes(fig)] == ["loss (window mean)"]
     (line,) = _panel(fig, "loss").get_lines()
     assert list(line.get_ydata()) == [1.0, 0.5, 1.0 / 3]
 

@@ -3,11 +3,13 @@
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
+from gradlens.instruments.criteria import CABS, EarlyStopping
 from gradlens.instruments.hist import GradHist1d, GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.noise import NoiseScaleDDP, NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared
 from gradlens.instruments.tests import MeanGSNR, NoiseScale, NormTest
+from gradlens.instruments.trajectory import Distance, UpdateSize
 
 __all__ = [
     "Instrument",
@@ -27,4 +29,8 @@ __all__ = [
     "Alpha",
     "InnerTest",
     "OrthoTest",
+    "Distance",
+    "UpdateSize",
+    "CABS",
+    "EarlyStopping",
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import Tensor
@@ -333,6 +333,15 @@ class Instrument:
 
     def micro_done(self, state: Any, batch_size: int, reduction: str, losses: Tensor | None) -> None:
         """Called at the end of each captured micro-step, before its state is merged."""
+        return None
+
+    def attach(self, params: Callable[[], Mapping[str, Tensor]], optimizer: Any) -> None:
+        """Called once by the :class:`~gradlens.Lens` when it is built, before its first window:
+        ``params()`` returns the tracked parameters as they are now (qualified name ->
+        parameter; the set may change between windows when layers are frozen or unfrozen),
+        ``optimizer`` is the Lens' optimizer (None without one). For instruments that read the
+        parameters themselves (Distance's theta_0) or the optimizer's settings (CABS' learning
+        rate); raise ``ValueError`` here to refuse an optimizer. Default: nothing."""
         return None
 
     def before_update(self, state: Any) -> None:
