@@ -95,8 +95,10 @@ class _MicroStep:
             m = None
             if active:
                 m, self.loss_value = active[0].multiplier, active[0].value
-            if self.factor is not None:  # a known factor applied on top of the named loss
+            if self.factor is not None:  # the named loss = factor * the micro-step's objective
                 m = self.factor if m is None else m * self.factor
+                if self.loss_value is not None:
+                    self.loss_value = self.loss_value / self.factor
             self._multiplier = m
             return
         if not active:
@@ -784,7 +786,8 @@ class Lens:
         Args:
             multiplier: a known factor (positive float, or 0-d tensor) by which the
                 backpropagated objective was multiplied relative to the loss of this micro-step
-                (or relative to ``loss``, when given); e.g. ``1 / K``.
+                (or by which ``loss``, when given, is a multiple of the micro-step's objective:
+                that objective, and ``record["loss"]``, is then ``loss / multiplier``); e.g. ``1 / K``.
             loss: the 0-d loss tensor as computed, before any such scaling; gradlens hooks it and
                 divides out whatever multiplies it between it and ``backward`` (measured in
                 backward, no host sync). Backward must pass through it.
