@@ -289,6 +289,11 @@ class Lens:
             raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
         if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
             raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
+        from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
+
+        optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
+        if grad_scaler is None:
+            grad_scaler = wrapped_scaler
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
