@@ -69,3 +69,20 @@ def close(a, b, rtol=1e-9, atol=1e-12):
         torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
         rtol=rtol, atol=atol,
     )
+
+
+def per_sample_loop(model: nn.Module, state: dict, loss_n: Callable, n: int) -> dict[str, torch.Tensor]:
+    """name -> [n, *param] float64 per-sample gradients by a plain loop: ``loss_n(m, i)`` is
+    sample i's own loss on ``m``, a float64 copy of ``model`` at parameters ``state`` (for
+    models with several inputs, e.g. a Hugging Face model called with keywords)."""
+    m = copy.deepcopy(model).double()
+    m.load_state_dict(state)
+    for mod in m.modules():
+        mod._forward_hooks.clear()
+        mod._forward_pre_hooks.clear()
+    params = dict(m.named_parameters())
+    rows = []
+    for i in range(n):
+        gs = torch.autograd.grad(loss_n(m, i), list(params.values()), allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params.values(), gs)])
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
