@@ -20,7 +20,7 @@ from torch import nn
 
 import gradlens
 from gradlens import Lens
-from gradlens.instruments import BatchL2, GradHist1d, GradNorm, SumGradSquared
+from gradlens.instruments import BatchL2, GradHist1d, GradNorm
 
 try:
     from accelerate import Accelerator
@@ -43,7 +43,6 @@ def _frameworks_present():
 
 
 K, B, N_TOTAL = 3, 4, 35
-LO, HI, BINS = -0.4, 0.4, 24
 
 
 def _data():
@@ -62,14 +61,13 @@ def test_accelerate_accumulate_records_equal_oracle(reduction):
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=B, shuffle=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
-    # --- the README recipe
+    # --- the README recipe, as printed
     accelerator = Accelerator(gradient_accumulation_steps=K, cpu=True)
     model = gradlens.extend(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     assert isinstance(optimizer, AcceleratedOptimizer)
-    lens = Lens(model, [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=BINS, range=(LO, HI))],
-                optimizer=optimizer)
+    lens = Lens(model, [BatchL2(), GradNorm(), GradHist1d()], optimizer=optimizer)
     states, window_start, skipped = [], True, 0
     for xb, yb in loader:
         if window_start:  # the test's own snapshot of the window's starting parameters
@@ -106,11 +104,7 @@ def test_accelerate_accumulate_records_equal_oracle(reduction):
         O.close(rec["batch_l2"], o["batch_l2"])
         mean_g = O.flat(gs).mean(0) if reduction == "mean" else O.flat(gs).sum(0)
         O.close(rec["grad_norm"], mean_g.norm())
-        for name, v in o["sum_grad_squared"].items():
-            O.close(rec["sum_grad_squared"][name], v)
-        counts, low, high = O.hist_counts(gs, LO, HI, BINS)
-        h = rec["grad_hist_1d"]
-        assert torch.equal(h.counts, counts) and (h.clamped_low, h.clamped_high) == (low, high)
+        O.hist_matches(rec["grad_hist_1d"], O.flat(gs), -2.0, 2.0, 100)  # GradHist1d's default range
         with torch.no_grad():
             m0 = copy.deepcopy(model0)
             m0.load_state_dict(states[t])
@@ -122,7 +116,13 @@ def test_lens_hooks_the_optimizer_inside_an_accelerated_optimizer():
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped = AcceleratedOptimizer(inner, device_placement=False)
     lens = Lens(model, [GradNorm()], optimizer=wrapped)
-    assert lens.optimizer is inner
+    assert lens.optimizer is inner and lens.grad_scaler is None
+    lens.close()
+    # under mixed precision the prepared optimizer's GradScaler watches for skipped steps
+    scaler = torch.amp.GradScaler("cpu")
+    scaled = AcceleratedOptimizer(inner, device_placement=False, scaler=scaler)
+    lens = Lens(model, [GradNorm()], optimizer=scaled)
+    assert lens.optimizer is inner and lens.grad_scaler is scaler
     lens.close()
     with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer, got str"):
         Lens(gradlens.extend(nn.Linear(3, 2)), [GradNorm()], optimizer="sgd")

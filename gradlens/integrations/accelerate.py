@@ -52,7 +52,8 @@ def unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
             scaler = getattr(optimizer, "scaler", None)
             if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
                 scaler = None
-            if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled():
+            enabled = getattr(scaler, "is_enabled", None)
+            if scaler is not None and callable(enabled) and not enabled():
                 scaler = None
         return inner, scaler
     return optimizer, None
