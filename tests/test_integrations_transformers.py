@@ -239,3 +239,51 @@ def test_trainer_window_normalised_loss_equals_oracle(tmp_path, route):
 def test_trainer_callback_bad_arguments():
     with pytest.raises(TypeError, match=r"transformers.Trainer"):
         LensTrainerCallback(object(), [GradNorm()])
+
+
+def test_trainer_gpt2_window_normalised_equals_oracle(tmp_path):
+    """A real causal LM (tiny GPT-2, float64 weights) under the Trainer's default
+    normalisation, sequences with different label-token counts: records of the window
+    objective. GPT-2's loss casts the logits to float32 (transformers' ForCausalLMLoss), so the
+    float64 oracle agrees to float32 precision (rtol 1e-5)."""
+    from oracle_models import hf_gpt2
+
+    torch.manual_seed(0)
+    model = hf_gpt2().double()
+    model.loss_type = "ForCausalLM"  # so that the Trainer counts the shifted labels, as the loss uses them
+    model0 = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 50, (N_TOTAL, 8), generator=g)
+    keep = torch.randint(2, 9, (N_TOTAL,), generator=g)  # 1..7 predicted tokens per sequence
+    labels = ids.masked_fill(torch.arange(8)[None, :] >= keep[:, None], -100)
+    ds = [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=B,
+        gradient_accumulation_steps=K, num_train_epochs=1, learning_rate=0.5,
+        lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
+        train_sampling_strategy="sequential", report_to="none", save_strategy="no",
+        logging_steps=1, use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    snaps = Snapshots()
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[snaps])
+    assert trainer.model_accepts_loss_kwargs
+    cb = LensTrainerCallback(trainer, [BatchL2(), GradNorm()])
+    trainer.train()
+    recs, states = cb.records, snaps.states
+    assert [r.num_samples for r in recs] == [12, 12, 11] and len(states) == 3
+    logged = {e["step"]: e for e in trainer.state.log_history if "grad_norm" in e}
+    n = K * B
+    for t, rec in enumerate(recs):
+        lab = labels[t * n:(t + 1) * n]
+        m = int((lab[:, 1:] != -100).sum())  # the Trainer's count: shifted labels
+
+        def loss_n(mod, i, t=t, m=m, big_n=rec.num_samples):  # N * L_n
+            logits = mod(input_ids=ids[t * n + i][None]).logits[0, :-1]
+            ce = F.cross_entropy(logits, labels[t * n + i, 1:], ignore_index=-100, reduction="sum")
+            return big_n * ce / m
+
+        gs = O.per_sample_loop(model0, states[t], loss_n, rec.num_samples)
+        o = O.norm_set(gs)
+        O.close(rec["batch_l2"], o["batch_l2"], rtol=1e-5, atol=1e-8)
+        O.close(rec["grad_norm"], o["grad_norm"], rtol=1e-5, atol=1e-8)
+        assert logged[rec.step + 1]["grad_norm"] == pytest.approx(float(rec["grad_norm"]), rel=1e-6)
