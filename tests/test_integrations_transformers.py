@@ -287,3 +287,24 @@ def test_trainer_gpt2_window_normalised_equals_oracle(tmp_path):
         O.close(rec["batch_l2"], o["batch_l2"], rtol=1e-5, atol=1e-8)
         O.close(rec["grad_norm"], o["grad_norm"], rtol=1e-5, atol=1e-8)
         assert logged[rec.step + 1]["grad_norm"] == pytest.approx(float(rec["grad_norm"]), rel=1e-6)
+
+
+def test_trainer_window_sample_count_mismatch_is_an_error(tmp_path):
+    """If the window's sample count read from the Trainer's batches disagrees with the samples
+    the model saw, the per-sample units would be wrong: an error, never a record."""
+
+    class Miscount(TrainerCallback):  # stands in for batches whose first axis is not the samples
+        def on_step_begin(self, args, state, control, **kw):
+            lens_cb._window_samples += 1
+
+    torch.manual_seed(0)
+    ids, labels = _data()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=B,
+        gradient_accumulation_steps=K, max_steps=1, save_strategy="no", disable_tqdm=True,
+    )
+    trainer = Trainer(model=KwLM().double(), args=args, callbacks=[Miscount()],
+                      train_dataset=[{"input_ids": i, "labels": l} for i, l in zip(ids, labels)])
+    lens_cb = LensTrainerCallback(trainer, [GradNorm()])
+    with pytest.raises(RuntimeError, match=r"held 12 samples by the model's input but the Trainer's batches held 13"):
+        trainer.train()

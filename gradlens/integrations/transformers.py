@@ -149,7 +149,6 @@ class LensTrainerCallback(TrainerCallback):
         self._queue: list[Record] = []
         self._window_samples: int | None = None
         self._units: str | None = None
-        self._model: nn.Module | None = None
         self._step_expected: int | None = None
         trainer.add_callback(self)
 
@@ -175,7 +174,6 @@ class LensTrainerCallback(TrainerCallback):
             gradlens.extend(model), self.instruments, optimizer=optimizer, sinks=sinks,
             **self._lens_kwargs,
         )
-        self._model = model
         self._wrap(trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -287,6 +285,16 @@ class LensTrainerCallback(TrainerCallback):
         lens = self.lens
         if expected is not None and lens is not None and lens.step == expected:
             lens.discard_window()  # the optimizer did not update (e.g. fp16 inf/nan): no record
+        elif expected is not None and lens is not None and self._units == "window" and lens.records:
+            record = lens.records[-1]
+            if record.step == expected and record.num_samples != self._window_samples:
+                raise RuntimeError(
+                    f"LensTrainerCallback: window {expected} held {record.num_samples} samples "
+                    "by the model's input but the Trainer's batches held "
+                    f"{self._window_samples} rows, so its per-sample units (g_n = N * grad L_n) "
+                    "are wrong; keep the samples on the first axis of input_ids (or labels), "
+                    "or set trainer.model_accepts_loss_kwargs = False for a per-micro-batch mean"
+                )
 
     def on_step_end(self, args, state, control, **kwargs):
         self._flush_logs(control)
