@@ -291,7 +291,7 @@ def test_trainer_gpt2_window_normalised_equals_oracle(tmp_path):
 
 def test_trainer_window_sample_count_mismatch_is_an_error(tmp_path):
     """If the window's sample count read from the Trainer's batches disagrees with the samples
-    the model saw, the per-sample units would be wrong: an error, never a record."""
+    the model saw, the per-sample units would be wrong: an error stops the run at that window."""
 
     class Miscount(TrainerCallback):  # stands in for batches whose first axis is not the samples
         def on_step_begin(self, args, state, control, **kw):

@@ -86,7 +86,10 @@ class LensCallback(pl.Callback):
     Args:
         instruments: instances from :mod:`gradlens.instruments`.
         module: attribute name of the submodule to watch (e.g. ``"net"``); ``None``: the whole
-            LightningModule.
+            LightningModule. A model it holds as an attribute, the loss computed inside it (a
+            Hugging Face model, ``self.net(**batch).loss``), works with ``None`` too; only
+            instruments of the window gradient alone (``GradNorm``, ``NoiseScaleTwoBatch``)
+            need ``module=`` then, and the error says which name.
         reduction: ``None`` when the loss comes from a loss module passed through
             :func:`gradlens.extend`, else ``"mean"`` or ``"sum"`` (a functional loss).
         loggers: write scalars (and TensorBoard histograms) to the Trainer's loggers.
