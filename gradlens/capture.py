@@ -539,7 +539,7 @@ class Tap:
             post = self._site_post(mod, entry[1]) if site_mod else (lambda m, a, o: tap._post(m, a, o))
             if mod is not root:  # a submodule called on its own (not through the model) is a root
                 pre, post = self._as_root(pre, post)
-            self._handles.append(mod.register_forward_pre_hook(pre))
+            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=mod is not root))
             self._handles.append(mod.register_forward_hook(post, always_call=True))
             fwd = forward_for(mod)
             if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
@@ -616,11 +616,11 @@ class Tap:
         (``model.encoder(x)``), not inside the model's own forward."""
         entered: list[bool] = []
 
-        def pre_(module, args):
+        def pre_(module, args, kwargs):  # kwargs too: hf_model(input_ids=..., labels=...)
             first = self._mode_depth == 0 and torch.is_grad_enabled() and not _in_functorch()
             entered.append(first)
             if first:
-                self._root_pre(module, args, {})
+                self._root_pre(module, args, kwargs)
             return pre(module, args)
 
         def post_(module, args, output):

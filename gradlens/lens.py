@@ -41,6 +41,7 @@ from gradlens.distributed import (
     merge_window_start,
     resolve_group,
 )
+from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
@@ -233,6 +234,9 @@ class Lens:
     ):
         model = _watched_model(model)
         instruments = _check_instruments(instruments)
+        optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
+        if grad_scaler is None:
+            grad_scaler = wrapped_scaler
         _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
         extra_sinks = _check_sinks(sinks)
         self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
@@ -553,7 +557,8 @@ class Lens:
         Args:
             multiplier: a known factor (positive float, or 0-d tensor) by which the
                 backpropagated objective was multiplied relative to the loss of this micro-step
-                (or relative to ``loss``, when given); e.g. ``1 / K``.
+                (or by which ``loss``, when given, is a multiple of the micro-step's objective:
+                that objective, and ``record["loss"]``, is then ``loss / multiplier``); e.g. ``1 / K``.
             loss: the 0-d loss tensor as computed, before any such scaling; gradlens hooks it and
                 divides out whatever multiplies it between it and ``backward`` (measured in
                 backward, no host sync). Backward must pass through it.

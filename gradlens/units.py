@@ -71,8 +71,10 @@ class MicroStep:
             m = None
             if active:
                 m, self.loss_value = active[0].multiplier, active[0].value
-            if self.factor is not None:  # a known factor applied on top of the named loss
+            if self.factor is not None:  # the named loss = factor * the micro-step's objective
                 m = self.factor if m is None else m * self.factor
+                if self.loss_value is not None:
+                    self.loss_value = self.loss_value / self.factor
             self._multiplier = m
             return
         if not active:

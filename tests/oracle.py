@@ -286,3 +286,44 @@ def assert_params_close(m1: nn.Module, m2: nn.Module, tol: float) -> None:
     for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
         err = rel_err(p, q)
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+
+
+def per_sample_loop(model: nn.Module, state: dict, loss_n: Callable, n: int) -> dict[str, torch.Tensor]:
+    """name -> [n, *param] float64 per-sample gradients by a plain loop: ``loss_n(m, i)`` is
+    sample i's own loss on ``m``, a float64 copy of ``model`` at parameters ``state`` (for
+    models with several inputs, e.g. a Hugging Face model called with keywords)."""
+    m = copy.deepcopy(model).double()
+    m.load_state_dict(state)
+    for mod in m.modules():
+        mod._forward_hooks.clear()
+        mod._forward_pre_hooks.clear()
+    params = dict(m.named_parameters())
+    rows = []
+    for i in range(n):
+        gs = torch.autograd.grad(loss_n(m, i), list(params.values()), allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params.values(), gs)])
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
+
+
+def hist_matches(h, values, lo, hi, bins, eps=1e-12):
+    """Asserts that the counts of Hist1d ``h`` == the oracle's of ``values`` (the documented
+    rule on ``bins`` bins over ``(lo, hi)``), except that a value within eps of a bin edge (per-sample
+    gradients that are zero in exact arithmetic, 0 or +-1e-17 after rounding, on the edge at 0)
+    may fall on either side of it: those are counted apart and must fill only the two bins that
+    meet at their edge; every other bin is exact."""
+    u = (values.double() - lo) * bins / (hi - lo)  # the binning rule's coordinate: edges at integers
+    edge = u.round()
+    gap = (u - edge).abs() * (hi - lo) / bins
+    inside = (edge > 0) & (edge < bins)
+    near = inside & (gap < eps)  # exact zeros too: the model's rounding may give them a sign
+    far, low, high = hist_oracle(values[~near], lo, hi, bins)
+    assert (h.clamped_low, h.clamped_high) == (low, high)
+    extra = h.counts - far
+    assert (extra >= 0).all() and int(extra.sum()) == int(near.sum())
+    at = edge[near].long()  # the bin right of the edge
+    allowed = torch.zeros(bins, dtype=torch.bool)
+    allowed[at] = True
+    allowed[at - 1] = True
+    assert not extra[~allowed].any()
+    assert int(near.sum()) < 0.5 * values.numel()  # most values are binned exactly (the near ones:
+    # e.g. rows of an embedding that a sample does not use, padded positions)

@@ -210,3 +210,89 @@ def test_report_losses_without_callback_says_how():
     model = Net(False, True)
     with pytest.raises(RuntimeError, match=r"LensCallback"):
         report_losses(model, torch.zeros(3))
+
+
+# ----------------------------------------------------------------------------- a Hugging Face model inside
+class HFNet(L.LightningModule):
+    """A LightningModule that holds a Hugging Face model as an attribute; the loss comes from
+    inside it (``labels=``)."""
+
+    def __init__(self):
+        super().__init__()
+        from oracle_models import hf_bert
+
+        torch.manual_seed(0)
+        self.net = hf_bert()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def _hf_data():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (N_TOTAL, 9), generator=g)
+    keep = torch.randint(4, 10, (N_TOTAL,), generator=g)  # padded sequences of unequal length
+    mask = (torch.arange(9)[None, :] < keep[:, None]).long()
+    labels = torch.randint(0, 4, (N_TOTAL,), generator=g)
+    return [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)]
+
+
+def _hf_fit(tmp_path, lens_cb):
+    model = HFNet()
+    net0 = copy.deepcopy(model.net).double()
+    data = _hf_data()
+    loader = torch.utils.data.DataLoader(data, batch_size=B, shuffle=False)
+    snaps = Snapshots()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, precision="64-true",
+        accumulate_grad_batches=K, callbacks=[snaps, lens_cb], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, loader)
+    return snaps.states, net0, data
+
+
+def _hf_oracle(net0, state, data, window):
+    def loss_n(m, i):
+        s = data[window * K * B + i]
+        out = m(input_ids=s["input_ids"][None], attention_mask=s["attention_mask"][None])
+        return F.cross_entropy(out.logits, s["labels"][None])  # sample i's own loss
+
+    n = min(K * B, len(data) - window * K * B)
+    return O.per_sample_loop(net0, state, loss_n, n)
+
+
+def test_lightning_hf_model_inside_readme_snippet(tmp_path):
+    """The README snippet as printed, on a LightningModule holding a Hugging Face model
+    (``self.net(**batch).loss``): records == the float64 per-sample oracle of each window."""
+    lens_cb = LensCallback([BatchL2(), GradNorm(), GradHist1d()])
+    states, net0, data = _hf_fit(tmp_path, lens_cb)
+    recs = lens_cb.records
+    assert [r.num_samples for r in recs] == [12, 12, 11] and [r.micro_steps for r in recs] == [3, 3, 3]
+    assert lens_cb.lens.coverage == 1.0
+    for t, rec in enumerate(recs):
+        gs = _hf_oracle(net0, states[t], data, t)
+        o = O.norm_set(gs, prefix="net.")
+        O.close(rec["batch_l2"], o["batch_l2"])
+        O.close(rec["grad_norm"], o["grad_norm"])
+        O.hist_matches(rec["grad_hist_1d"], O.flat(gs), -2.0, 2.0, 100)  # GradHist1d's default range
+
+
+@pytest.mark.parametrize("reduction", [None, "mean"])
+def test_lightning_hf_model_message_names_module_and_it_works(tmp_path, reduction):
+    """Instruments of the window gradient only (GradNorm) watch the LightningModule's own
+    forward, which Lightning never calls: the error names module='net' (with or without a
+    stated reduction), and that fix, as written, gives the oracle's numbers."""
+    with pytest.raises(RuntimeError, match=r"LensCallback\(\.\.\., module='net'\)"):
+        _hf_fit(tmp_path, LensCallback([GradNorm()], reduction=reduction))
+    lens_cb = LensCallback([GradNorm()], module='net')
+    states, net0, data = _hf_fit(tmp_path, lens_cb)
+    recs = lens_cb.records
+    assert [r.num_samples for r in recs] == [12, 12, 11]
+    for t, rec in enumerate(recs):
+        gs = _hf_oracle(net0, states[t], data, t)
+        O.close(rec["grad_norm"], O.norm_set(gs)["grad_norm"])

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import DistParts, Instrument, WindowStats
 from gradlens.instruments.tests import MeanGSNR, ShiftedMoments, _trace_cov
 
 __all__ = ["CABS", "EarlyStopping"]
@@ -94,7 +94,6 @@ class CABS(Instrument):
 
     def to_buffers(self, state, ctx):
         """Nothing of its own to send: tr(Sigma) and L come from the merged window sums."""
-        from gradlens.distributed import DistParts
 
         return DistParts()
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.state import TENSORS, check_state
+from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.state_checks import TENSORS, check_state
 
 __all__ = ["Distance", "UpdateSize", "SquaredNorms"]
 
@@ -93,7 +93,6 @@ class _ParameterInstrument(Instrument):
     def to_buffers(self, state, ctx):
         """Nothing to send: the parameters are the same on every rank (DDP keeps them equal),
         so each rank measures the same value."""
-        from gradlens.distributed import DistParts
 
         return DistParts()
 

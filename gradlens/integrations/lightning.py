@@ -85,7 +85,10 @@ class LensCallback(pl.Callback):
     Args:
         instruments: instances from :mod:`gradlens.instruments`.
         module: attribute name of the submodule to watch (e.g. ``"net"``); ``None``: the whole
-            LightningModule.
+            LightningModule. A model it holds as an attribute, the loss computed inside it (a
+            Hugging Face model, ``self.net(**batch).loss``), works with ``None`` too; only
+            instruments of the window gradient alone (``GradNorm``, ``NoiseScaleTwoBatch``)
+            need ``module=`` then, and the error says which name.
         reduction: ``None`` when the loss comes from a loss module passed through
             :func:`gradlens.extend`, else ``"mean"`` or ``"sum"`` (a functional loss).
         loggers: write scalars (and TensorBoard histograms) to the Trainer's loggers.
@@ -144,6 +147,8 @@ class LensCallback(pl.Callback):
         self._stack: contextlib.ExitStack | None = None
         self._losses: Tensor | None = None
         self._step_expected: int | None = None
+        self._hint: str | None = None
+        self._watched: str = ""
 
     # ------------------------------------------------------------------ records
     @property
@@ -162,6 +167,8 @@ class LensCallback(pl.Callback):
                     f"LensCallback(module={self.module!r}): {type(pl_module).__name__} has no "
                     f"submodule {self.module!r}; give the attribute name of an nn.Module of it"
                 )
+        self._hint = _only_trainable_child(pl_module)
+        self._watched = type(target).__name__ if self.module is None else repr(self.module)
         optimizers = list(trainer.optimizers)
         if len(optimizers) != 1:
             raise ValueError(
@@ -208,13 +215,24 @@ class LensCallback(pl.Callback):
         if self.reduction is None:
             if lens.is_tracked() and not pending_loss_calls():
                 raise RuntimeError(
-                    "LensCallback: no loss module passed through gradlens.extend() ran in this "
-                    "training_step; use loss_fn = gradlens.extend(nn.CrossEntropyLoss()) in the "
-                    "module, or state the reduction of a functional loss: "
-                    "LensCallback(..., reduction='mean')"
+                    "LensCallback: no loss that gradlens can see ran in this training_step. If "
+                    "the loss comes from inside a model held by the LightningModule (a Hugging "
+                    "Face model's labels=), watch that model: "
+                    f"LensCallback(..., module={self._module_hint()!r}); if it is a functional "
+                    "loss in training_step, state its reduction: LensCallback(..., "
+                    "reduction='mean'), or use loss_fn = gradlens.extend(nn.CrossEntropyLoss())"
                 )
             capture = lens.capture(losses=losses)
         else:
+            tap = getattr(lens, "_tap", None)
+            if lens.is_tracked() and not pending_loss_calls() and tap is not None and tap.batch is None:
+                # the watched model's forward never ran, so backward would find no batch size
+                raise RuntimeError(
+                    f"LensCallback: the watched {self._watched} ran no forward in this "
+                    "training_step (Lightning calls training_step, not forward), so gradlens "
+                    "cannot tell the micro-batch size; watch the model that training_step "
+                    f"calls: LensCallback(..., module={self._module_hint()!r})"
+                )
             capture = lens.capture(self.reduction, losses, multiplier=_multiplier(trainer, pl_module))
         stack = contextlib.ExitStack()
         stack.enter_context(capture)
@@ -223,7 +241,21 @@ class LensCallback(pl.Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
-            stack.close()  # the capture folds this micro-step into the window
+            try:
+                stack.close()  # the capture folds this micro-step into the window
+            except RuntimeError as err:
+                if "without a backward pass" not in str(err):
+                    raise
+                raise RuntimeError(
+                    f"LensCallback: {err}. The backward did not reach the watched "
+                    f"{self._watched}: watch the model that computes the loss, "
+                    f"LensCallback(..., module={self._module_hint()!r})"
+                ) from err
+
+    def _module_hint(self) -> str:
+        """The attribute name to suggest for ``module=``: the one child of the LightningModule
+        that holds all its trainable parameters, else a placeholder to fill in."""
+        return self._hint or "<attribute name of the model, e.g. 'net'>"
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         # Lightning is about to step: if the optimizer's own step hook does not fire (a
@@ -259,6 +291,18 @@ def report_losses(pl_module: pl.LightningModule, losses: Tensor) -> None:
         )
     for cb in callbacks:
         cb._losses = losses.detach()
+
+
+def _only_trainable_child(pl_module: nn.Module) -> str | None:
+    """Name of the direct child of ``pl_module`` that holds all of its trainable parameters
+    (``self.net``), or None (parameters of its own, or spread over several children)."""
+    trainable = {id(p) for p in pl_module.parameters() if p.requires_grad}
+    if not trainable or any(p.requires_grad for p in pl_module.parameters(recurse=False)):
+        return None
+    for name, child in pl_module.named_children():
+        if {id(p) for p in child.parameters() if p.requires_grad} == trainable:
+            return name
+    return None
 
 
 def _multiplier(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | Tensor:

@@ -46,22 +46,31 @@ class LensTrainerCallback(TrainerCallback):
     when training begins (on ``trainer.model`` passed through :func:`gradlens.extend`, and on
     the optimizer inside the Trainer's ``AcceleratedOptimizer``).
 
-    **The model's own loss.** The Trainer backpropagates the ``loss`` the model returns
-    (``outputs["loss"]``, or ``outputs[0]``) after dividing it by the number of micro-steps of
-    the window (and, under fp16, multiplying it by a GradScaler's scale). A forward hook on the
-    model opens ``lens.capture(reduction, loss=outputs["loss"])`` right after the forward; the
-    capture measures in backward what multiplied the loss and divides it out, and closes after
-    the backward (``on_substep_end`` / ``on_pre_optimizer_step``). Units (DESIGN.md): the
-    loss is read as a mean over the ``B`` samples of the micro-batch (``reduction="mean"``),
-    so ``g_n = B * grad L_n``; for a token-mean cross-entropy over sequences of equal
-    length that is the gradient of sample n's own token-mean loss. (With padding, the
-    token-mean divides by the micro-batch's token count; ``g_n`` stays ``B * grad L_n``.) Give
-    ``reduction="sum"`` for a loss summed over samples (``g_n = grad L_n``).
+    **The loss.** The callback takes the loss that the Trainer's ``compute_loss`` returns (the
+    model's own ``outputs["loss"]``, a ``compute_loss_func``'s, or a subclass's) and opens
+    ``lens.capture(reduction="mean", loss=loss)`` before the Trainer backpropagates it; the
+    capture measures in backward what multiplied the loss (a ``1/K``, a GradScaler's scale) and
+    divides it out, and closes after the backward (``on_substep_end`` /
+    ``on_pre_optimizer_step``). Units (docs/design.md "Units"), for the two normalisations of
+    the Trainer:
 
-    Models that take ``num_items_in_batch`` (``**kwargs`` in ``forward``) or a
-    ``compute_loss_func`` normalise the loss by the token count of the whole window, which is
-    not a per-micro-batch mean: the callback refuses them with a clear error; set
-    ``trainer.model_accepts_loss_kwargs = False`` to get the per-micro-batch mean.
+    * **Window-normalised (the Trainer's default for models that take** ``num_items_in_batch``
+      **, and any** ``compute_loss_func`` **).** The Trainer counts the label tokens ``M`` of the
+      whole window in advance and each micro-step backpropagates its summed token losses over
+      ``M``, undivided by ``K``: the window's objective is ``L = sum_n L_n`` with
+      ``L_n = (token losses of sequence n) / M``. Records use ``g_n = N * grad L_n`` with ``N``
+      the window's sample count (sequences), so the window gradient ``mean_n g_n = grad L`` is
+      the gradient the optimizer receives, and ``record["loss"]`` is ``L`` (the Trainer's logged
+      ``loss`` of that step). ``record.meta["units"]`` says so.
+    * **Per-micro-batch mean** (``trainer.model_accepts_loss_kwargs = False``, no
+      ``compute_loss_func``): the loss is read as a mean over the ``B`` samples of the
+      micro-batch, ``g_n = B * grad L_n``; the Trainer's ``1/K`` is divided out. Give
+      ``reduction="sum"`` for a loss summed over samples (``g_n = grad L_n``).
+
+    The Trainer's own flag ``trainer.loss_is_scaled_for_ga`` (when set) decides between the two,
+    as it does for the Trainer. The window's sample count comes from the batches the Trainer
+    fetches for the window (``get_batch_samples``): a sample is a row of ``input_ids`` (else
+    of ``labels``, else of the first tensor of the batch).
 
     **Not available:** ``Alpha`` needs each sample's loss at two consecutive parameter points,
     but the Trainer only ever sees the model's reduced loss; the callback refuses it (use the
@@ -71,12 +80,15 @@ class LensTrainerCallback(TrainerCallback):
     (:func:`gradlens.records.flatten`) into ``trainer.log`` at the end of the
     step, so they appear in ``trainer.state.log_history`` (at ``step = record.step + 1``, the
     Trainer's count of updates done) and reach every ``report_to`` integration; histograms
-    through ``tensorboard=`` or ``sinks=[WandbSink()]``.
+    through ``tensorboard=`` or ``sinks=[WandbSink()]``. The Trainer's own entries (``loss``,
+    ``grad_norm``, ``learning_rate``) stay in the log history next to them, as separate entries
+    of the same step.
 
     Args:
         trainer: the ``transformers.Trainer``; the callback adds itself to it.
         instruments: instances from :mod:`gradlens.instruments` (not ``Alpha``).
-        reduction: how the model's loss reduces over the samples of a micro-batch.
+        reduction: how a per-micro-batch loss reduces over its samples (not used when the
+            Trainer normalises the loss over the window).
         log_history: write scalars through ``trainer.log``.
         every, exclude, log, tensorboard, sinks, keep_records, chunk_elements: as for
             :class:`~gradlens.Lens`.
@@ -133,8 +145,9 @@ class LensTrainerCallback(TrainerCallback):
         self.lens: Lens | None = None
         self._records: list[Record] = []
         self._stack: contextlib.ExitStack | None = None
-        self._hook = None
         self._queue: list[Record] = []
+        self._window_samples: int | None = None
+        self._units: str | None = None
         self._step_expected: int | None = None
         trainer.add_callback(self)
 
@@ -145,14 +158,6 @@ class LensTrainerCallback(TrainerCallback):
     # ------------------------------------------------------------------ lifecycle
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         trainer = self.trainer
-        if getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None):
-            raise ValueError(
-                "LensTrainerCallback: this Trainer normalises the loss by the token count of the "
-                "whole window (the model takes num_items_in_batch, or compute_loss_func is set), "
-                "so the loss is not a mean over the micro-batch and per-sample gradients are "
-                "ambiguous; set trainer.model_accepts_loss_kwargs = False (and no "
-                "compute_loss_func) before trainer.train()"
-            )
         self._close()
         model = model if model is not None else trainer.model
         if not isinstance(model, nn.Module):
@@ -161,46 +166,104 @@ class LensTrainerCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
         if isinstance(inner, torch.optim.Optimizer):
             optimizer = inner
-        sinks = list(self._sinks)
+        sinks = [_UnitsNote(self)] + list(self._sinks)
         if self.log_history:
             sinks.append(_QueueSink(self._queue))
         self.lens = Lens(
             gradlens.extend(model), self.instruments, optimizer=optimizer, sinks=sinks,
             **self._lens_kwargs,
         )
-        self._hook = model.register_forward_hook(self._after_forward)
+        self._wrap(trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close()
-        self._flush_logs()
+        self._flush_logs(control)
+
+    def _wrap(self, trainer: Any) -> None:
+        """Watch the Trainer's ``compute_loss`` (the loss it backpropagates) and
+        ``get_batch_samples`` (the window's batches, fetched before its first micro-step), as
+        attributes of this Trainer only; :meth:`_close` restores them."""
+        compute_loss, get_batch_samples = trainer.compute_loss, trainer.get_batch_samples
+        cb = self
+
+        def watched_compute_loss(model, inputs, *args, **kw):
+            b = _batch_size(inputs)  # before compute_loss pops the labels
+            out = compute_loss(model, inputs, *args, **kw)
+            return_outputs = kw.get("return_outputs", args[0] if args else False)
+            num_items = kw.get("num_items_in_batch", args[1] if len(args) > 1 else None)
+            cb._after_loss(model, out[0] if return_outputs else out, b, num_items)
+            return out
+
+        def watched_get_batch_samples(*args, **kw):
+            batches, num_items = get_batch_samples(*args, **kw)
+            sizes = [_batch_size(x) for x in batches]
+            cb._window_samples = None if None in sizes else sum(sizes)
+            return batches, num_items
+
+        watched_compute_loss._gradlens_wraps = compute_loss
+        watched_get_batch_samples._gradlens_wraps = get_batch_samples
+        trainer.compute_loss = watched_compute_loss
+        trainer.get_batch_samples = watched_get_batch_samples
+
+    def _unwrap(self) -> None:
+        trainer = self.trainer
+        for name in ("compute_loss", "get_batch_samples"):
+            if hasattr(getattr(trainer, name, None), "_gradlens_wraps"):
+                vars(trainer).pop(name, None)
 
     def _close(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             with contextlib.suppress(Exception):
                 stack.__exit__(RuntimeError, RuntimeError("training ended"), None)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._unwrap()
         if self.lens is not None:
             self._records = self.lens.records
             self.lens.close()
 
     # ------------------------------------------------------------------ micro-steps
-    def _after_forward(self, module: nn.Module, inputs, output) -> None:
+    def _window_normalised(self, num_items: Any) -> bool:
+        """Whether the Trainer normalised this loss over the whole window (its own rule: it
+        then does not divide the loss by the accumulation count)."""
+        trainer = self.trainer
+        flag = getattr(trainer, "loss_is_scaled_for_ga", None)
+        if flag is not None:
+            return bool(flag)
+        return bool(
+            (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items is not None)
+            or getattr(trainer, "compute_loss_func", None) is not None
+        )
+
+    def _after_loss(self, model: nn.Module, loss: Any, batch: int | None, num_items: Any) -> None:
         lens = self.lens
-        if lens is None or not (torch.is_grad_enabled() and module.training):
+        if lens is None or not (torch.is_grad_enabled() and model.training):
             return
-        loss = _loss_of(output)
-        if loss is None or not loss.requires_grad:
+        if not (isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad):
             return
         if self._stack is not None:
             raise RuntimeError(
-                "LensTrainerCallback: the model ran two training forwards before one backward; "
-                "gradlens needs one forward and one backward per micro-step"
+                "LensTrainerCallback: the Trainer computed two training losses before one "
+                "backward; gradlens needs one forward and one backward per micro-step"
             )
+        if self._window_normalised(num_items):
+            n = self._window_samples
+            if not n or not batch:
+                raise RuntimeError(
+                    "LensTrainerCallback: the Trainer normalises the loss over the window, but "
+                    f"the window's sample count is unknown (micro-batch size {batch}, window "
+                    f"{n}): the batches must be mappings of tensors whose first axis is the "
+                    "sample axis (input_ids or labels [B, ...]); or set "
+                    "trainer.model_accepts_loss_kwargs = False for a per-micro-batch mean loss"
+                )
+            # the loss is (this micro-step's share of the window objective L); as a mean over
+            # its B_k samples of N * L_n, it was multiplied by B_k / N: g_n = N * grad L_n
+            capture = lens.capture("mean", loss=loss, multiplier=batch / n)
+            self._units = "window"
+        else:
+            capture = lens.capture(self.reduction, loss=loss)
+            self._units = None
         stack = contextlib.ExitStack()
-        stack.enter_context(lens.capture(self.reduction, loss=loss))
+        stack.enter_context(capture)
         self._stack = stack
 
     def _end_micro_step(self) -> None:
@@ -221,28 +284,63 @@ class LensTrainerCallback(TrainerCallback):
         lens = self.lens
         if expected is not None and lens is not None and lens.step == expected:
             lens.discard_window()  # the optimizer did not update (e.g. fp16 inf/nan): no record
+        elif expected is not None and lens is not None and self._units == "window" and lens.records:
+            record = lens.records[-1]
+            if record.step == expected and record.num_samples != self._window_samples:
+                raise RuntimeError(
+                    f"LensTrainerCallback: window {expected} held {record.num_samples} samples "
+                    "by the model's input but the Trainer's batches held "
+                    f"{self._window_samples} rows, so its per-sample units (g_n = N * grad L_n) "
+                    "are wrong; keep the samples on the first axis of input_ids (or labels), "
+                    "or set trainer.model_accepts_loss_kwargs = False for a per-micro-batch mean"
+                )
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._flush_logs()
+        self._flush_logs(control)
 
-    def _flush_logs(self) -> None:
+    def _flush_logs(self, control: Any = None) -> None:
         queue, self._queue[:] = list(self._queue), []
         for record in queue:
             scalars = flatten(record)
             if scalars:
+                # trainer.log() ends in on_log, which clears control.should_log: keep the
+                # Trainer's own decision to log this step (its loss, grad_norm, learning_rate)
+                should_log = getattr(control, "should_log", None)
                 self.trainer.log(scalars)
+                if should_log is not None:
+                    control.should_log = should_log
 
 
-def _loss_of(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output if output.dim() == 0 else None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-    elif isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    else:
-        loss = getattr(output, "loss", None)
-    return loss if isinstance(loss, Tensor) and loss.dim() == 0 else None
+def _batch_size(inputs: Any) -> int | None:
+    """Rows of a Trainer batch: ``input_ids``, else ``labels``, else its first tensor."""
+    if isinstance(inputs, Tensor):
+        return int(inputs.shape[0]) if inputs.dim() else None
+    if isinstance(inputs, Mapping):
+        for key in ("input_ids", "labels"):
+            x = inputs.get(key)
+            if isinstance(x, Tensor) and x.dim():
+                return int(x.shape[0])
+        for x in inputs.values():
+            if isinstance(x, Tensor) and x.dim():
+                return int(x.shape[0])
+    return None
+
+
+class _UnitsNote:
+    """First sink: states the units of a window-normalised record in its meta."""
+
+    def __init__(self, cb: LensTrainerCallback) -> None:
+        self._cb = cb
+
+    def write(self, record: Record) -> None:
+        if self._cb._units == "window":
+            record.meta["units"] = (
+                "g_n = N * d(window objective)_n: the Trainer's loss normalised over the "
+                "window's label tokens (mean objective; N the window's samples)"
+            )
+
+    def close(self) -> None:
+        pass
 
 
 class _QueueSink:
