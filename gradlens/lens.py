@@ -390,6 +390,9 @@ class Lens:
         )
         self._ddp_probe = None
         self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
+        # curvature (HessMaxEV, ...): the micro-steps' gradients with their graphs
+        self._graph_insts = [i for i in instruments if "graph_grad" in i.needs]
+        self._graph = None
         self._grad_sq_hooks = None
         if "micro_grad_sq" in self._needs and not self._light:
             from gradlens.instruments.noise import ParamGradSquares
@@ -439,7 +442,16 @@ class Lens:
         step = self.step if step is None else step
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
+    @property
+    def create_graph(self) -> bool:
+        """True on tracked windows of a Lens with a curvature instrument: pass it to the
+        micro-steps' ``loss.backward(create_graph=lens.create_graph)``."""
+        return self._window is not None and bool(self._graph_insts)
+
     def _open_window(self) -> None:
+        if self._graph is not None:  # the previous window's graphs go
+            self._graph.release()
+            self._graph = None
         if self._merge_pending is not None:  # issued for a window dropped since: every rank waits
             self._merge_pending.finish()
             self._merge_pending = None
@@ -450,6 +462,13 @@ class Lens:
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
+            if self._graph_insts:
+                from gradlens.instruments.curvature import WindowGraph
+
+                self._graph = WindowGraph(self._tap.params, self._group)
+                self._graph.install()
+                for i in self._graph_insts:
+                    i.bind_graph(self._states[id(i)], self._graph)
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
             self._tap.install()
             if self._grad_sq_hooks is not None:
@@ -628,6 +647,8 @@ class Lens:
         )
         if captured:
             values = {i.key: i.finalize(window, states[id(i)]) for i in self.instruments}
+            for i in self.instruments:
+                values.update(i.extra(states[id(i)]))
             loss_value = window.window_loss()
             values["loss"] = None if math.isnan(loss_value) else loss_value
             record = Record(step, window.num_samples, window.micro_steps, values)
@@ -902,6 +923,8 @@ class Lens:
     def _fold(self, micro: _MicroStep) -> None:
         micro.resolve()
         b = micro.batch_size
+        if self._graph is not None:
+            self._graph.end_micro(micro.scale(), b, micro.reduction)
         s = micro.stats
         s.reduction = micro.reduction
         s.num_samples, s.micro_steps = b, 1
@@ -965,6 +988,8 @@ class Lens:
         if self._window is None:
             return
         micro = self._in_backward(q)
+        if micro is None:
+            return
         if not micro.seen:  # the first gradient of this backward
             micro.resolve()
             if micro.batch_size is None:
@@ -991,10 +1016,12 @@ class Lens:
         if "grad_sum" in self._needs:
             self._add_grad_sum(q, g, micro.scale())
 
-    def _in_backward(self, what: str) -> _MicroStep:
+    def _in_backward(self, what: str) -> _MicroStep | None:
         """The micro-step whose backward just reached ``what`` (a use, or a parameter): inside
         a capture, its first backward (whose end is then watched)."""
         micro = self._micro
+        if micro is None and self._graph is not None and self._graph.busy:
+            return None  # the curvature instruments' Hessian-vector products: not a micro-step
         if micro is None:
             raise RuntimeError(
                 f"backward reached {what!r} outside lens.capture() during a tracked window; wrap "
@@ -1013,6 +1040,8 @@ class Lens:
     def _begin_use(self, what: str, batch: int, forward: int) -> _MicroStep | None:
         """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
         micro = self._in_backward(what)
+        if micro is None:
+            return None
         if forward in self._consumed:
             raise RuntimeError(
                 f"this backward reached {what!r} of a forward pass that an earlier lens.capture() "
@@ -1418,6 +1447,9 @@ class Lens:
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
         self._tap.remove()
+        if self._graph is not None:
+            self._graph.release()
+            self._graph = None
         if self._grad_sq_hooks is not None:
             self._grad_sq_hooks.remove()
         self._remove_compile_probe()

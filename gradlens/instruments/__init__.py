@@ -3,6 +3,7 @@
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
+from gradlens.instruments.curvature import HessMaxEV, HessTrace, TICDiag, TICTrace, configuration
 from gradlens.instruments.hist import GradHist1d, GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.noise import NoiseScaleDDP, NoiseScaleMonitor, NoiseScaleTwoBatch
@@ -27,4 +28,9 @@ __all__ = [
     "Alpha",
     "InnerTest",
     "OrthoTest",
+    "HessMaxEV",
+    "HessTrace",
+    "TICDiag",
+    "TICTrace",
+    "configuration",
 ]
