@@ -63,18 +63,21 @@ def small_cnn() -> nn.Module:
 
 
 class AttnBlock(nn.Module):
-    """LayerNorm + self-attention (nn.MultiheadAttention) + a Linear head over the mean token."""
+    """Pre-norm single-head self-attention (LayerNorm, q/k/v/out Linear on [B, T, d], softmax
+    written out: CPU ``scaled_dot_product_attention`` has no double backward) and a Linear head
+    over the mean token."""
 
-    def __init__(self, d: int = 6, heads: int = 2, out: int = 3):
+    def __init__(self, d: int = 6, out: int = 3):
         super().__init__()
         self.norm = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
         self.head = nn.Linear(d, out)
 
     def forward(self, x):
-        h = self.norm(x)
-        a, _ = self.attn(h, h, h, need_weights=False)
-        return self.head((x + a).mean(1))
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+        return self.head((x + self.proj(att @ v)).mean(1))
 
 
 def attn_block() -> nn.Module:
@@ -90,9 +93,10 @@ def _loss(out, y, reduction):
     return nn.functional.cross_entropy(out, y, reduction=reduction)
 
 
-def oracle(model0: nn.Module, x, y, reduction: str):
+def oracle(model0: nn.Module, x, y, reduction: str, reverse: bool = False):
     """(H [D, D], m [D]) float64: the Hessian of the window objective over all N samples
-    (``torch.func.hessian``) and m_j = (1/N) sum_n g_nj^2 from ``vmap(grad)``."""
+    (``torch.func.hessian``; ``reverse``: ``jacrev(jacrev)``, for operations without forward
+    AD such as CPU attention) and m_j = (1/N) sum_n g_nj^2 from ``vmap(grad)``."""
     model = copy.deepcopy(model0)
     params = {k: v.detach() for k, v in model.named_parameters()}
     names = list(params)
@@ -106,7 +110,8 @@ def oracle(model0: nn.Module, x, y, reduction: str):
     def objective(t):
         return _loss(functional_call(model, unflat(t), (x,)), y, reduction)
 
-    H = torch.func.hessian(objective)(theta)
+    hess = (lambda f: torch.func.jacrev(torch.func.jacrev(f))) if reverse else torch.func.hessian
+    H = hess(objective)(theta)
 
     def one(t, xi, yi):
         return _loss(functional_call(model, unflat(t), (xi.unsqueeze(0),)), yi.unsqueeze(0), reduction)
@@ -173,3 +178,171 @@ def test_exact_on_tanh_mlp(reduction, split):
     torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
     torch.testing.assert_close(rec["tic_trace"], float(m.sum() / (diag.sum() + TIC_EPS)), rtol=RTOL, atol=0)
     assert rec.meta["tic_diag"] == "exact" and rec.meta["tic_trace"] == "exact"
+
+
+def _cnn_data():
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(12, 2, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (12,), generator=g)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_exact_on_cnn(reduction):
+    model0 = small_cnn()
+    x, y = _cnn_data()
+    H, m = oracle(model0, x, y, reduction)
+    ev, diag = torch.linalg.eigvalsh(H), torch.diagonal(H)
+    insts = [HessMaxEV(tol=1e-9), HessTrace(), TICDiag(), TICTrace(), SumGradSquared()]
+    (rec,) = run_window(model0, x, y, reduction, insts)
+    torch.testing.assert_close(rec["hess_max_ev"], float(ev[-1]), rtol=1e-7, atol=0)
+    torch.testing.assert_close(rec["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
+    torch.testing.assert_close(rec["tic_trace"], float(m.sum() / (diag.sum() + TIC_EPS)), rtol=RTOL, atol=0)
+
+
+def _attn_data():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(12, 5, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_attention_block_exact_and_estimator_paths(reduction):
+    model0 = attn_block()
+    x, y = _attn_data()
+    H, m = oracle(model0, x, y, reduction, reverse=True)
+    ev, diag = torch.linalg.eigvalsh(H), torch.diagonal(H)
+    D = H.shape[0]
+    insts = [HessMaxEV(tol=1e-9, max_iter=D), HessTrace(), TICDiag(exact_max_params=D)]
+    (rec,) = run_window(model0, x, y, reduction, insts)
+    torch.testing.assert_close(rec["hess_max_ev"], float(ev[-1]), rtol=1e-7, atol=0)
+    torch.testing.assert_close(rec["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
+    # the estimator path (parameters above the exact budget): 5 standard errors from the trace
+    est = [HessTrace(exact_max_params=D - 1, probes=64), TICTrace(method="hutchinson", probes=64)]
+    (rec,) = run_window(model0, x, y, reduction, est)
+    assert rec.meta["hess_trace"].startswith("estimated")
+    assert rec.meta["tic_trace"].startswith("estimated")
+    assert abs(rec["hess_trace"] - float(diag.sum())) < 5 * rec["hess_trace_stderr"]
+    assert 0 < rec["hess_trace_stderr"]
+
+
+def test_fused_sequence_linear_keeps_the_graph(monkeypatch):
+    """A Lens with a sum of squares runs sequence Linear layers as gradlens' fused call (its own
+    backward); under create_graph its weight gradient is autograd's, so the Hessian is exact."""
+    from gradlens import capture
+
+    calls = []
+    original = capture._FusedLinear.apply
+    monkeypatch.setattr(capture._FusedLinear, "apply", lambda *a: calls.append(1) or original(*a))
+    model0 = attn_block()
+    x, y = _attn_data()
+    H, m = oracle(model0, x, y, "mean", reverse=True)
+    diag = torch.diagonal(H)
+    (rec,) = run_window(model0, x, y, "mean", [HessTrace(), TICDiag(), SumGradSquared()])
+    assert len(calls) == 2 * len(SPLIT)  # qkv and proj, every micro-step
+    torch.testing.assert_close(rec["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
+    torch.testing.assert_close(rec["sum_grad_squared"]["qkv.weight"].reshape(-1),
+                               12 * m[6 + 6 : 6 + 6 + 108], rtol=1e-9, atol=1e-12)
+
+
+def test_hess_max_ev_alone_light_capture_and_flush():
+    """HessMaxEV alone hooks the parameters only (no per-sample capture); a window closed by
+    lens.flush() (no optimizer) computes it in finalize."""
+    model0 = tanh_mlp()
+    x, y = tanh_data()
+    H, _ = oracle(model0, x, y, "sum")
+    (rec,) = run_window(model0, x, y, "sum", [HessMaxEV(tol=1e-10)], optimizer=False)
+    torch.testing.assert_close(rec["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
+
+
+def test_lanczos_reports_when_the_tolerance_was_not_reached():
+    model0 = small_cnn()
+    x, y = _cnn_data()
+    (rec,) = run_window(model0, x, y, "mean", [HessMaxEV(tol=1e-12, max_iter=3)])
+    assert rec.meta["hess_max_ev"] == "not converged"
+    assert rec.meta["hess_max_ev_iterations"] == 3 and rec.meta["hess_max_ev_residual"] > 1e-12
+    (rec,) = run_window(model0, x, y, "mean", [HessMaxEV(tol=0.5, max_iter=40)])
+    assert rec.meta["hess_max_ev"] == "converged" and rec.meta["hess_max_ev_residual"] <= 0.5
+
+
+def test_hutchinson_unbiased_with_honest_standard_error_over_200_windows():
+    """200 windows of one batch (lr 0: the same Hessian), 8 probes each: the mean estimate is
+    within 4 standard errors of the exact trace, and the stated standard error (its RMS over
+    windows) within a factor 1.3 of the observed spread of the estimates."""
+    model0 = tanh_mlp()
+    x, y = tanh_data()
+    H, _ = oracle(model0, x, y, "mean")
+    exact = float(torch.diagonal(H).sum())
+    recs = run_window(model0, x, y, "mean", [HessTrace(method="hutchinson", probes=8, seed=1)],
+                      split=[7, 5], windows=200)
+    est = torch.tensor([r["hess_trace"] for r in recs], dtype=torch.float64)
+    stated = torch.tensor([r["hess_trace_stderr"] for r in recs], dtype=torch.float64)
+    spread = float(est.std())
+    assert len(set(est.tolist())) == 200  # fresh probes every window
+    assert abs(float(est.mean()) - exact) < 4 * spread / math.sqrt(200)
+    ratio = float(stated.square().mean().sqrt()) / spread
+    assert 1 / 1.3 < ratio < 1.3, ratio
+
+
+def test_backward_without_create_graph_is_refused():
+    model = gradlens.extend(tanh_mlp())
+    x, y = tanh_data()
+    loss_fn = gradlens.extend(nn.MSELoss())
+    lens = Lens(model, [HessTrace()])
+    loss = loss_fn(model(x), y)
+    with pytest.raises(RuntimeError, match=r"create_graph=True; call loss.backward\(create_graph=lens.create_graph\)"):
+        with lens.capture():
+            loss.backward()
+    lens.close()
+
+
+def test_untracked_windows_backpropagate_without_a_graph_and_graphs_are_freed():
+    import gc
+    import weakref
+
+    model = gradlens.extend(tanh_mlp())
+    x, y = tanh_data()
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    lens = Lens(model, [HessMaxEV(), TICTrace()], optimizer=opt, every=2)
+    seen, kept = [], []
+    for step in range(4):
+        seen.append(lens.create_graph)
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward(create_graph=lens.create_graph)
+        if lens._graph is not None:
+            kept.append(weakref.ref(next(iter(lens._graph.grad.values()))))
+        opt.step()
+        opt.zero_grad()
+    gc.collect()
+    assert seen == [True, False, True, False]
+    assert [r.step for r in lens.records] == [0, 2]
+    assert len(kept) == 2 and all(ref() is None for ref in kept)  # no graph outlives its window
+    lens.close()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: HessMaxEV(tol=0.0), r"HessMaxEV\(tol=...\) must be a float in \(0, 1\), got 0.0; e.g. tol=1e-3"),
+        (lambda: HessMaxEV(max_iter=1), r"HessMaxEV\(max_iter=...\) must be an int >= 2, got 1"),
+        (lambda: HessTrace(method="diag"), r"HessTrace\(method=...\) must be 'auto', 'exact' or 'hutchinson', got 'diag'"),
+        (lambda: TICDiag(probes=1), r"TICDiag\(probes=...\) must be an int >= 2, got 1"),
+        (lambda: TICTrace(seed=1.5), r"TICTrace\(seed=...\) takes an int, got 1.5"),
+        (lambda: configuration("first"), r"configuration\(label=...\) must be 'economy', 'business' or 'full'"),
+    ],
+)
+def test_bad_arguments(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_configurations_are_cockpits_with_gradlens_names():
+    names = {label: [type(i).__name__ for i in configuration(label)] for label in ("economy", "business", "full")}
+    economy = ["Alpha", "GradHist1d", "GradNorm", "InnerTest", "NormTest", "OrthoTest"]
+    assert names["economy"] == economy
+    assert names["business"] == economy + ["TICDiag", "HessTrace"]
+    assert names["full"] == economy + ["TICDiag", "HessTrace", "HessMaxEV", "GradHist2d"]
+    a, b = configuration("full"), configuration("full")
+    assert all(i is not j for i, j in zip(a, b))  # fresh instances
