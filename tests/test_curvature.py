@@ -346,3 +346,64 @@ def test_configurations_are_cockpits_with_gradlens_names():
     assert names["full"] == economy + ["TICDiag", "HessTrace", "HessMaxEV", "GradHist2d"]
     a, b = configuration("full"), configuration("full")
     assert all(i is not j for i, j in zip(a, b))  # fresh instances
+
+
+# ---- torch.distributed ------------------------------------------------------------------------
+RANK_SPLITS = {0: [3, 2], 1: [1, 6]}  # rank 0: samples 0..4, rank 1: 5..11; K = 2 unequal each
+
+
+def _dist_insts():
+    return [HessMaxEV(tol=1e-10), HessTrace(), TICDiag(), TICTrace(),
+            HessTrace(method="hutchinson", probes=6, seed=3)]
+
+
+def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from test_distributed import _init
+
+    _init(rank, world, port)
+    x, y = tanh_data()
+    lo = 0 if rank == 0 else 5
+    mine = slice(lo, lo + sum(RANK_SPLITS[rank]))
+    out = {}
+    for reduction in ("mean", "sum"):
+        insts = _dist_insts()
+        insts[-1].key = "hess_trace_hutchinson"  # a second HessTrace under its own record key
+        (rec,) = run_window(tanh_mlp(), x[mine], y[mine], reduction, insts, split=RANK_SPLITS[rank])
+        out[reduction] = (dict(rec.values), dict(rec.meta), rec.num_samples)
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_equal_one_batch():
+    """2 ranks x 2 unequal micro-steps each (5 + 7 samples) == one batch of 12, mean and sum:
+    exact values against the oracle, the Hutchinson estimate equal to one process's (the
+    same private probes on every rank)."""
+    from test_distributed import _spawn
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_dist_worker, 2, out_dir)
+        got = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
+    model0 = tanh_mlp()
+    x, y = tanh_data()
+    for reduction in ("mean", "sum"):
+        H, m = oracle(model0, x, y, reduction)
+        diag = torch.diagonal(H)
+        single = _dist_insts()
+        single[-1].key = "hess_trace_hutchinson"
+        (one,) = run_window(model0, x, y, reduction, single, split=[12])
+        for rank_out in got:
+            values, meta, n = rank_out[reduction]
+            assert n == 12
+            torch.testing.assert_close(values["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
+            torch.testing.assert_close(values["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
+            torch.testing.assert_close(values["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
+            torch.testing.assert_close(values["tic_trace"], float(m.sum() / (diag.sum() + TIC_EPS)), rtol=RTOL, atol=0)
+            # the same probes on every rank and in one process: the estimate of one batch of 12
+            torch.testing.assert_close(values["hess_trace_hutchinson"], one["hess_trace_hutchinson"],
+                                       rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(values["hess_trace_hutchinson_stderr"], one["hess_trace_hutchinson_stderr"],
+                                       rtol=1e-10, atol=1e-12)
+            assert meta["hess_trace"] == "exact" and meta["hess_trace_hutchinson"].startswith("estimated")
+            assert "hess_trace_stderr" not in values

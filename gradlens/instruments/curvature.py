@@ -148,20 +148,33 @@ class WindowGraph:
     def hvp(self, V: Tensor) -> Tensor:
         """``[m, D] -> [m, D]``: the window objective's Hessian times each row of ``V`` (flat,
         parameters in :attr:`params` order), summed across ranks."""
+        return self._reduce(self.local_hvp(V)) * self._normaliser()
+
+    def _reduce(self, t: Tensor) -> Tensor:
+        """Sum over the ranks of the Lens' group (in place; nothing without one)."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def local_hvp(self, V: Tensor) -> Tensor:
+        """``[m, D]``: ``d<W_r, v>/dtheta`` for this rank's W_r, not summed nor normalised
+        (linear in the rank's samples: reduce only what is needed of it)."""
         if not self.grad:
             raise RuntimeError(
                 "no tracked micro-step of this window reached the curvature instruments; run "
                 "the window's backward inside lens.capture() with create_graph=lens.create_graph"
             )
-        norm = self._normaliser()
+        self._normaliser()  # every rank, before its first product
         self.remove()  # this window's micro-steps are over
         self.busy = True
         try:
-            return self._hvp(V, norm)
+            return self._hvp(V)
         finally:
             self.busy = False
 
-    def _hvp(self, V: Tensor, norm: float) -> Tensor:
+    def _hvp(self, V: Tensor) -> Tensor:
         m = V.shape[0]
         names = [q for q in self.params if q in self.grad and self.grad[q].requires_grad]
         inputs = list(self.params.values())
@@ -188,12 +201,8 @@ class WindowGraph:
             for (q, p), r in zip(self.params.items(), res):
                 if r is not None:
                     out[:, offsets[q][0] : offsets[q][1]] = r.detach().reshape(m, -1)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(out, group=self.group)
         self.products += m
-        return out * norm
+        return out
 
     def diagonal(self, chunk: int) -> Tensor:
         """``[D]`` float64: the exact Hessian diagonal, ``H_jj = e_j^T H e_j``, from ceil(D / chunk)
@@ -207,8 +216,8 @@ class WindowGraph:
                 idx = torch.arange(lo, hi, device=self._device())
                 V = torch.zeros(hi - lo, D, dtype=self.dtype(), device=self._device())
                 V[torch.arange(hi - lo, device=V.device), idx] = 1.0
-                diag[lo:hi] = self.hvp(V)[torch.arange(hi - lo, device=V.device), idx].double()
-            self.cache[key] = diag
+                diag[lo:hi] = self.local_hvp(V)[torch.arange(hi - lo, device=V.device), idx].double()
+            self.cache[key] = self._reduce(diag) * self._normaliser()  # one collective of D numbers
         return self.cache[key]
 
     def hutchinson(self, probes: int, chunk: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -222,10 +231,11 @@ class WindowGraph:
             for lo in range(0, probes, chunk):
                 m = min(chunk, probes - lo)
                 V = (torch.randint(0, 2, (m, self.dim), generator=gen) * 2 - 1).to(self._device(), self.dtype())
-                VHV = V * self.hvp(V)
+                VHV = V * self.local_hvp(V)
                 quad.append(VHV.double().sum(1))
                 diag += VHV.double().sum(0)
-            self.cache[key] = (torch.cat(quad), diag / probes)
+            both = self._reduce(torch.cat([*quad, diag])) * self._normaliser()  # one collective
+            self.cache[key] = (both[:probes], both[probes:] / probes)
         return self.cache[key]
 
 
@@ -364,9 +374,9 @@ class HessMaxEV(_Curvature):
                 Q[k + 1] = w / b
         state.value = theta
         state.meta = {
-            "hess_max_ev": "converged" if converged else "not converged",
-            "hess_max_ev_iterations": len(alphas),
-            "hess_max_ev_residual": rel,
+            self.key: "converged" if converged else "not converged",
+            f"{self.key}_iterations": len(alphas),
+            f"{self.key}_residual": rel,
         }
 
 
@@ -413,12 +423,12 @@ class HessTrace(_DiagonalUser):
     def compute(self, state: _CurvState, graph: WindowGraph) -> None:
         if self._exact(graph):
             state.value = float(graph.diagonal(self.chunk).sum())
-            state.meta = {"hess_trace": "exact"}
+            state.meta = {self.key: "exact"}
             return
         quad, _ = graph.hutchinson(self.probes, self.chunk, self._window_seed())
         state.value = float(quad.mean())
-        state.extra = {"hess_trace_stderr": float(quad.std() / math.sqrt(quad.numel()))}
-        state.meta = {"hess_trace": f"estimated: Hutchinson, {self.probes} Rademacher probes"}
+        state.extra = {f"{self.key}_stderr": float(quad.std() / math.sqrt(quad.numel()))}
+        state.meta = {self.key: f"estimated: Hutchinson, {self.probes} Rademacher probes"}
 
 
 class _TIC(_DiagonalUser):
