@@ -1410,6 +1410,8 @@ class Lens:
                 )
             self._window = payload["window"]
             self._states = {id(i): st for i, st in zip(self.instruments, payload["states"])}
+            for i in self._graph_insts:  # curvature: this Lens' graph of the window (empty)
+                i.bind_graph(self._states[id(i)], self._graph)
         self._pending = None
         if payload["pending"] is not None:
             record, states = payload["pending"]

@@ -407,3 +407,32 @@ def test_two_gloo_ranks_equal_one_batch():
                                        rtol=1e-10, atol=1e-12)
             assert meta["hess_trace"] == "exact" and meta["hess_trace_hutchinson"].startswith("estimated")
             assert "hess_trace_stderr" not in values
+
+
+def test_state_dict_between_windows_resumes_and_mid_window_is_refused():
+    model0 = tanh_mlp()
+    x, y = tanh_data()
+    H, _ = oracle(model0, x, y, "mean")
+    model = gradlens.extend(copy.deepcopy(model0))
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, [HessTrace(), HessMaxEV(tol=1e-10)], optimizer=opt)
+    saved = lens.state_dict()  # between windows (the first one open, nothing captured)
+    loss = loss_fn(model(x[:5]), y[:5])
+    with lens.capture():
+        loss.backward(create_graph=lens.create_graph)
+    with pytest.raises(RuntimeError, match=r"autograd graphs cannot be saved; call it between windows"):
+        lens.state_dict()
+    lens.close()
+    opt.zero_grad()
+    fresh = Lens(model, [HessTrace(), HessMaxEV(tol=1e-10)], optimizer=opt)
+    fresh.load_state_dict(saved)
+    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
+        loss = loss_fn(model(xb), yb)
+        with fresh.capture():
+            loss.backward(create_graph=fresh.create_graph)
+    opt.step()
+    (rec,) = fresh.records
+    torch.testing.assert_close(rec["hess_trace"], float(torch.diagonal(H).sum()), rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(rec["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
+    fresh.close()

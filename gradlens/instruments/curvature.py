@@ -247,6 +247,17 @@ class _CurvState:
     extra: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For ``Lens.state_dict()``: the graph is never saved (the Lens binds its own on load);
+        inside a window whose micro-steps it holds, there is nothing valid to save."""
+        if self.graph is not None and self.graph.grad:
+            raise RuntimeError(
+                "Lens.state_dict() was called inside a tracked window of a curvature instrument "
+                "(HessMaxEV, HessTrace, TICDiag, TICTrace) after some of its micro-steps: their "
+                "autograd graphs cannot be saved; call it between windows (after optimizer.step())"
+            )
+        return {**vars(self), "graph": None}
+
 
 class _Curvature(Instrument):
     """Shared life of the curvature instruments: the Lens binds the window's
