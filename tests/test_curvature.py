@@ -436,3 +436,19 @@ def test_state_dict_between_windows_resumes_and_mid_window_is_refused():
     torch.testing.assert_close(rec["hess_trace"], float(torch.diagonal(H).sum()), rtol=RTOL, atol=1e-12)
     torch.testing.assert_close(rec["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
     fresh.close()
+
+
+def test_one_exact_diagonal_per_window_for_all_instruments():
+    model = gradlens.extend(tanh_mlp())
+    x, y = tanh_data()
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, [HessTrace(chunk=16), TICDiag(), TICTrace()], optimizer=opt)
+    loss = loss_fn(model(x), y)
+    with lens.capture():
+        loss.backward(create_graph=lens.create_graph)
+    graph = lens._graph
+    opt.step()
+    D = sum(p.numel() for p in model.parameters())
+    assert graph.products == D and lens._graph is not graph and not graph.grad
+    lens.close()
