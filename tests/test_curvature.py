@@ -452,3 +452,29 @@ def test_one_exact_diagonal_per_window_for_all_instruments():
     D = sum(p.numel() for p in model.parameters())
     assert graph.products == D and lens._graph is not graph and not graph.grad
     lens.close()
+
+
+def test_with_gradient_accumulate_optimizer():
+    """gradlens' accumulating optimizer (its step on every micro-step, a real update every 3rd):
+    the products run before the real update, on the window of all 3 micro-steps."""
+    from gradlens import GradientAccumulateOptimizer
+
+    model0 = tanh_mlp()
+    x, y = tanh_data()
+    H, m = oracle(model0, x, y, "mean")
+    diag = torch.diagonal(H)
+    model = gradlens.extend(copy.deepcopy(model0))
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=len(SPLIT))
+    lens = Lens(model, [HessTrace(), HessMaxEV(tol=1e-10), TICDiag()], optimizer=opt)
+    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
+        loss = loss_fn(model(xb), yb)
+        with lens.capture():
+            loss.backward(create_graph=lens.create_graph)
+        opt.step(num_samples=len(xb))
+        opt.zero_grad()
+    (rec,) = lens.records
+    torch.testing.assert_close(rec["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
+    torch.testing.assert_close(rec["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
+    torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
+    lens.close()
