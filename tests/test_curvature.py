@@ -505,3 +505,32 @@ def test_hutchinson_diagonal_is_unbiased_and_tic_diag_says_estimated():
     assert ((diag - torch.diagonal(H)).abs() < 5 * se + 1e-12).all()
     assert quad.shape == (probes,)
     lens.close()
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_tracked_micro_steps_make_no_host_read(model):
+    """tests/test_sync.py's probe on the curvature instruments' hot path (the parameter hooks
+    and the fold of each micro-step's graph gradient); the window's end may read."""
+    from gradlens.sync import forced_device_paths
+    from test_sync import MODELS as SYNC_MODELS, HostReads
+
+    make, data = SYNC_MODELS[model]
+    torch.manual_seed(0)
+    net = gradlens.extend(make())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with forced_device_paths(), HostReads() as reads:
+        lens = Lens(net, [HessMaxEV(max_iter=4), HessTrace(), TICDiag(), TICTrace(), SumGradSquared()], optimizer=opt)
+        for _ in range(2):
+            for b in (3, 5):
+                x, y = data(b), torch.randint(0, 11, (b,))
+                reads.active = True
+                loss = loss_fn(net(x), y)
+                with lens.capture():
+                    loss.backward(create_graph=lens.create_graph)
+                reads.active = False
+            opt.step()
+            opt.zero_grad()
+    assert not reads.calls, ", ".join(f"{k} x{v}" for k, v in reads.calls.items())
+    assert len(lens.records) == 2 and all(math.isfinite(r["hess_trace"]) for r in lens.records)
+    lens.close()
