@@ -924,7 +924,11 @@ class Lens:
         micro.resolve()
         b = micro.batch_size
         if self._graph is not None:
-            self._graph.end_micro(micro.scale(), b, micro.reduction)
+            try:
+                self._graph.end_micro(micro.scale(), b, micro.reduction)
+            except RuntimeError:  # no graph (create_graph=False): the window is dropped
+                self._open_window()
+                raise
         s = micro.stats
         s.reduction = micro.reduction
         s.num_samples, s.micro_steps = b, 1

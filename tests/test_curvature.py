@@ -293,6 +293,16 @@ def test_backward_without_create_graph_is_refused():
     with pytest.raises(RuntimeError, match=r"create_graph=True; call loss.backward\(create_graph=lens.create_graph\)"):
         with lens.capture():
             loss.backward()
+    model.zero_grad()
+    # the window was dropped: the next micro-steps start it afresh
+    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
+        loss = loss_fn(model(xb), yb)
+        with lens.capture():
+            loss.backward(create_graph=lens.create_graph)
+    rec = lens.flush()
+    assert rec.num_samples == 12 and rec.micro_steps == 3
+    H, _ = oracle(tanh_mlp(), x, y, "mean")
+    torch.testing.assert_close(rec["hess_trace"], float(torch.diagonal(H).sum()), rtol=RTOL, atol=1e-12)
     lens.close()
 
 
