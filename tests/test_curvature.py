@@ -544,3 +544,42 @@ def test_tracked_micro_steps_make_no_host_read(model):
     assert not reads.calls, ", ".join(f"{k} x{v}" for k, v in reads.calls.items())
     assert len(lens.records) == 2 and all(math.isfinite(r["hess_trace"]) for r in lens.records)
     lens.close()
+
+
+def test_full_configuration_runs_and_create_graph_leaves_the_other_instruments_unchanged():
+    """cockpit's "full" set on the small CNN (two windows, 3 unequal micro-steps, per-sample
+    losses for Alpha): the first-order instruments under create_graph=True give the records
+    that cockpit's "economy" set gives with a plain backward (histograms, norms, tests, Alpha), beside exact curvature."""
+    model0 = small_cnn()
+    x, y = _cnn_data()
+    H, _ = oracle(model0, x, y, "mean")
+
+    def run(label, create_graph):
+        torch.manual_seed(0)
+        model = gradlens.extend(copy.deepcopy(model0))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        insts = configuration(label) + [SumGradSquared()]
+        lens = Lens(model, insts, optimizer=opt)
+        for _ in range(2):
+            for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
+                out = model(xb)
+                loss = loss_fn(out, yb)
+                with lens.capture(losses=nn.functional.cross_entropy(out.detach(), yb, reduction="none")):
+                    loss.backward(create_graph=create_graph and lens.create_graph)
+            opt.step()
+            opt.zero_grad()
+        lens.close()
+        return lens.records
+
+    full, plain = run("full", True), run("economy", False)
+    assert len(full) == len(plain) == 2 and isinstance(full[0]["alpha"], float)
+    torch.testing.assert_close(full[0]["hess_trace"], float(torch.diagonal(H).sum()), rtol=RTOL, atol=1e-12)
+    for a, b in zip(full, plain):
+        for key in ("grad_norm", "norm_test", "inner_test", "ortho_test", "alpha", "loss"):
+            torch.testing.assert_close(a[key], b[key], rtol=1e-10, atol=1e-12)
+        assert a["grad_hist_1d"] == b["grad_hist_1d"]
+        for q, v in b["sum_grad_squared"].items():
+            torch.testing.assert_close(a["sum_grad_squared"][q], v, rtol=1e-12, atol=0)
+        assert a["grad_hist_2d"].counts.sum() == b["grad_hist_1d"].counts.sum()
+        assert a.meta["hess_max_ev"] == "converged" and "tic_diag" in a
