@@ -465,7 +465,7 @@ class Lens:
             if self._graph_insts:
                 from gradlens.instruments.curvature import WindowGraph
 
-                self._graph = WindowGraph(self._tap.params, self._group)
+                self._graph = WindowGraph(self._tap.params, self._group, self.model)
                 self._graph.install()
                 for i in self._graph_insts:
                     i.bind_graph(self._states[id(i)], self._graph)

@@ -178,6 +178,7 @@ def test_exact_on_tanh_mlp(reduction, split):
     torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
     torch.testing.assert_close(rec["tic_trace"], float(m.sum() / (diag.sum() + TIC_EPS)), rtol=RTOL, atol=0)
     assert rec.meta["tic_diag"] == "exact" and rec.meta["tic_trace"] == "exact"
+    assert rec.meta["tic_diag_method"] == "second-order backpropagation"  # Linear, Tanh residuals, MSE
 
 
 def _cnn_data():
@@ -197,6 +198,32 @@ def test_exact_on_cnn(reduction):
     torch.testing.assert_close(rec["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
     torch.testing.assert_close(rec["tic_diag"], float((m / (diag + TIC_EPS)).sum()), rtol=RTOL, atol=0)
     torch.testing.assert_close(rec["tic_trace"], float(m.sum() / (diag.sum() + TIC_EPS)), rtol=RTOL, atol=0)
+    # Conv2d, Tanh residuals, max pooling, ReLU, cross-entropy
+    assert rec.meta["hess_trace_method"] == "second-order backpropagation"
+    # the one-hot products agree
+    (onehot,) = run_window(model0, x, y, reduction, [HessTrace(method="exact")], split=[12])
+    torch.testing.assert_close(onehot["hess_trace"], rec["hess_trace"], rtol=RTOL, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1), nn.Linear(4, 2)), "training-mode Dropout"),
+        (lambda: nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)), "layer 1 is a GELU"),
+        (lambda: nn.Sequential(nn.Conv2d(1, 2, 3, groups=1, padding="same")), "string padding"),
+        (lambda: AttnBlock(), "not a flat nn.Sequential"),
+    ],
+)
+def test_backprop_diagonal_says_why_it_does_not_apply(make, why):
+    from gradlens.instruments.diag_hessian import DiagHessianBackprop
+
+    model = make()
+    back = DiagHessianBackprop(model, dict(model.named_parameters()))
+    assert not back.supported and why in back.why_not
+    shared = nn.Linear(3, 3)
+    tied = nn.Sequential(shared, nn.Tanh(), shared)
+    back = DiagHessianBackprop(tied, dict(tied.named_parameters()))
+    assert back.why_not == "a parameter is used by several layers"
 
 
 def _attn_data():
@@ -448,10 +475,14 @@ def test_state_dict_between_windows_resumes_and_mid_window_is_refused():
     fresh.close()
 
 
-def test_one_exact_diagonal_per_window_for_all_instruments():
-    model = gradlens.extend(tanh_mlp())
-    x, y = tanh_data()
-    loss_fn = gradlens.extend(nn.MSELoss())
+@pytest.mark.parametrize("name", ["tanh_mlp", "attn_block"])
+def test_one_exact_diagonal_per_window_for_all_instruments(name):
+    """HessTrace + TICDiag + TICTrace share one diagonal per window: by second-order
+    backpropagation on the Sequential tanh MLP (no Hessian-vector product at all), by D one-hot
+    products on the attention block (not a Sequential: D products, not 3D)."""
+    model = gradlens.extend(tanh_mlp() if name == "tanh_mlp" else attn_block())
+    x, y = tanh_data() if name == "tanh_mlp" else _attn_data()
+    loss_fn = gradlens.extend(nn.MSELoss() if name == "tanh_mlp" else nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     lens = Lens(model, [HessTrace(chunk=16), TICDiag(), TICTrace()], optimizer=opt)
     loss = loss_fn(model(x), y)
@@ -460,7 +491,14 @@ def test_one_exact_diagonal_per_window_for_all_instruments():
     graph = lens._graph
     opt.step()
     D = sum(p.numel() for p in model.parameters())
-    assert graph.products == D and lens._graph is not graph and not graph.grad
+    rec = lens.records[-1]
+    if name == "tanh_mlp":
+        assert graph.products == 0
+        assert rec.meta["hess_trace_method"] == rec.meta["tic_diag_method"] == "second-order backpropagation"
+    else:
+        assert graph.products == D
+        assert rec.meta["tic_trace_method"] == "one-hot Hessian-vector products"
+    assert lens._graph is not graph and not graph.grad
     lens.close()
 
 

@@ -60,11 +60,15 @@ class WindowGraph:
     Args:
         params: qualified name -> tracked parameter (the Hessian's coordinates, in this order).
         group: the Lens' process group (None: this process alone).
+        model: the watched model (for the exact diagonal by second-order backpropagation).
     """
 
-    def __init__(self, params: dict[str, Tensor], group: Any = None):
+    def __init__(self, params: dict[str, Tensor], group: Any = None, model: Any = None):
         self.params = dict(params)
         self.group = group
+        self.model = model
+        #: the second-order backpropagation of the diagonal, once an instrument asks for it
+        self.backprop = None
         self.grad: dict[str, Tensor] = {}
         self.num_samples = 0  # this rank's N
         self.reduction: str | None = None
@@ -88,6 +92,23 @@ class WindowGraph:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.backprop is not None:
+            self.backprop.remove()
+
+    def request_backprop_diagonal(self) -> None:
+        """Record the micro-steps for :meth:`backprop_diagonal` (idempotent; nothing for a
+        model it does not support)."""
+        if self.backprop is None and self.model is not None and not self.grad:
+            from gradlens.instruments.diag_hessian import DiagHessianBackprop
+
+            self.backprop = DiagHessianBackprop(self.model, self.params)
+            if self._handles:
+                self.backprop.install()
+
+    @property
+    def backprop_ok(self) -> bool:
+        """Whether the exact diagonal by second-order backpropagation covers this window."""
+        return self.backprop is not None and self.backprop.supported
 
     def _hook(self, q: str):
         def hook(grad: Tensor) -> None:
@@ -115,6 +136,12 @@ class WindowGraph:
             self.grad[q] = term if q not in self.grad else self.grad[q] + term
         self.num_samples += int(batch_size)
         self.reduction = reduction
+        if self.backprop is not None:
+            self.busy = True
+            try:
+                self.backprop.end_micro(scale)
+            finally:
+                self.busy = False
 
     def release(self) -> None:
         """Drop the graph (the window is over)."""
@@ -205,9 +232,18 @@ class WindowGraph:
         return out
 
     def diagonal(self, chunk: int) -> Tensor:
-        """``[D]`` float64: the exact Hessian diagonal, ``H_jj = e_j^T H e_j``, from ceil(D / chunk)
+        """``[D]`` float64: the exact Hessian diagonal: by second-order backpropagation where it
+        covers the window (:attr:`backprop_ok`), else ``H_jj = e_j^T H e_j`` from ceil(D / chunk)
         batched products with one-hot vectors (cached per window)."""
         key = ("diagonal",)
+        if key not in self.cache and self.backprop_ok:
+            self._normaliser()
+            parts = self.backprop.diag
+            diag = torch.cat([
+                parts[q].reshape(-1) if q in parts else torch.zeros(p.numel(), dtype=torch.float64, device=self._device())
+                for q, p in self.params.items()
+            ])
+            self.cache[key] = self._reduce(diag) * self._normaliser()
         if key not in self.cache:
             D = self.dim
             diag = torch.empty(D, dtype=torch.float64, device=self._device())
@@ -408,10 +444,19 @@ class _DiagonalUser(_Curvature):
             )
         self.method = method
 
+    def bind_graph(self, state: _CurvState, graph: WindowGraph) -> None:
+        state.graph = graph
+        if self.method != "hutchinson":
+            graph.request_backprop_diagonal()
+
     def _exact(self, graph: WindowGraph) -> bool:
         if self.method == "auto":
-            return graph.dim <= self.exact_max_params
+            return graph.backprop_ok or graph.dim <= self.exact_max_params
         return self.method == "exact"
+
+    def _exact_meta(self, graph: WindowGraph) -> dict[str, str]:
+        how = "second-order backpropagation" if graph.backprop_ok else "one-hot Hessian-vector products"
+        return {self.key: "exact", f"{self.key}_method": how}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(method={self.method!r}, exact_max_params={self.exact_max_params}, "
@@ -434,7 +479,7 @@ class HessTrace(_DiagonalUser):
     def compute(self, state: _CurvState, graph: WindowGraph) -> None:
         if self._exact(graph):
             state.value = float(graph.diagonal(self.chunk).sum())
-            state.meta = {self.key: "exact"}
+            state.meta = self._exact_meta(graph)
             return
         quad, _ = graph.hutchinson(self.probes, self.chunk, self._window_seed())
         state.value = float(quad.mean())
@@ -453,7 +498,7 @@ class _TIC(_DiagonalUser):
         sums of squares are merged."""
         if self._exact(graph):
             diag = graph.diagonal(self.chunk)
-            state.meta = {self.key: "exact"}
+            state.meta = self._exact_meta(graph)
         else:
             _, diag = graph.hutchinson(self.probes, self.chunk, self._window_seed())
             state.meta = {self.key: f"estimated: Hutchinson diagonal, {self.probes} Rademacher "
