@@ -11,8 +11,9 @@ A window is ``--accum`` micro-steps (the batch split in equal parts) and an SGD 
   price of the double-backward graph alone),
   each instrument alone in a Lens (every window tracked, so every window pays), with
   ``HessMaxEV(max_iter=--max-iter)`` and ``--probes`` Rademacher probes for the estimators
-  (these models' parameter counts exceed HessTrace's exact budget of 4096, so the trace and the
-  diagonals are Hutchinson estimates; the exact path costs D / chunk products instead).
+  (auto: the MLP and CNN are Sequential models of supported layers, so their trace and diagonal
+  are exact by second-order backpropagation; the GPT exceeds the one-hot budget of 4096
+  parameters and gets Hutchinson's estimate; one row forces Hutchinson everywhere).
 Times are medians over ``--steps`` interleaved rounds after one warm-up; after the rounds one
 more, untimed window of each row measures its peak memory (see the header). Each row also
 prints the Hessian-vector products of its last window. The GPT runs attention through
@@ -98,6 +99,10 @@ def lens_window(make):
             graph = lens._graph
             opt.step()
             last["products"] = graph.products if graph is not None else 0
+            rec = lens.records[-1] if lens.records else None
+            if rec is not None:
+                last["how"] = next((v for k, v in rec.meta.items() if k.endswith("_method")),
+                                   rec.meta.get(make().key, ""))
             opt.zero_grad()
 
         step.last = last
@@ -132,9 +137,11 @@ def main(argv=None):
             ("plain window", plain_window(False)),
             ("create_graph only (no Lens)", plain_window(True)),
             (f"HessMaxEV(max_iter={args.max_iter})", lens_window(lambda: HessMaxEV(max_iter=args.max_iter))),
-            (f"HessTrace(probes={args.probes})", lens_window(lambda: HessTrace(probes=args.probes, chunk=args.probes))),
-            (f"TICDiag(probes={args.probes})", lens_window(lambda: TICDiag(probes=args.probes, chunk=args.probes))),
-            (f"TICTrace(probes={args.probes})", lens_window(lambda: TICTrace(probes=args.probes, chunk=args.probes))),
+            ("HessTrace() (auto)", lens_window(lambda: HessTrace(probes=args.probes, chunk=args.probes))),
+            (f"HessTrace(hutchinson, {args.probes} probes)",
+             lens_window(lambda: HessTrace(method="hutchinson", probes=args.probes, chunk=args.probes))),
+            ("TICDiag() (auto)", lens_window(lambda: TICDiag(probes=args.probes, chunk=args.probes))),
+            ("TICTrace() (auto)", lens_window(lambda: TICTrace(probes=args.probes, chunk=args.probes))),
         ]
         with _math_sdpa() if key == "gpt" else contextlib.nullcontext():
             steps, closers, failed = build_all(builds, lambda: (copy.deepcopy(base), xs, ys), sync)
@@ -144,17 +151,19 @@ def main(argv=None):
             close()
         plain, mem_plain = ms["plain window"], mem["plain window"]
         print(f"\n## {title}  (plain window {plain:.1f} ms, peak {fmt_mib(mem_plain)} MiB)")
-        print(f"| {'configuration':<30} | {'ms/window':>10} | {'x plain':>8} | {'HVPs':>5} | {'peak MiB':>9} | {'x plain':>8} |")
-        print(f"|{'-' * 32}|{'-' * 12}|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 10}|")
+        print(f"| {'configuration':<30} | {'ms/window':>10} | {'x plain':>8} | {'HVPs':>5} | {'peak MiB':>9} | {'x plain':>8} | how")
+        print(f"|{'-' * 32}|{'-' * 12}|{'-' * 10}|{'-' * 7}|{'-' * 11}|{'-' * 10}|-----|")
         rows = []
         for name, _ in builds:
             if name in failed:
                 print(f"| {name:<30} | failed: {failed[name]}")
                 continue
             t, m = ms[name], mem[name]
-            hv = getattr(steps[name], "last", {}).get("products", "")
+            last = getattr(steps[name], "last", {})
+            hv = last.get("products", "")
             mr = f"{m / mem_plain:7.2f}x" if mem_plain > 0 and not math.isnan(m) else f"{'n/a':>8}"
-            print(f"| {name:<30} | {t:10.1f} | {t / plain:7.2f}x | {hv!s:>5} | {fmt_mib(m):>9} | {mr} |")
+            how = str(last.get("how", ""))[:34]
+            print(f"| {name:<30} | {t:10.1f} | {t / plain:7.2f}x | {hv!s:>5} | {fmt_mib(m):>9} | {mr} | {how}")
             rows.append((name, t, m))
         rows_by_model[key] = rows
     return rows_by_model
