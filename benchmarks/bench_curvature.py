@@ -3,7 +3,7 @@ TICDiag, TICTrace), one at a time, on the MLP and CNN of bench_instruments.py an
 model of bench_transformer.py.
 
 Run:  python benchmarks/bench_curvature.py [--steps 3] [--models mlp,cnn,gpt] [--device cpu]
-      [--max-iter 20] [--probes 8] [--accum 2]
+      [--max-iter 20] [--probes 8] [--accum 2] [--batch B]
 
 A window is ``--accum`` micro-steps (the batch split in equal parts) and an SGD update. Rows:
   plain window (backward without a graph),
@@ -119,6 +119,7 @@ def main(argv=None):
     p.add_argument("--max-iter", type=int, default=20)
     p.add_argument("--probes", type=int, default=8)
     p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--batch", type=int, default=0, help="batch per window (0: the model's default)")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     sync = device_sync(dev)
@@ -128,6 +129,8 @@ def main(argv=None):
     rows_by_model = {}
     for key in args.models.split(","):
         title, make, data, batch, classes = MODELS[key]
+        if args.batch:
+            title, batch = f"{title.rsplit(', batch', 1)[0]}, batch {args.batch}", args.batch
         torch.manual_seed(0)
         base = make().to(dev)
         x = data(batch, dev)
