@@ -42,6 +42,7 @@ from gradlens.distributed import (
     resolve_group,
 )
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
+from gradlens.instruments.curvature import WindowGraph
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
@@ -309,6 +310,9 @@ class Lens:
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
+        # curvature (HessMaxEV, ...): the micro-steps' gradients with their graphs
+        self._graph_insts = [i for i in instruments if "graph_grad" in i.needs]
+        self._graph = None
         self._params_probe = None  # see _params_probe (tracked windows only)
         model.__dict__["_gradlens_lens"] = weakref.ref(self)  # plain attribute, not a submodule
         self._open_window()
@@ -320,6 +324,7 @@ class Lens:
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
     def _open_window(self) -> None:
+        self._release_graph()  # the previous window's graphs go
         if self._merge_pending is not None:  # issued for a window dropped since: every rank waits
             self._merge_pending.finish()
             self._merge_pending = None
@@ -336,6 +341,12 @@ class Lens:
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
+            if self._graph_insts:  # curvature: the micro-steps' gradients with their graphs
+                self._graph = WindowGraph(self._tap.params, self._group, self.model)
+                self._graph.install()
+                self._meter.graph = self._graph
+                for i in self._graph_insts:
+                    i.bind_graph(self._states[id(i)], self._graph)
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
             self._meter.install()
             self._probes.install()
@@ -479,6 +490,17 @@ class Lens:
             self.skipped_windows += 1
             self._open_window()
 
+    def _release_graph(self) -> None:
+        if self._graph is not None:
+            self._graph.release()
+            self._graph = self._meter.graph = None
+
+    @property
+    def create_graph(self) -> bool:
+        """True on tracked windows of a Lens with a curvature instrument (HessMaxEV, HessTrace,
+        TICDiag, TICTrace): pass it to the micro-steps' ``loss.backward(create_graph=lens.create_graph)``."""
+        return self._window is not None and bool(self._graph_insts)
+
     def _remove_params_probe(self) -> None:
         if self._params_probe is not None:
             self._params_probe.remove()
@@ -620,6 +642,13 @@ class Lens:
                 "so what multiplied it is unknown; pass the tensor that is backpropagated (or "
                 "scaled and then backpropagated), or state multiplier= instead"
             )
+        if self._graph is not None:  # curvature: this micro-step's gradient with its graph
+            micro.resolve()
+            try:
+                self._graph.end_micro(micro.scale(), micro.batch_size, micro.reduction)
+            except RuntimeError:  # no graph (create_graph=False): the window is dropped
+                self._open_window()
+                raise
         self._window = meter.fold(micro, self._window, self._states)
         note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
         if note is not None:
@@ -697,6 +726,7 @@ class Lens:
         self._meter.remove()
         self._probes.remove()
         self._remove_params_probe()
+        self._release_graph()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -889,6 +919,8 @@ def _window_record(step: int, window: WindowStats, states: dict[int, Any], instr
     window's mean loss (None if unknown) and the meta data (coverage as of the window's opening,
     units, empty micro-steps, what the instruments add)."""
     values = {i.key: i.finalize(window, states[id(i)]) for i in instruments}
+    for i in instruments:
+        values.update(i.extra(states[id(i)]))  # values beside record[key], e.g. hess_trace_stderr
     loss_value = window.window_loss()
     unknown = window.loss_unknown > 0  # a micro-step had no loss to read (Meter.fold)
     values["loss"] = None if unknown else loss_value

@@ -113,6 +113,9 @@ class Meter:
         self.chunk_elements = chunk_elements
         self.undefined = undefined
         self.undefined_params: dict[str, str] = {}
+        #: the window's curvature graph (:class:`gradlens.instruments.curvature.WindowGraph`), set
+        #: by the Lens on tracked windows of a Lens with a curvature instrument, else None
+        self.graph = None
         self.consumed: set[int] = set()  # forward passes measured by earlier captures
         self.micro: MicroStep | None = None
         self.window: WindowStats | None = None
@@ -316,6 +319,8 @@ class Meter:
         if self.micro is None and not self.tap.installed:  # hooks of a window already closed
             return
         micro = self._in_backward(q)
+        if micro is None:
+            return
         if not micro.seen:  # the first gradient of this backward
             micro.resolve()
             if micro.batch_size is None:
@@ -342,10 +347,13 @@ class Meter:
         if "grad_sum" in self.plan.needs:
             self._add_grad_sum(q, g, micro.scale())
 
-    def _in_backward(self, what: str) -> MicroStep:
+    def _in_backward(self, what: str) -> MicroStep | None:
         """The micro-step whose backward just reached ``what`` (a use, or a parameter): inside
-        a capture, its first backward (whose end is then watched)."""
+        a capture, its first backward (whose end is then watched); None while the curvature
+        instruments' Hessian-vector products run (:attr:`graph` busy: not a micro-step)."""
         micro = self.micro
+        if micro is None and self.graph is not None and self.graph.busy:
+            return None
         if micro is None:
             raise RuntimeError(
                 f"backward reached {what!r} outside lens.capture() during a tracked window; wrap "
@@ -364,6 +372,8 @@ class Meter:
     def _begin_use(self, what: str, batch: int, forward: int) -> MicroStep | None:
         """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
         micro = self._in_backward(what)
+        if micro is None:
+            return None
         if forward in self.consumed:
             raise RuntimeError(
                 f"this backward reached {what!r} of a forward pass that an earlier lens.capture() "

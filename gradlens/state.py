@@ -348,6 +348,8 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
         lens._window = payload["window"]
         lens._states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
         lens._window_sites.update(payload["sites"])
+        for i in lens._graph_insts:  # curvature: bind the window states to this Lens' graph
+            i.bind_graph(lens._states[id(i)], lens._graph)
     lens._empty_micro_steps = state["empty_micro_steps"]
     lens._pending = None
     if state["pending"] is not None:

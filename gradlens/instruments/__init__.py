@@ -4,6 +4,7 @@ from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
 from gradlens.instruments.criteria import CABS, EarlyStopping
+from gradlens.instruments.curvature import HessMaxEV, HessTrace, TICDiag, TICTrace, configuration
 from gradlens.instruments.hist import GradHist1d, GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.noise import NoiseScaleDDP, NoiseScaleMonitor, NoiseScaleTwoBatch
@@ -33,4 +34,9 @@ __all__ = [
     "UpdateSize",
     "CABS",
     "EarlyStopping",
+    "HessMaxEV",
+    "HessTrace",
+    "TICDiag",
+    "TICTrace",
+    "configuration",
 ]

@@ -17,6 +17,10 @@ Quantities a capture can provide (all in per-sample units g_n, see docs/design.m
 - ``"micro_grad_sq"``: ||s_k||^2 of each micro-step's gradient sum s_k = sum_{n in k} g_n, from
   hooks on the tracked parameters (no per-sample kernel), summed into
   :attr:`WindowStats.micro_grad_sq` with sum_k B_k^2 in :attr:`WindowStats.micro_size_sq`.
+- ``"graph_grad"``: each micro-step's gradient with its autograd graph (the micro-step's
+  backward ran with ``create_graph=lens.create_graph``), times its per-sample scale, summed
+  over the window (:class:`gradlens.instruments.curvature.WindowGraph`, bound to the
+  instrument's state by ``bind_graph``); for Hessian-vector products of the window objective.
 """
 
 from __future__ import annotations
@@ -34,11 +38,11 @@ from gradlens.state_checks import check_state
 __all__ = ["Accumulators", "DistParts", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
 
 QUANTITIES = frozenset(
-    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq"}
+    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq", "graph_grad"}
 )
 #: what parameter hooks alone provide (no per-sample capture): a Lens whose instruments need
 #: nothing else runs in light mode (:class:`gradlens.capture.ParamTap`), on any model
-LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq"})
+LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq", "graph_grad"})
 
 
 @dataclass
@@ -351,6 +355,11 @@ class Instrument:
     def after_update(self, state: Any) -> None:
         """Window state, right after the real update (params at theta_{t+1}), before finalize."""
         return None
+
+    def extra(self, state: Any) -> dict[str, Any]:
+        """Record values beside ``record[key]`` (e.g. ``{"hess_trace_stderr": ...}``), read
+        after finalize."""
+        return {}
 
     def meta(self, state: Any) -> dict[str, Any]:
         """Entries for ``record.meta`` (e.g. ``{"batch_dot": "exact"}``), read after finalize."""
