@@ -133,6 +133,188 @@ class AccumulationState:
         self.micro_step, self.weight, self.weighted, self.via_scaler = 0, 0.0, None, None
         self.accumulators, self.last_weight, self.versions, self.fused = {}, {}, {}, set()
 
+    def skip(self) -> None:
+        """End the window without an update: its gradients are dropped and it is counted."""
+        self.reset_window()
+        self.has_updated = False
+        self.skipped_windows += 1
+
+    def finite(self) -> bool:
+        """Whether every accumulator is finite (one device sync per window, scaler only)."""
+        accs = list(self.accumulators.values())
+        if not accs:
+            return True
+        return bool(torch.stack([torch.isfinite(a).all() for a in accs]).all())
+
+    def check_untouched(self, p: Tensor, acc: Tensor) -> None:
+        """Raise if ``acc`` (``p``'s accumulator) was changed since the wrapper last wrote it."""
+        if compat.tensor_version(acc) != self.versions.get(p):
+            raise RuntimeError(
+                "the window's accumulated gradient was changed outside the wrapper: "
+                "GradientAccumulateOptimizer keeps the window's first p.grad as its accumulator, "
+                "and something modified it in place (model.zero_grad(set_to_none=False) zeroes "
+                "p.grad in place); clear gradients with opt.zero_grad() or "
+                "model.zero_grad(set_to_none=True)"
+            )
+
+    def section(self, params: Sequence[Tensor], accum_steps: int, reduction: str) -> dict[str, Any]:
+        """The wrapper's versioned ``state_dict`` section: the counters, the window's weight and
+        its accumulators keyed by the parameter's flat index in ``params`` (copies: later windows
+        are written into the same buffers)."""
+        return {
+            "version": _STATE_VERSION,
+            "accum_steps": accum_steps,
+            "reduction": reduction,
+            "micro_step": self.micro_step,
+            "iterations": self.iterations,
+            "skipped_windows": self.skipped_windows,
+            "has_updated": self.has_updated,
+            "weight": self.weight,
+            "weighted": self.weighted,
+            "via_scaler": self.via_scaler,
+            "accumulators": {  # as kept (copies): running means under "mean", sums under "sum"
+                i: self.accumulators[p].clone() for i, p in enumerate(params) if p in self.accumulators
+            },
+            "last_weight": {i: self.last_weight[p] for i, p in enumerate(params) if p in self.accumulators},
+        }
+
+    @classmethod
+    def from_section(cls, section: dict[str, Any], params: Sequence[Tensor], accum_steps: int, reduction: str,
+                     accum_dtype: torch.dtype) -> "AccumulationState":
+        """The state saved by :meth:`section`, checked against the wrapper that loads it.
+
+        Raises:
+            ValueError: wrong section version, another ``reduction``, a saved mid-window micro-step
+                count not below ``accum_steps``, or accumulators whose index or shape does not
+                match ``params``.
+        """
+        accumulators: dict[Tensor, Tensor] = {}
+        version = section.get("version")
+        if version not in _READS_VERSIONS:
+            raise ValueError(
+                f"state_dict['{_STATE_KEY}']['version'] is {version!r}, this gradlens reads "
+                f"version {' or '.join(map(str, _READS_VERSIONS))}; save it again with a "
+                "matching gradlens version."
+            )
+        if section["reduction"] != reduction:
+            raise ValueError(
+                f"the state_dict was saved with reduction={section['reduction']!r}, this "
+                f"optimizer has reduction={reduction!r}; construct it with the same "
+                f"reduction."
+            )
+        if section["micro_step"] >= accum_steps:
+            raise ValueError(
+                f"the state_dict was saved at micro_step={section['micro_step']} (accum_steps="
+                f"{section['accum_steps']}), which does not fit accum_steps={accum_steps}; "
+                f"construct the optimizer with accum_steps={section['accum_steps']}."
+            )
+        for index, acc in section["accumulators"].items():
+            if not (0 <= index < len(params)) or acc.shape != params[index].shape:
+                got = "no parameter" if not 0 <= index < len(params) else tuple(params[index].shape)
+                raise ValueError(
+                    f"the state_dict holds an accumulator of shape {tuple(acc.shape)} for "
+                    f"parameter {index}, but this optimizer's parameter {index} has {got}; "
+                    f"load it into an optimizer over the same model."
+                )
+            p = params[index]
+            dtype = torch.promote_types(accum_dtype, p.dtype)
+            accumulators[p] = acc.detach().to(device=p.device, dtype=dtype, copy=True)
+        st = cls()
+        st.weight = float(section["weight"])
+        saved_weight = section.get("last_weight", {})
+        index = {p: i for i, p in enumerate(params)}
+        for p, acc in accumulators.items():
+            if section["version"] == 1:  # sums: the running mean under "mean"
+                if reduction == "mean":
+                    acc.div_(st.weight)
+                st.last_weight[p] = st.weight
+            else:
+                st.last_weight[p] = float(saved_weight[index[p]])
+            st.versions[p] = compat.tensor_version(acc)
+        st.accumulators = accumulators
+        st.micro_step = int(section["micro_step"])
+        st.iterations = int(section["iterations"])
+        st.skipped_windows = int(section.get("skipped_windows", 0))
+        st.has_updated = bool(section["has_updated"])
+        st.weight = float(section["weight"])
+        st.weighted = section["weighted"]
+        st.via_scaler = section.get("via_scaler")
+        return st
+
+    def fold(self, params: Sequence[Tensor], weight: float, grad_scale: Tensor | float | None, *,
+             mean: bool, accum_steps: int, accum_dtype: torch.dtype) -> None:
+        """Fold this micro-step's ``p.grad`` (weight ``weight``) into the accumulators; on the
+        window's closing micro-step (no GradScaler) the window gradient goes straight into
+        ``p.grad`` instead (``fused``). The window's counters (``micro_step``, ``weight``) are the
+        caller's to advance."""
+        st = self
+        w_prev = st.weight
+        w_new = w_prev + weight
+        closing = st.micro_step + 1 >= accum_steps and grad_scale is None
+        share = weight / w_new if mean else 1.0  # this micro-step's share of the window so far
+        factor: Tensor | float = share  # ... and of its unscaled gradient
+        if isinstance(grad_scale, Tensor):
+            factor = share / grad_scale.double()
+        elif grad_scale is not None:
+            factor = share / grad_scale
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            st.folded[p] = (weakref.ref(grad), compat.tensor_version(grad))
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "GradientAccumulateOptimizer does not support sparse gradients; use a dense "
+                    "embedding (sparse=False)."
+                )
+            dtype = torch.promote_types(accum_dtype, p.dtype)
+            plain = grad_scale is None and grad.dtype == dtype and not grad.requires_grad
+            f = factor.to(p.device, dtype) if isinstance(factor, Tensor) else factor
+            acc = st.accumulators.get(p)
+            if acc is None:
+                if closing and plain:  # p's only gradient of the window: it is the window gradient
+                    if share != 1.0:
+                        grad.mul_(share)
+                    st.fused.add(p)
+                    continue
+                if plain and share == 1.0 and not compat.is_view(grad):
+                    acc = grad  # kept as the accumulator, no copy (zero_grad() hands p.grad back)
+                else:
+                    acc = st.pool.get(p)
+                    if acc is None or acc.shape != p.shape or acc.dtype != dtype or acc.device != p.device:
+                        acc = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                        st.pool[p] = acc
+                    torch.mul(grad.detach(), f, out=acc)
+                st.accumulators[p] = acc
+                st.last_weight[p] = w_new
+                st.versions[p] = compat.tensor_version(acc)
+                continue
+            st.check_untouched(p, acc)
+            grad = grad.detach()
+            keep = st.last_weight[p] / w_new if mean else 1.0  # the accumulator's share
+            in_step = st.last_weight[p] == w_prev  # p was folded at the last micro-step too
+            if closing and plain:  # the window gradient straight into this micro-step's p.grad
+                if mean and in_step:
+                    torch.lerp(acc, grad, share, out=grad)
+                elif mean:
+                    grad.mul_(share).add_(acc, alpha=keep)
+                else:
+                    grad.add_(acc)
+                st.fused.add(p)
+                continue
+            if mean and in_step and plain:
+                acc.lerp_(grad, share)
+            else:
+                if keep != 1.0:
+                    acc.mul_(keep)
+                if isinstance(f, Tensor):
+                    acc.addcmul_(grad, f)
+                else:
+                    acc.add_(grad, alpha=f)
+            st.last_weight[p] = w_new
+            st.versions[p] = compat.tensor_version(acc)
+
+
 
 class GradientAccumulateOptimizer(Optimizer):
     """Wraps a ``torch.optim`` optimizer so that it updates once every ``accum_steps`` micro-steps.
@@ -443,107 +625,16 @@ class GradientAccumulateOptimizer(Optimizer):
                 + ("; this window is dropped (its first p.grad was kept as the accumulator)" if dropped else "")
             )
 
-    def _fold(self, weight: float, grad_scale: Tensor | float | None) -> None:
-        """Fold this micro-step's ``p.grad`` (weight ``weight``) into the accumulators; on the
-        window's closing micro-step (no GradScaler) the window gradient goes straight into
-        ``p.grad`` instead (``fused``)."""
-        mean = self.reduction == "mean"
-        st = self.accum_state
-        w_prev = st.weight
-        w_new = w_prev + weight
-        closing = st.micro_step + 1 >= self.accum_steps and grad_scale is None
-        share = weight / w_new if mean else 1.0  # this micro-step's share of the window so far
-        factor: Tensor | float = share  # ... and of its unscaled gradient
-        if isinstance(grad_scale, Tensor):
-            factor = share / grad_scale.double()
-        elif grad_scale is not None:
-            factor = share / grad_scale
-        for p in self._params():
-            grad = p.grad
-            if grad is None:
-                continue
-            st.folded[p] = (weakref.ref(grad), compat.tensor_version(grad))
-            if grad.is_sparse:
-                raise RuntimeError(
-                    "GradientAccumulateOptimizer does not support sparse gradients; use a dense "
-                    "embedding (sparse=False)."
-                )
-            dtype = torch.promote_types(self.accum_dtype, p.dtype)
-            plain = grad_scale is None and grad.dtype == dtype and not grad.requires_grad
-            f = factor.to(p.device, dtype) if isinstance(factor, Tensor) else factor
-            acc = st.accumulators.get(p)
-            if acc is None:
-                if closing and plain:  # p's only gradient of the window: it is the window gradient
-                    if share != 1.0:
-                        grad.mul_(share)
-                    st.fused.add(p)
-                    continue
-                if plain and share == 1.0 and not compat.is_view(grad):
-                    acc = grad  # kept as the accumulator, no copy (zero_grad() hands p.grad back)
-                else:
-                    acc = st.pool.get(p)
-                    if acc is None or acc.shape != p.shape or acc.dtype != dtype or acc.device != p.device:
-                        acc = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                        st.pool[p] = acc
-                    torch.mul(grad.detach(), f, out=acc)
-                st.accumulators[p] = acc
-                st.last_weight[p] = w_new
-                st.versions[p] = compat.tensor_version(acc)
-                continue
-            self._check_untouched(p, acc)
-            grad = grad.detach()
-            keep = st.last_weight[p] / w_new if mean else 1.0  # the accumulator's share
-            in_step = st.last_weight[p] == w_prev  # p was folded at the last micro-step too
-            if closing and plain:  # the window gradient straight into this micro-step's p.grad
-                if mean and in_step:
-                    torch.lerp(acc, grad, share, out=grad)
-                elif mean:
-                    grad.mul_(share).add_(acc, alpha=keep)
-                else:
-                    grad.add_(acc)
-                st.fused.add(p)
-                continue
-            if mean and in_step and plain:
-                acc.lerp_(grad, share)
-            else:
-                if keep != 1.0:
-                    acc.mul_(keep)
-                if isinstance(f, Tensor):
-                    acc.addcmul_(grad, f)
-                else:
-                    acc.add_(grad, alpha=f)
-            st.last_weight[p] = w_new
-            st.versions[p] = compat.tensor_version(acc)
-
-    def _check_untouched(self, p: Tensor, acc: Tensor) -> None:
-        if compat.tensor_version(acc) != self.accum_state.versions.get(p):
-            raise RuntimeError(
-                "the window's accumulated gradient was changed outside the wrapper: "
-                "GradientAccumulateOptimizer keeps the window's first p.grad as its accumulator, "
-                "and something modified it in place (model.zero_grad(set_to_none=False) zeroes "
-                "p.grad in place); clear gradients with opt.zero_grad() or "
-                "model.zero_grad(set_to_none=True)"
-            )
-
     def _fire_window_end(self, updated: bool) -> None:
         for hook in list(self._hooks["window_end"].values()):
             hook(self, updated)
-
-    def _window_finite(self) -> bool:
-        """Whether every accumulator is finite (one device sync per window, scaler only)."""
-        accs = list(self.accum_state.accumulators.values())
-        if not accs:
-            return True
-        return bool(torch.stack([torch.isfinite(a).all() for a in accs]).all())
 
     def _close_window(self) -> bool:
         """Write the window gradient into ``p.grad``, clip, and run the inner step once."""
         st = self.accum_state
         via_scaler = bool(st.via_scaler)
-        if st.via_scaler and not self._window_finite():
-            st.reset_window()
-            st.has_updated = False
-            st.skipped_windows += 1
+        if st.via_scaler and not st.finite():
+            st.skip()
             self._fire_window_end(False)
             return False
 
@@ -556,7 +647,7 @@ class GradientAccumulateOptimizer(Optimizer):
             acc = st.accumulators.get(p)
             if acc is None:
                 continue
-            self._check_untouched(p, acc)
+            st.check_untouched(p, acc)
             c = st.last_weight[p] / st.weight if mean else 1.0  # the window gradient = c * acc
             if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype and not p.grad.is_sparse:
                 # in place (keeps DDP bucket views valid), normalised on the way
@@ -585,9 +676,7 @@ class GradientAccumulateOptimizer(Optimizer):
                 stacklevel=4,  # the caller of step() / flush() (through torch.no_grad's wrapper)
             )
             if self.skip_nonfinite:
-                st.reset_window()
-                st.has_updated = False
-                st.skipped_windows += 1
+                st.skip()
                 st.folded = {p: (weakref.ref(p.grad), compat.tensor_version(p.grad)) for p in params if p.grad is not None}
                 self._fire_window_end(False)
                 return False
@@ -663,7 +752,8 @@ class GradientAccumulateOptimizer(Optimizer):
         w = weight if weighted else 1.0
         for hook in list(getattr(self, "_micro_step_hooks", {}).values()):
             hook(self, num_samples)  # p.grad: this micro-step's gradient, not yet folded
-        self._fold(w, grad_scale)
+        self.accum_state.fold(self._params(), w, grad_scale, mean=self.reduction == "mean",
+                              accum_steps=self.accum_steps, accum_dtype=self.accum_dtype)
         st.weight += w
         st.micro_step += 1
         if st.micro_step >= self.accum_steps:
@@ -680,7 +770,7 @@ class GradientAccumulateOptimizer(Optimizer):
         :func:`gradlens.compat.grad_scaler_scale` (one host read, as ``get_scale()``); otherwise
         from the ``grad_scale`` tensor GradScaler attaches to such optimizers during the call
         (its protocol for them; read here only). Inf/nan are detected by the wrapper itself
-        (:meth:`_window_finite`), never read from the scaler."""
+        (:meth:`AccumulationState.finite`), never read from the scaler."""
         if self.grad_scaler is not None:  # every micro-step goes through scaler.step(opt)
             scale = compat.grad_scaler_scale(self.grad_scaler)  # float(): get_scale(); None: unscaled
             return None if scale is None else float(scale)
@@ -765,27 +855,8 @@ class GradientAccumulateOptimizer(Optimizer):
         """
         for pre_hook in list(self._hooks["sd_pre"].values()):
             pre_hook(self)
-        inner = self.optimizer.state_dict()
-        params = self._params()
-        st = self.accum_state
-        section = {
-            "version": _STATE_VERSION,
-            "accum_steps": self.accum_steps,
-            "reduction": self.reduction,
-            "micro_step": st.micro_step,
-            "iterations": st.iterations,
-            "skipped_windows": st.skipped_windows,
-            "has_updated": st.has_updated,
-            "weight": st.weight,
-            "weighted": st.weighted,
-            "via_scaler": st.via_scaler,
-            "accumulators": {  # as kept (copies): running means under "mean", sums under "sum"
-                i: st.accumulators[p].clone() for i, p in enumerate(params) if p in st.accumulators
-            },
-            "last_weight": {i: st.last_weight[p] for i, p in enumerate(params) if p in st.accumulators},
-        }
-        out = dict(inner)
-        out[_STATE_KEY] = section
+        out = dict(self.optimizer.state_dict())
+        out[_STATE_KEY] = self.accum_state.section(self._params(), self.accum_steps, self.reduction)
         for post_hook in list(self._hooks["sd_post"].values()):
             result = post_hook(self, out)
             if result is not None:
@@ -814,61 +885,12 @@ class GradientAccumulateOptimizer(Optimizer):
                 state_dict = result
         inner = {k: v for k, v in state_dict.items() if k != _STATE_KEY}
         section = state_dict.get(_STATE_KEY)
-        params = self._params()
-        accumulators: dict[Tensor, Tensor] = {}
-        if section is not None:
-            version = section.get("version")
-            if version not in _READS_VERSIONS:
-                raise ValueError(
-                    f"state_dict['{_STATE_KEY}']['version'] is {version!r}, this gradlens reads "
-                    f"version {' or '.join(map(str, _READS_VERSIONS))}; save it again with a "
-                    "matching gradlens version."
-                )
-            if section["reduction"] != self.reduction:
-                raise ValueError(
-                    f"the state_dict was saved with reduction={section['reduction']!r}, this "
-                    f"optimizer has reduction={self.reduction!r}; construct it with the same "
-                    f"reduction."
-                )
-            if section["micro_step"] >= self.accum_steps:
-                raise ValueError(
-                    f"the state_dict was saved at micro_step={section['micro_step']} (accum_steps="
-                    f"{section['accum_steps']}), which does not fit accum_steps={self.accum_steps}; "
-                    f"construct the optimizer with accum_steps={section['accum_steps']}."
-                )
-            for index, acc in section["accumulators"].items():
-                if not (0 <= index < len(params)) or acc.shape != params[index].shape:
-                    got = "no parameter" if not 0 <= index < len(params) else tuple(params[index].shape)
-                    raise ValueError(
-                        f"the state_dict holds an accumulator of shape {tuple(acc.shape)} for "
-                        f"parameter {index}, but this optimizer's parameter {index} has {got}; "
-                        f"load it into an optimizer over the same model."
-                    )
-                p = params[index]
-                dtype = torch.promote_types(self.accum_dtype, p.dtype)
-                accumulators[p] = acc.detach().to(device=p.device, dtype=dtype, copy=True)
+        st = AccumulationState()
+        if section is not None:  # checked before anything changes
+            st = AccumulationState.from_section(section, self._params(), self.accum_steps, self.reduction,
+                                                self.accum_dtype)
         self.optimizer.load_state_dict(inner)
-        st = self.accum_state = AccumulationState()
-        if section is not None:
-            st.weight = float(section["weight"])
-            saved_weight = section.get("last_weight", {})
-            index = {p: i for i, p in enumerate(params)}
-            for p, acc in accumulators.items():
-                if section["version"] == 1:  # sums: the running mean under "mean"
-                    if self.reduction == "mean":
-                        acc.div_(st.weight)
-                    st.last_weight[p] = st.weight
-                else:
-                    st.last_weight[p] = float(saved_weight[index[p]])
-                st.versions[p] = compat.tensor_version(acc)
-            st.accumulators = accumulators
-            st.micro_step = int(section["micro_step"])
-            st.iterations = int(section["iterations"])
-            st.skipped_windows = int(section.get("skipped_windows", 0))
-            st.has_updated = bool(section["has_updated"])
-            st.weight = float(section["weight"])
-            st.weighted = section["weighted"]
-            st.via_scaler = section.get("via_scaler")
+        self.accum_state = st
         for post_hook in list(self._hooks["load_post"].values()):
             post_hook(self)
 
