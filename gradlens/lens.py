@@ -692,17 +692,6 @@ class Lens:
         self._check_open()
         load_lens_state_dict(self, state_dict)
 
-    def _object_ids(self, by_pid: bool = False):
-        """Objects a saved state refers to by name: tracked parameters, the model's modules,
-        the instruments and the buffer pools of the window sums."""
-        pairs = [(pool, ("pools", name)) for name, pool in self._pools.items()]
-        pairs += [(p, ("p", q)) for q, p in self._tap.params.items()]
-        pairs += [(m, ("m", n)) for n, m in self.model.named_modules()]
-        pairs += [(i, ("i", str(n))) for n, i in enumerate(self.instruments)]
-        if by_pid:
-            return pairs
-        return {id(obj): pid for obj, pid in pairs}
-
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:

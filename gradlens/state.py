@@ -61,6 +61,18 @@ _HEADER = {
 
 
 # =============================================================================== the Lens
+def _object_ids(lens: "Lens", by_pid: bool = False):
+    """Objects a saved state refers to by name: tracked parameters, the model's modules, the
+    instruments and the buffer pools of the window sums (``{id: pid}``, or ``[(obj, pid)]``)."""
+    pairs = [(pool, ("pools", name)) for name, pool in lens._pools.items()]
+    pairs += [(p, ("p", q)) for q, p in lens._tap.params.items()]
+    pairs += [(m, ("m", n)) for n, m in lens.model.named_modules()]
+    pairs += [(i, ("i", str(n))) for n, i in enumerate(lens.instruments)]
+    if by_pid:
+        return pairs
+    return {id(obj): pid for obj, pid in pairs}
+
+
 def _version() -> int:
     return LENS_STATE_VERSION
 
@@ -76,8 +88,8 @@ def _parameters(lens: "Lens") -> dict[str, list]:
 
 def _dumps(payload: Any, lens: "Lens") -> Tensor:
     """``payload`` pickled into a uint8 tensor; the Lens' parameters, modules, instruments and
-    buffer pools are written as references (:meth:`Lens._object_ids`), not copied."""
-    ids = lens._object_ids()
+    buffer pools are written as references (:func:`_object_ids`), not copied."""
+    ids = _object_ids(lens)
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj):
@@ -89,7 +101,7 @@ def _dumps(payload: Any, lens: "Lens") -> Tensor:
 
 
 def _loads(blob: Tensor, lens: "Lens") -> Any:
-    objs = dict((pid, obj) for obj, pid in lens._object_ids(by_pid=True))
+    objs = dict((pid, obj) for obj, pid in _object_ids(lens, by_pid=True))
     kinds = {"p": "parameter", "m": "module", "i": "instrument"}
 
     class _Unpickler(pickle.Unpickler):
