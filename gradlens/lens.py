@@ -41,6 +41,7 @@ from gradlens.distributed import (
     merge_window_start,
     resolve_group,
 )
+from gradlens.groups import check_groups
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
@@ -164,6 +165,14 @@ class Lens:
             error, the missed records (up to 3) are written again before the next one, and a
             sink that fails 3 times in a row is closed and dropped with a warning
             (:class:`gradlens.sinks.SinkSet`).
+        groups: per-group statistics (``record.groups[group][key]``, next to the totals):
+            ``None`` (default) totals only; ``"param"`` one group per tracked parameter (its
+            qualified name); ``"module"`` one per module that owns parameters directly (its
+            qualified name, ``"(model)"`` for the root's own); a dict group name -> list of
+            ``fnmatch`` patterns over parameter names (a parameter joins the first group it
+            matches; the unmatched form ``"other"``). Shared parameters count once, under
+            their first name. Every instrument value that decomposes over parameters (its
+            class sets ``per_group``) gets one value per group; see :mod:`gradlens.groups`.
         timeout: under ``torch.distributed``, the seconds each of the Lens's collectives (the
             configuration check when it is built, each window's merge) waits for the other
             ranks before it raises a ``RuntimeError`` naming the window (default
@@ -204,9 +213,11 @@ class Lens:
         sinks: Iterable[Any] = (),
         merge: str = "sync",
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        groups: Any = None,
     ):
         model = _watched_model(model)
         instruments = _check_instruments(instruments)
+        groups = check_groups(groups)
         _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
         extra_sinks = _check_sinks(sinks)
         self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
@@ -227,7 +238,7 @@ class Lens:
         _check_not_meta(params)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
-        self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
+        self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
                             undefined=undefined)
         self._tap = self._meter.tap
         plan = self._meter.plan
@@ -317,7 +328,8 @@ class Lens:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
         ctx = MergeContext(dict(self._tap.params), sites, self._meter.plan.needs, route=self._ddp_route,
-                           memo=self._merge_memo, timeout=self.timeout, step=self.step)
+                           memo=self._merge_memo, timeout=self.timeout, step=self.step,
+                           groups=tuple(self._meter.groups))
         if self.merge == "deferred" and not defer_off:
             self._finish_inflight()  # the previous window's collective came first: finish it first
             self._merge_pending = merge_window_start(self._window, self.instruments, self._states, self._group, ctx)
@@ -409,7 +421,8 @@ class Lens:
             states,
         )
         if captured:
-            record = _window_record(step, window, states, self.instruments, self._window_coverage, empty)
+            record = _window_record(step, window, states, self.instruments, self._window_coverage, empty,
+                                    self._meter.groups)
             _warn_nonfinite(record, self.optimizer, self.grad_scaler)
             deferring = {id(i): states[id(i)] for i in self.instruments if i.defers(states[id(i)])}
             for i in self.instruments:
@@ -835,7 +848,7 @@ def _warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
 
 
 def _window_record(step: int, window: WindowStats, states: dict[int, Any], instruments: Sequence[Instrument],
-                   coverage: float, empty: int) -> Record:
+                   coverage: float, empty: int, groups: dict[str, tuple[str, ...]] | None = None) -> Record:
     """The record of a captured window: each instrument's finalized value under its key, the
     window's mean loss (None if unknown) and the meta data (coverage as of the window's opening,
     units, empty micro-steps, what the instruments add)."""
@@ -863,6 +876,10 @@ def _window_record(step: int, window: WindowStats, states: dict[int, Any], instr
     )
     for i in instruments:
         record.meta.update(i.meta(states[id(i)]))
+    per_group = [i for i in instruments if i.per_group]
+    for group, names in (groups or {}).items():  # the window seen through each group
+        view = window.restrict(group, names)
+        record.groups[group] = {i.key: i.finalize_group(view, states[id(i)], names) for i in per_group}
     return record
 
 

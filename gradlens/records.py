@@ -177,6 +177,9 @@ class Record:
         values: record key -> value; also reachable as ``record[key]``.
         meta: how values were produced (e.g. ``{"batch_dot": "exact"}``) and notes such as why a
             value is missing.
+        groups: per parameter group (``Lens(..., groups=...)``): group name -> {record key ->
+            value}, every value that decomposes over parameters, over that group's parameters
+            only (empty without groups).
     """
 
     step: int
@@ -184,6 +187,7 @@ class Record:
     micro_steps: int
     values: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -216,6 +220,8 @@ class Record:
             == (other.step, other.num_samples, other.micro_steps)
             and self.meta == other.meta
             and _values_equal(self.values, other.values)
+            and self.groups.keys() == other.groups.keys()
+            and all(_values_equal(v, other.groups[g]) for g, v in self.groups.items())
         )
 
 
@@ -351,13 +357,16 @@ def _decode(value: Any) -> Any:
 def record_to_json(record: Record) -> dict[str, Any]:
     """Plain JSON data for ``record`` (``json.dumps`` accepts it); inverse of
     :func:`record_from_json`."""
-    return {
+    out = {
         "step": record.step,
         "num_samples": record.num_samples,
         "micro_steps": record.micro_steps,
         "values": _encode(record.values),
         "meta": _encode(record.meta),
     }
+    if record.groups:  # records without groups keep the older layout
+        out["groups"] = {g: _encode(v) for g, v in record.groups.items()}
+    return out
 
 
 def record_from_json(data: Mapping[str, Any]) -> Record:
@@ -373,6 +382,7 @@ def record_from_json(data: Mapping[str, Any]) -> Record:
             micro_steps=int(data["micro_steps"]),
             values=_decode(data["values"]),
             meta=_decode(data.get("meta", {})),
+            groups={str(g): _decode(v) for g, v in data.get("groups", {}).items()},
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a gradlens record: {err!r}") from err
@@ -407,11 +417,20 @@ def flatten(record: Record, prefix: str = "gradlens/", who: str = "flatten") -> 
 
     Tensors with samples or parameter shapes (``batch_l2`` ``[N]``, ``sum_grad_squared``
     ``[*param]``) are not scalars and are left out; ``who`` names the caller in the error.
+    Per parameter group (:attr:`Record.groups`) the same names under ``<prefix><group>/``,
+    e.g. ``gradlens/layer1.0.conv1/grad_norm``.
     """
     if not isinstance(record, Record):
         raise TypeError(f"{who}(record=...) needs a gradlens Record, got {type(record).__name__}")
     out: dict[str, float] = {}
-    for key, value in record.items():
+    _flat_scalars(record.items(), prefix, out)
+    for group, values in record.groups.items():
+        _flat_scalars(values.items(), f"{prefix}{group}/", out)
+    return out
+
+
+def _flat_scalars(items, prefix: str, out: dict[str, float]) -> None:
+    for key, value in items:
         tag = f"{prefix}{key}"
         if isinstance(value, Hist1d):
             out[f"{tag}/clamped_low"] = float(value.clamped_low)
@@ -428,7 +447,6 @@ def flatten(record: Record, prefix: str = "gradlens/", who: str = "flatten") -> 
             number = as_number(value)
             if number is not None:
                 out[tag] = number
-    return out
 
 
 def flatten_histograms(
@@ -439,12 +457,20 @@ def flatten_histograms(
 
     - ``<prefix><key>`` for a :class:`Hist1d` (``grad_hist_1d``);
     - ``<prefix><key>/grad`` and ``<prefix><key>/param`` for a :class:`Hist2d`: its marginals
-      over the parameter axis and over the gradient axis (sums of its counts).
+      over the parameter axis and over the gradient axis (sums of its counts);
+    - per parameter group (:attr:`Record.groups`) the same under ``<prefix><group>/``.
     """
     if not isinstance(record, Record):
         raise TypeError(f"{who}(record=...) needs a gradlens Record, got {type(record).__name__}")
     out: dict[str, tuple[Tensor, Tensor]] = {}
-    for key, value in record.items():
+    _flat_histograms(record.items(), prefix, out)
+    for group, values in record.groups.items():
+        _flat_histograms(values.items(), f"{prefix}{group}/", out)
+    return out
+
+
+def _flat_histograms(items, prefix: str, out: dict[str, tuple[Tensor, Tensor]]) -> None:
+    for key, value in items:
         tag = f"{prefix}{key}"
         if isinstance(value, Hist1d):
             out[tag] = (value.counts.detach().cpu(), value.edges.detach().cpu().double())
@@ -452,4 +478,3 @@ def flatten_histograms(
             counts = value.counts.detach().cpu()
             out[f"{tag}/grad"] = (counts.sum(0), value.grad_edges.detach().cpu().double())
             out[f"{tag}/param"] = (counts.sum(1), value.param_edges.detach().cpu().double())
-    return out

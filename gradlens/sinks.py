@@ -208,7 +208,12 @@ class JsonlSink:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-        return Record(record.step, record.num_samples, record.micro_steps, values, record.meta)
+        groups = {  # per group: summaries like the totals (never in full)
+            g: {k: _summarise(v, self.max_elements) if _is_big(v, self.max_elements) else v
+                for k, v in part.items() if self.keys is None or k in self.keys}
+            for g, part in record.groups.items()
+        }
+        return Record(record.step, record.num_samples, record.micro_steps, values, record.meta, groups)
 
     def write(self, record: Record) -> None:
         """Append ``record`` as one JSON line (after a segment header, if one is waiting).

@@ -78,6 +78,12 @@ class ShiftedMoments:
             self.count[name] += n
         return self
 
+    def restrict(self, names) -> "ShiftedMoments":
+        """The moments of the parameters ``names`` only (shared tensors, no copy)."""
+        keep = [q for q in self.count if q in set(names)]
+        return ShiftedMoments({q: self.count[q] for q in keep}, {q: self.shift[q] for q in keep},
+                              {q: self.s1[q] for q in keep}, {q: self.s2[q] for q in keep})
+
     def mean_var(self, name: str) -> tuple[Tensor, Tensor]:
         """(G, unbiased var) ``[*param]`` float64 of parameter ``name`` (var NaN if N < 2)."""
         n = self.count[name]
@@ -121,6 +127,11 @@ def _trace_shifted(moments: ShiftedMoments) -> tuple[float, float, int]:
 
 
 class _TraceInstrument(Instrument):
+    per_group = True
+
+    def group_state(self, state, names):
+        return state.restrict(names) if self.per_sample else None
+
     def __init__(self, per_sample: bool = False):
         if not isinstance(per_sample, bool):
             raise TypeError(f"per_sample must be True or False, got {per_sample!r}")
@@ -215,6 +226,11 @@ class MeanGSNR(Instrument):
 
     key = "mean_gsnr"
     needs = frozenset({"per_sample"})
+    per_group = True
+
+    def group_state(self, state: ShiftedMoments, names) -> ShiftedMoments:
+        """The group's coordinates (the round-off floor is then the group's largest variance)."""
+        return state.restrict(names)
 
     def start_window(self):
         return ShiftedMoments()
