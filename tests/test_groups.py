@@ -1,0 +1,284 @@
+"""Per-group statistics (issue 22, ``Lens(groups=...)``): each group's values == the float64
+oracle restricted to that group's parameters, K unequal micro-steps and K = 1, mean and sum,
+``groups="param"``, ``"module"`` and patterns, on the oracle table's models (tied weights and a
+train-mode BatchNorm with ``undefined="exclude"`` included), and under DDP with 2 gloo ranks;
+group totals add up to the record's totals; logs, the one flattening and sinks carry groups.
+
+The groups the oracle expects are computed here from the issue's rules (fnmatch, the owning
+module's qualified name), never from gradlens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fnmatch
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import Lens, load_log
+from gradlens.instruments import (
+    BatchL2,
+    GradNorm,
+    MeanGSNR,
+    NoiseScale,
+    NormTest,
+    SumGradSquared,
+)
+from gradlens.records import TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json
+from oracle_models import CASES, SPLITS, per_sample_grads, problem, tracked_names
+from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, run_lens
+
+#: the record keys whose per-group values are checked against the oracle
+SCALAR_KEYS = ("grad_norm", "norm_test", "noise_scale", "mean_gsnr")
+
+_CASES = [name for name, case in CASES.items() if not case.frameworks]
+
+
+def _instruments():
+    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale()]
+
+
+def _patterns(names):
+    """A pattern spec for a model: the first tracked parameter's module, then every weight
+    (overlapping the first: a parameter joins the first group it matches), rest "other"."""
+    first = names[0].rpartition(".")[0]
+    return {"head": [f"{first}.*" if first else names[0]], "weights": ["*weight"]}
+
+
+def expected_groups(spec, names):
+    """Group -> parameter names by the issue's rules (independent of gradlens)."""
+    out = {}
+    for q in names:
+        if spec == "param":
+            g = q
+        elif spec == "module":
+            g = q.rpartition(".")[0] or "(model)"
+        else:
+            g = next((k for k, pats in spec.items() if any(fnmatch.fnmatchcase(q, p) for p in pats)), "other")
+        out.setdefault(g, []).append(q)
+    if isinstance(spec, dict):  # the spec's order, "other" last
+        out = {g: out[g] for g in [*spec, "other"] if g in out}
+    return out
+
+
+def group_oracle(gs: dict, reduction: str, var_max: float) -> dict:
+    """Every per-group value from the group's per-sample gradients ``gs`` (name -> [N, *p]);
+    ``var_max``: the largest variance over all tracked coordinates (MeanGSNR's round-off floor
+    is the window's, not the group's)."""
+    G = torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+    n = G.shape[0]
+    mean, var = G.mean(0), G.var(0)
+    g2 = mean.square().sum()
+    ok = var > GSNR_FLOOR * var_max
+    return {
+        "batch_l2": G.square().sum(1),
+        "sum_grad_squared": {k: g.square().sum(0) for k, g in gs.items()},
+        "grad_norm": (mean if reduction == "mean" else G.sum(0)).norm(),
+        "noise_scale": var.sum() / g2,
+        "norm_test": (var.sum() / n).sqrt() / mean.norm(),
+        "mean_gsnr": (mean[ok].square() / var[ok]).mean() if ok.any() else torch.tensor(math.nan),
+    }
+
+
+def _close(a, b, rtol, scale=None, what=""):
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    if scale is None:
+        scale = float(b.abs().max()) if b.numel() else 0.0
+    torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * scale + 1e-300, equal_nan=True, msg=what)
+
+
+def check_groups(rec, gs_all, spec, reduction, rtol):
+    """record.groups == the oracle restricted to each group; groups add up to the totals."""
+    names = list(gs_all)
+    want = expected_groups(spec, names)
+    assert list(rec.groups) == list(want), (list(rec.groups), list(want))
+    scale_l2 = float(torch.cat([g.flatten(1) for g in gs_all.values()], 1).square().sum(1).max())
+    scale_sq = max(float(g.square().sum(0).max()) for g in gs_all.values())
+    var_max = max(float(g.var(0).max()) for g in gs_all.values())
+    for group, members in want.items():
+        got = rec.groups[group]
+        o = group_oracle({q: gs_all[q] for q in members}, reduction, var_max)
+        _close(got["batch_l2"], o["batch_l2"], rtol, scale_l2, f"{group}/batch_l2")
+        assert set(got["sum_grad_squared"]) == set(members)
+        for q in members:
+            _close(got["sum_grad_squared"][q], o["sum_grad_squared"][q], rtol, scale_sq, f"{group}/{q}")
+        # a norm relative to the total's: a group whose exact gradient is 0 (a bias before a
+        # norm layer) is 0 up to rounding in both computations
+        _close(got["grad_norm"], o["grad_norm"], rtol, float(rec["grad_norm"]), f"{group}/grad_norm")
+        for key in SCALAR_KEYS[1:]:
+            if key in ("norm_test", "noise_scale") and float(o["grad_norm"]) < 1e-6 * float(rec["grad_norm"]):
+                continue  # its ratios to ||G|| are then rounding noise over rounding noise
+            if key == "mean_gsnr" and not math.isfinite(float(o[key])):
+                assert math.isnan(got[key]), (group, got[key])
+                continue
+            _close(got[key], o[key], max(rtol, 1e-9), what=f"{group}/{key}")
+    # sums over parameters add up over the disjoint groups (norms squared too); the ratios
+    # (norm_test, noise_scale, mean_gsnr) are not sums and do not add
+    total_l2 = sum(v["batch_l2"] for v in rec.groups.values())
+    _close(total_l2, rec["batch_l2"], 1e-12)
+    _close(sum(v["grad_norm"] ** 2 for v in rec.groups.values()), rec["grad_norm"] ** 2, 1e-12)
+    merged = {q: t for v in rec.groups.values() for q, t in v["sum_grad_squared"].items()}
+    assert merged.keys() == rec["sum_grad_squared"].keys()
+    for q in merged:
+        assert torch.equal(merged[q], rec["sum_grad_squared"][q])
+
+
+_GROUPINGS = ["param", "module", "patterns"]
+
+
+@pytest.mark.parametrize("grouping", _GROUPINGS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", _CASES)
+def test_groups_match_the_oracle_restricted_to_each_group(name, reduction, grouping):
+    """K = 3 unequal micro-steps [5, 1, 6] (and K = 1 for groups="module"): every group's values
+    == the float64 oracle of that group's parameters."""
+    case, model, windows = problem(name)
+    names = tracked_names(case, model)
+    spec = _patterns(names) if grouping == "patterns" else grouping
+    kwargs = dict(BN_LEAVE_OUT if case.trackable is not None else {}, groups=spec)
+    splits = ("K3-unequal", "K1") if grouping == "module" else ("K3-unequal",)
+    for split in splits:
+        sizes = SPLITS[split]
+        lens, thetas = run_lens(case, model, windows, sizes, reduction, _instruments(), kwargs)
+        rec = lens.records[0]
+        gs = per_sample_grads(case, thetas[0], windows[0], sizes)
+        assert set(rec["sum_grad_squared"]) == set(gs)
+        check_groups(rec, gs, spec, reduction, case.rtol)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _one_window(lens, model, sizes=(3, 4)):
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    g = torch.Generator().manual_seed(3)
+    for b in sizes:
+        x = torch.randn(b, 4, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (b,), generator=g)
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward()
+    return lens.flush()
+
+
+def test_groups_argument_is_checked():
+    model = gradlens.extend(_tiny())
+    for bad, match in [
+        ("layer", r"Lens\(groups='layer'\): use None, 'param', 'module' or a dict"),
+        ({}, r"non-empty dict group name -> list of fnmatch patterns"),
+        ([("a", "*")], r"non-empty dict group name"),
+        ({"other": ["0.*"]}, r"'other' is the group of unmatched parameters"),
+        ({"a/b": ["0.*"]}, r"group names must be non-empty str without '/', got 'a/b'"),
+        ({"a": [3]}, r"group 'a' needs a list of fnmatch patterns \(str\), got \[3\]"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            Lens(model, [BatchL2()], groups=bad)
+    # the example the messages give works as written
+    Lens(model, [BatchL2()], groups={"attn": ["*.attn.*"], "mlp": ["*.mlp.*"]}).close()
+
+
+def test_patterns_first_match_wins_and_unmatched_form_other():
+    model = gradlens.extend(_tiny())
+    lens = Lens(model, [BatchL2(), GradNorm()], groups={"biases": ["*.bias"], "first": ["0.*"]})
+    rec = _one_window(lens, model)
+    assert list(rec.groups) == ["biases", "first", "other"]
+    lens.close()
+    lens = Lens(model, [BatchL2()], groups={"none": ["nothing.*"], "all": ["*"]})
+    rec = _one_window(lens, model)
+    assert list(rec.groups) == ["all"]  # groups without parameters are left out
+    lens.close()
+
+
+def test_without_groups_records_have_none_and_the_log_keeps_its_layout():
+    model = gradlens.extend(_tiny())
+    lens = Lens(model, [BatchL2(), GradNorm()])
+    rec = _one_window(lens, model)
+    assert rec.groups == {}
+    assert "groups" not in record_to_json(rec)
+    lens.close()
+
+
+def test_log_round_trip_and_flattening_carry_groups():
+    """load_log restores record.groups (summaries for tensors, as for totals); flatten and
+    flatten_histograms give gradlens/<group>/<key>; every sink and logger uses them."""
+    model = gradlens.extend(_tiny())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "run.jsonl")
+        lens = Lens(model, _instruments(), log=path, groups="module")
+        rec = _one_window(lens, model)
+        lens.close()
+        back = load_log(path)[0]
+    assert list(back.groups) == ["0", "2"]
+    for g in back.groups:
+        assert back.groups[g]["grad_norm"] == rec.groups[g]["grad_norm"]
+        # small tensors inline as for the totals (JsonlSink(max_elements=...)), per-parameter
+        # tensors as summaries
+        assert torch.equal(back.groups[g]["batch_l2"], rec.groups[g]["batch_l2"])
+        assert type(back["batch_l2"]) is type(back.groups[g]["batch_l2"])
+        weight = "0.weight" if g == "0" else "2.weight"
+        assert back.groups[g]["sum_grad_squared"][weight] == TensorSummary.of(rec.groups[g]["sum_grad_squared"][weight])
+    assert record_from_json(json.loads(json.dumps(record_to_json(rec)))) == rec
+    flat = flatten(rec)
+    for g in ("0", "2"):
+        for key in SCALAR_KEYS:
+            assert flat[f"gradlens/{g}/{key}"] == pytest.approx(rec.groups[g][key], nan_ok=True)
+    assert flat["gradlens/grad_norm"] == rec["grad_norm"]
+    assert flatten_histograms(rec) == {}
+
+
+def test_groups_follow_undefined_exclusions_and_frozen_parameters():
+    """Parameters left out (undefined="exclude", frozen) leave their groups; the groups of a
+    window are those of its tracked parameters."""
+    torch.manual_seed(0)
+    model = gradlens.extend(nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).double())
+    lens = Lens(model, [BatchL2(), GradNorm()], undefined="exclude", groups="module")
+    rec = _one_window(lens, model)
+    assert list(rec.groups) == ["1", "2"]  # 0 reaches the train-mode BatchNorm
+    _close(sum(v["batch_l2"] for v in rec.groups.values()), rec["batch_l2"], 1e-12)
+    lens.close()
+    model = gradlens.extend(_tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lens = Lens(model, [BatchL2()], optimizer=opt, groups="param")
+    _one_window(lens, model)
+    model[2].bias.requires_grad_(False)
+    opt.step()
+    opt.zero_grad()
+    rec = _one_window(lens, model)
+    assert list(rec.groups) == ["0.weight", "0.bias", "2.weight"]
+    lens.close()
+
+
+def test_group_values_in_tensorboard_and_wandb_names(tmp_path):
+    """The TensorBoard sink writes the flattened names (gradlens/<group>/<key>)."""
+    written = []
+
+    class Writer:  # the SummaryWriter calls TensorBoardSink makes
+        def add_scalar(self, tag, value, step):
+            written.append(tag)
+
+        def add_histogram_raw(self, tag, **kw):
+            written.append(tag)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    model = gradlens.extend(_tiny())
+    lens = Lens(model, [GradNorm(), NormTest()], tensorboard=Writer(), groups="module")
+    _one_window(lens, model)
+    lens.close()
+    assert {"gradlens/0/grad_norm", "gradlens/2/grad_norm", "gradlens/0/norm_test"} <= set(written)
