@@ -305,6 +305,8 @@ class Lens:
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
+            for i in self.instruments:  # parameter -> group (Lens(groups=...)), before the states
+                i.bind_groups(self._meter.group_of)
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
             self._meter.install()

@@ -27,6 +27,8 @@ import gradlens
 from gradlens import Lens, load_log
 from gradlens.instruments import (
     BatchL2,
+    GradHist1d,
+    GradHist2d,
     GradNorm,
     MeanGSNR,
     NoiseScale,
@@ -35,7 +37,8 @@ from gradlens.instruments import (
 )
 from gradlens.records import TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json
 from oracle_models import CASES, SPLITS, per_sample_grads, problem, tracked_names
-from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, run_lens
+from oracle import hist_oracle
+from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, HIST2D_BINS, HIST_BINS, _ambiguous, run_lens
 
 #: the record keys whose per-group values are checked against the oracle
 SCALAR_KEYS = ("grad_norm", "norm_test", "noise_scale", "mean_gsnr")
@@ -43,8 +46,42 @@ SCALAR_KEYS = ("grad_norm", "norm_test", "noise_scale", "mean_gsnr")
 _CASES = [name for name, case in CASES.items() if not case.frameworks]
 
 
-def _instruments():
-    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale()]
+def _instruments(grad_r=1.0, param_r=1.0):
+    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
+            GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
+            GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r)))]
+
+
+def _ranges(gs, model, names):
+    """Ranges that clamp some values and put no element on an edge (as test_models_oracle)."""
+    G = torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+    params = dict(model.named_parameters())
+    return 0.4987 * float(G.abs().max()), 0.4987 * max(float(params[k].detach().abs().max()) for k in names)
+
+
+def check_group_hists(rec, gs_all, thetas, want, grad_r, param_r, rtol):
+    """Each group's 1D and 2D histograms == the oracle's counts of that group's elements."""
+    pb, gb = HIST2D_BINS
+    for group, members in want.items():
+        G = torch.cat([gs_all[q].flatten(1) for q in members], dim=1)
+        theta = torch.cat([thetas[q].detach().flatten() for q in members])
+        h = rec.groups[group]["grad_hist_1d"]
+        counts, low, high = hist_oracle(G, -grad_r, grad_r, HIST_BINS)
+        amb = _ambiguous(G, -grad_r, grad_r, max(HIST_BINS, gb), rtol) if rtol > 1e-9 else 0
+        assert h.total == G.numel()
+        assert int((h.counts - counts).abs().sum()) <= 2 * amb, (group, h.counts, counts)
+        assert abs(h.clamped_low - low) + abs(h.clamped_high - high) <= amb
+        h2 = rec.groups[group]["grad_hist_2d"]
+        pidx = torch.floor((theta + param_r) * pb / (2 * param_r)).clamp(0, pb - 1).long()
+        gidx = torch.floor((G + grad_r) * gb / (2 * grad_r)).clamp(0, gb - 1).long()
+        joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
+        assert int((h2.counts - joint).abs().sum()) <= 2 * amb, (group, h2.counts, joint)
+        assert h2.clamped_param == G.shape[0] * int(((theta < -param_r) | (theta > param_r)).sum())
+    # counts add up over the groups to the record's histograms
+    for key in ("grad_hist_1d", "grad_hist_2d"):
+        assert torch.equal(sum(v[key].counts for v in rec.groups.values()), rec[key].counts)
+    assert sum(v["grad_hist_1d"].clamped_low for v in rec.groups.values()) == rec["grad_hist_1d"].clamped_low
+    assert sum(v["grad_hist_2d"].clamped_param for v in rec.groups.values()) == rec["grad_hist_2d"].clamped_param
 
 
 def _patterns(names):
@@ -147,13 +184,16 @@ def test_groups_match_the_oracle_restricted_to_each_group(name, reduction, group
     spec = _patterns(names) if grouping == "patterns" else grouping
     kwargs = dict(BN_LEAVE_OUT if case.trackable is not None else {}, groups=spec)
     splits = ("K3-unequal", "K1") if grouping == "module" else ("K3-unequal",)
+    grad_r, param_r = _ranges(per_sample_grads(case, model, windows[0]), model, names)
     for split in splits:
         sizes = SPLITS[split]
-        lens, thetas = run_lens(case, model, windows, sizes, reduction, _instruments(), kwargs)
+        lens, thetas = run_lens(case, model, windows, sizes, reduction, _instruments(grad_r, param_r), kwargs)
         rec = lens.records[0]
         gs = per_sample_grads(case, thetas[0], windows[0], sizes)
         assert set(rec["sum_grad_squared"]) == set(gs)
         check_groups(rec, gs, spec, reduction, case.rtol)
+        check_group_hists(rec, gs, dict(thetas[0].named_parameters()), expected_groups(spec, list(gs)),
+                          grad_r, param_r, case.rtol)
 
 
 def _tiny():
@@ -235,7 +275,12 @@ def test_log_round_trip_and_flattening_carry_groups():
         for key in SCALAR_KEYS:
             assert flat[f"gradlens/{g}/{key}"] == pytest.approx(rec.groups[g][key], nan_ok=True)
     assert flat["gradlens/grad_norm"] == rec["grad_norm"]
-    assert flatten_histograms(rec) == {}
+    hists = flatten_histograms(rec)
+    assert set(hists) == {f"gradlens/{g}{key}" for g in ("", "0/", "2/")
+                          for key in ("grad_hist_1d", "grad_hist_2d/grad", "grad_hist_2d/param")}
+    assert torch.equal(hists["gradlens/2/grad_hist_1d"][0], rec.groups["2"]["grad_hist_1d"].counts)
+    assert back.groups["0"]["grad_hist_1d"] == rec.groups["0"]["grad_hist_1d"]
+    assert back.groups["2"]["grad_hist_2d"] == rec.groups["2"]["grad_hist_2d"]
 
 
 def test_groups_follow_undefined_exclusions_and_frozen_parameters():

@@ -349,6 +349,12 @@ class Instrument:
         return None
 
     # ---- per parameter group (Lens(groups=...)) -------------------------------------------
+    def bind_groups(self, group_of: dict[str, str]) -> None:
+        """Called by the Lens when a tracked window opens (before :meth:`start_window`) with
+        tracked parameter -> its group (empty without groups): an instrument whose window
+        state must keep per-group parts (histogram counts) reads it in :meth:`update`."""
+        return None
+
     def group_state(self, state: Any, names: tuple[str, ...]) -> Any:
         """The part of the window ``state`` that belongs to the parameters ``names`` (one
         group), as a state :meth:`finalize` reads. Default: stateless instruments (``None``),
