@@ -26,13 +26,16 @@ from torch import nn
 import gradlens
 from gradlens import Lens, load_log
 from gradlens.instruments import (
+    BatchDot,
     BatchL2,
     GradHist1d,
     GradHist2d,
     GradNorm,
+    InnerTest,
     MeanGSNR,
     NoiseScale,
     NormTest,
+    OrthoTest,
     SumGradSquared,
 )
 from gradlens.records import TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json
@@ -41,7 +44,7 @@ from oracle import hist_oracle
 from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, HIST2D_BINS, HIST_BINS, _ambiguous, run_lens
 
 #: the record keys whose per-group values are checked against the oracle
-SCALAR_KEYS = ("grad_norm", "norm_test", "noise_scale", "mean_gsnr")
+SCALAR_KEYS = ("grad_norm", "norm_test", "noise_scale", "mean_gsnr", "inner_test", "ortho_test")
 
 _CASES = [name for name, case in CASES.items() if not case.frameworks]
 
@@ -49,7 +52,8 @@ _CASES = [name for name, case in CASES.items() if not case.frameworks]
 def _instruments(grad_r=1.0, param_r=1.0):
     return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
             GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
-            GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r)))]
+            GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
+            BatchDot(), InnerTest(), OrthoTest()]
 
 
 def _ranges(gs, model, names):
@@ -116,7 +120,12 @@ def group_oracle(gs: dict, reduction: str, var_max: float) -> dict:
     mean, var = G.mean(0), G.var(0)
     g2 = mean.square().sum()
     ok = var > GSNR_FLOOR * var_max
+    p = G @ mean
+    orth = G - (p / g2)[:, None] * mean[None, :]
     return {
+        "batch_dot": G @ G.T,
+        "inner_test": (p.var() / n).sqrt() / g2,
+        "ortho_test": (orth.square().sum() / (n - 1) / (n * g2)).sqrt(),
         "batch_l2": G.square().sum(1),
         "sum_grad_squared": {k: g.square().sum(0) for k, g in gs.items()},
         "grad_norm": (mean if reduction == "mean" else G.sum(0)).norm(),
@@ -146,6 +155,7 @@ def check_groups(rec, gs_all, spec, reduction, rtol):
         got = rec.groups[group]
         o = group_oracle({q: gs_all[q] for q in members}, reduction, var_max)
         _close(got["batch_l2"], o["batch_l2"], rtol, scale_l2, f"{group}/batch_l2")
+        _close(got["batch_dot"], o["batch_dot"], rtol, scale_l2, f"{group}/batch_dot")
         assert set(got["sum_grad_squared"]) == set(members)
         for q in members:
             _close(got["sum_grad_squared"][q], o["sum_grad_squared"][q], rtol, scale_sq, f"{group}/{q}")
@@ -153,16 +163,18 @@ def check_groups(rec, gs_all, spec, reduction, rtol):
         # norm layer) is 0 up to rounding in both computations
         _close(got["grad_norm"], o["grad_norm"], rtol, float(rec["grad_norm"]), f"{group}/grad_norm")
         for key in SCALAR_KEYS[1:]:
-            if key in ("norm_test", "noise_scale") and float(o["grad_norm"]) < 1e-6 * float(rec["grad_norm"]):
+            if key in ("norm_test", "noise_scale", "inner_test", "ortho_test") and float(o["grad_norm"]) < 1e-6 * float(rec["grad_norm"]):
                 continue  # its ratios to ||G|| are then rounding noise over rounding noise
             if key == "mean_gsnr" and not math.isfinite(float(o[key])):
                 assert math.isnan(got[key]), (group, got[key])
                 continue
             _close(got[key], o[key], max(rtol, 1e-9), what=f"{group}/{key}")
-    # sums over parameters add up over the disjoint groups (norms squared too); the ratios
-    # (norm_test, noise_scale, mean_gsnr) are not sums and do not add
+    # sums over parameters add up over the disjoint groups (norms squared too, and the Gram
+    # g_n . g_m); the ratios (norm_test, noise_scale, mean_gsnr, inner_test, ortho_test) are not
+    # sums and do not add
     total_l2 = sum(v["batch_l2"] for v in rec.groups.values())
     _close(total_l2, rec["batch_l2"], 1e-12)
+    _close(sum(v["batch_dot"] for v in rec.groups.values()), rec["batch_dot"], 1e-12)
     _close(sum(v["grad_norm"] ** 2 for v in rec.groups.values()), rec["grad_norm"] ** 2, 1e-12)
     merged = {q: t for v in rec.groups.values() for q, t in v["sum_grad_squared"].items()}
     assert merged.keys() == rec["sum_grad_squared"].keys()

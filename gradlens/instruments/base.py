@@ -164,7 +164,7 @@ class WindowStats:
         ``batch_l2`` the group's ``[N]`` norms (:attr:`group_l2`) and the per-parameter sums of
         the parameters ``names`` only (a view: the tensors are shared, nothing is copied)."""
         keep = set(names)
-        return WindowStats(
+        view = WindowStats(
             reduction=self.reduction,
             num_samples=self.num_samples,
             micro_steps=self.micro_steps,
@@ -174,6 +174,10 @@ class WindowStats:
             grad_sum={q: v for q, v in self.grad_sum.items() if q in keep},
             loss_unknown=self.loss_unknown,
         )
+        # the layer instruments' memo of pure functions of their factors (per-layer Grams,
+        # keyed by layer and tensors) is shared with the groups; the sums' memo is not
+        view._gradlens_cross_memo = self.__dict__.setdefault("_gradlens_cross_memo", {})
+        return view
 
     # ---- derived views, in per-sample units --------------------------------------------
     def batch_l2_all(self) -> Tensor:
@@ -325,7 +329,7 @@ class Instrument:
     gram_in_backward: ClassVar[bool] = False
     #: the value decomposes over parameters: under ``Lens(groups=...)`` the Lens calls
     #: :meth:`finalize_group` once per group for ``record.groups[group][key]``
-    per_group: ClassVar[bool] = False
+    per_group: bool = False
 
     def start_window(self) -> Any:
         return None
@@ -522,6 +526,11 @@ def check_instrument(inst: Any) -> None:
                 f"{name}.{flag} is True but \"layer\" is not in {name}.needs ({sorted(needs)}); "
                 f"only update_layer uses it: add \"layer\" to needs or set {flag} = False"
             )
+    if not isinstance(inst.per_group, bool):
+        raise TypeError(
+            f"{name}.per_group must be True or False, got {inst.per_group!r}; set the class "
+            "attribute (or a property returning a bool)"
+        )
     sample = inst.sample
     if sample is not None and (isinstance(sample, bool) or not isinstance(sample, (int, float))
                                or not 0 < sample < 1):
