@@ -339,3 +339,74 @@ def test_group_values_in_tensorboard_and_wandb_names(tmp_path):
     _one_window(lens, model)
     lens.close()
     assert {"gradlens/0/grad_norm", "gradlens/2/grad_norm", "gradlens/0/norm_test"} <= set(written)
+
+
+# ------------------------------------------------------------------------------ DDP, 2 gloo ranks
+from oracle import MODELS, make_problem  # noqa: E402
+from oracle import per_sample_grads as plain_per_sample_grads  # noqa: E402
+from test_distributed import _init, _spawn  # noqa: E402
+
+RANK_SIZES = [5, 7]  # unequal per-rank batches, N = 12; each rank splits its batch in 2 unequal micro-steps
+
+
+def _ddp_problem(name):
+    model, x, y = make_problem(MODELS[name], seed=0)
+    gs = plain_per_sample_grads(model, x, y)
+    return model, x, y, gs
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, name: str, spec) -> None:
+    _init(rank, world, port)
+    try:
+        model0, x, y, gs = _ddp_problem(name)
+        names = list(gs)
+        grad_r, param_r = _ranges(gs, model0, names)
+        lo = sum(RANK_SIZES[:rank])
+        mine = slice(lo, lo + RANK_SIZES[rank])
+        out = {}
+        for label, instruments in (("all", _instruments(grad_r, param_r)), ("light", [GradNorm()])):
+            model = gradlens.extend(copy.deepcopy(model0))
+            ddp = nn.parallel.DistributedDataParallel(model)
+            loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            lens = Lens(model, instruments, optimizer=opt, groups=spec)
+            xs, ys = x[mine], y[mine]
+            cut = [1, len(xs) - 1]  # unequal micro-steps
+            for k, (xb, yb) in enumerate(zip(xs.split(cut), ys.split(cut))):
+                with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+                    loss = loss_fn(ddp(xb), yb)
+                    with lens.capture():
+                        loss.backward()
+            opt.step()
+            opt.zero_grad()
+            lens.close()
+            rec = lens.records[0]
+            out[label] = (rec.num_samples, dict(rec.values), rec.groups)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,spec", [("mlp", "module"), ("cnn", "param"), ("mlp", {"hidden": ["1.*", "3.*"]})])
+def test_groups_under_ddp_equal_the_oracle_of_all_samples(name, spec):
+    """2 gloo ranks x 2 unequal micro-steps: every group's values == the oracle of all N samples
+    (rank-major) restricted to the group, as one batch would give; also in light mode (GradNorm
+    alone), where the group norms need the per-parameter window gradient."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_ddp_worker, 2, out_dir, name, spec)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    model0, x, y, gs = _ddp_problem(name)
+    names = list(gs)
+    grad_r, param_r = _ranges(gs, model0, names)
+    want = expected_groups(spec, names)
+    for rank_out in results:  # every rank holds the merged record
+        n, values, groups = rank_out["all"]
+        assert n == sum(RANK_SIZES)
+        rec = gradlens.Record(0, n, 4, values, {}, groups)
+        check_groups(rec, gs, spec, "mean", 1e-10)
+        check_group_hists(rec, gs, dict(model0.named_parameters()), want, grad_r, param_r, 1e-10)
+        n, values, groups = rank_out["light"]
+        assert list(groups) == list(want)
+        for group, members in want.items():
+            G = torch.cat([gs[q].flatten(1) for q in members], dim=1)
+            _close(groups[group]["grad_norm"], G.mean(0).norm(), 1e-10, what=group)
