@@ -291,8 +291,30 @@ def test_log_round_trip_and_flattening_carry_groups():
     assert set(hists) == {f"gradlens/{g}{key}" for g in ("", "0/", "2/")
                           for key in ("grad_hist_1d", "grad_hist_2d/grad", "grad_hist_2d/param")}
     assert torch.equal(hists["gradlens/2/grad_hist_1d"][0], rec.groups["2"]["grad_hist_1d"].counts)
-    assert back.groups["0"]["grad_hist_1d"] == rec.groups["0"]["grad_hist_1d"]
-    assert back.groups["2"]["grad_hist_2d"] == rec.groups["2"]["grad_hist_2d"]
+    # group histograms go to the log as scalar summaries (the full ones are in memory, and in
+    # the TensorBoard / W&B sinks)
+    for g in ("0", "2"):
+        h, summary = rec.groups[g]["grad_hist_1d"], back.groups[g]["grad_hist_1d"]
+        assert summary["total"] == h.total == 7 * (25 if g == "0" else 18)  # N x the group's elements
+        assert (summary["clamped_low"], summary["clamped_high"]) == (h.clamped_low, h.clamped_high)
+        assert summary["clamped_fraction"] == pytest.approx((h.clamped_low + h.clamped_high) / h.total)
+        for q in (0.05, 0.25, 0.5, 0.75, 0.95):
+            assert summary[f"q{round(100 * q):02d}"] == pytest.approx(_quantile(h.counts, h.edges, q))
+        h2, summary2 = rec.groups[g]["grad_hist_2d"], back.groups[g]["grad_hist_2d"]
+        assert summary2["clamped_param"] == h2.clamped_param
+        assert summary2["q50"] == pytest.approx(_quantile(h2.counts.sum(0), h2.grad_edges, 0.5))
+    assert flatten(back)["gradlens/2/grad_hist_1d/q50"] == back.groups["2"]["grad_hist_1d"]["q50"]
+
+
+def _quantile(counts, edges, q):
+    """The q-quantile of binned counts, linear within a bin (a loop over bins)."""
+    total = float(sum(counts.tolist()))
+    seen = 0.0
+    for i, c in enumerate(counts.tolist()):
+        if c and seen + c >= q * total:
+            return float(edges[i]) + (q * total - seen) / c * float(edges[i + 1] - edges[i])
+        seen += c
+    return float(edges[-1])
 
 
 def test_groups_follow_undefined_exclusions_and_frozen_parameters():
@@ -410,3 +432,68 @@ def test_groups_under_ddp_equal_the_oracle_of_all_samples(name, spec):
         for group, members in want.items():
             G = torch.cat([gs[q].flatten(1) for q in members], dim=1)
             _close(groups[group]["grad_norm"], G.mean(0).norm(), 1e-10, what=group)
+
+
+# ------------------------------------------------------------------------------ log size
+class _GPT2Block(nn.Module):
+    def __init__(self, d=768, heads=12):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = nn.Module()
+        self.attn.c_attn = nn.Linear(d, 3 * d)
+        self.attn.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Module()
+        self.mlp.c_fc = nn.Linear(d, 4 * d)
+        self.mlp.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        b, t, d = h.shape
+        q, k, v = self.attn.c_attn(self.ln_1(h)).split(d, dim=2)
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        mask = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
+        att = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")).softmax(-1)
+        h = h + self.attn.c_proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(h))))
+
+
+class GPT2SmallShapes(nn.Module):
+    """torch.nn model with GPT-2 small's parameter shapes (124 M, 148 tensors, tied head)."""
+
+    def __init__(self, vocab=50257, ctx=1024, d=768, layers=12):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.h = nn.ModuleList(_GPT2Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, ids):
+        h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.h:
+            h = block(h)
+        return F.linear(self.ln_f(h)[:, -1], self.wte.weight)  # next-token logits [B, vocab]
+
+
+def test_gpt2_small_record_with_module_groups_is_small_in_the_log(tmp_path):
+    """A GPT-2-small-shaped record with groups="module" (50 groups) stays under 200 KB in the
+    log: summaries per group as for the totals."""
+    torch.manual_seed(0)
+    model = gradlens.extend(GPT2SmallShapes())
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808
+    path = tmp_path / "run.jsonl"
+    lens = Lens(model, [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(),
+                        GradHist1d(sample=0.001), GradHist2d(sample=0.001)], log=str(path), groups="module")
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    ids = torch.randint(0, 50257, (2, 4))
+    loss = loss_fn(model(ids), torch.randint(0, 50257, (2,)))
+    with lens.capture():
+        loss.backward()
+    rec = lens.flush()
+    lens.close()
+    assert len(rec.groups) == 1 + 1 + 12 * 6 + 1  # wte (tied head), wpe, 6 per block, ln_f
+    size = path.stat().st_size
+    assert size < 200_000, size
+    back = load_log(path)[0]
+    assert list(back.groups) == list(rec.groups)
+    assert back.groups["h.3.mlp.c_fc"]["grad_norm"] == rec.groups["h.3.mlp.c_fc"]["grad_norm"]
