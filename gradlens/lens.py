@@ -263,9 +263,9 @@ class Lens:
         self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group))
         if self._group is not None:  # once: every rank has the same instruments and schedule
             try:
-                check_ranks_agree(
-                    self._group, lens_fingerprint(instruments, every, self.step, merge, params), self.timeout
-                )
+                fingerprint = lens_fingerprint(instruments, every, self.step, merge, params)
+                fingerprint["groups"] = repr(groups)  # the layout of the per-group pieces
+                check_ranks_agree(self._group, fingerprint, self.timeout)
             except BaseException:
                 self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)
                 raise

@@ -497,3 +497,27 @@ def test_gpt2_small_record_with_module_groups_is_small_in_the_log(tmp_path):
     back = load_log(path)[0]
     assert list(back.groups) == list(rec.groups)
     assert back.groups["h.3.mlp.c_fc"]["grad_norm"] == rec.groups["h.3.mlp.c_fc"]["grad_norm"]
+
+
+def _disagree_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    try:
+        model = gradlens.extend(_tiny())
+        try:
+            Lens(model, [BatchL2()], groups="module" if rank == 0 else "param")
+            got = "built"
+        except RuntimeError as err:
+            got = str(err)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(got)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_with_different_groups_are_refused():
+    """The per-group pieces travel in a layout fixed by the groups: ranks must agree on them."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_disagree_worker, 2, out_dir)
+        got = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
+    for text in got:
+        assert "groups: ranks [1] differ from rank 0" in text, text
