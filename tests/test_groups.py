@@ -357,10 +357,18 @@ def test_group_values_in_tensorboard_and_wandb_names(tmp_path):
             pass
 
     model = gradlens.extend(_tiny())
-    lens = Lens(model, [GradNorm(), NormTest()], tensorboard=Writer(), groups="module")
-    _one_window(lens, model)
+    lens = Lens(model, [GradNorm(), NormTest(), GradHist1d()], tensorboard=Writer(), groups="module")
+    rec = _one_window(lens, model)
     lens.close()
-    assert {"gradlens/0/grad_norm", "gradlens/2/grad_norm", "gradlens/0/norm_test"} <= set(written)
+    assert {"gradlens/0/grad_norm", "gradlens/2/grad_norm", "gradlens/0/norm_test",
+            "gradlens/0/grad_hist_1d", "gradlens/2/grad_hist_1d", "gradlens/grad_hist_1d"} <= set(written)
+    # the names the Lightning and Trainer loggers (and W&B) take: the same flattening
+    from gradlens.integrations import record_histograms, record_scalars
+
+    scalars = record_scalars(rec)
+    assert scalars["gradlens/2/grad_norm"] == rec.groups["2"]["grad_norm"]
+    assert scalars["gradlens/0/grad_hist_1d/clamped_low"] == rec.groups["0"]["grad_hist_1d"].clamped_low
+    assert torch.equal(record_histograms(rec)["gradlens/0/grad_hist_1d"][0], rec.groups["0"]["grad_hist_1d"].counts)
 
 
 # ------------------------------------------------------------------------------ DDP, 2 gloo ranks
