@@ -529,3 +529,60 @@ def test_ranks_with_different_groups_are_refused():
         got = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
     for text in got:
         assert "groups: ranks [1] differ from rank 0" in text, text
+
+
+# ------------------------------------------------------------------------------ no host reads
+from gradlens.sync import forced_device_paths  # noqa: E402
+from test_sync import MODELS as SYNC_MODELS  # noqa: E402
+from test_sync import SETS, HostReads  # noqa: E402
+
+
+def _train_grouped(make, data, insts, reads, groups, windows=2, splits=(3, 5)):
+    torch.manual_seed(0)
+    model = gradlens.extend(make())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    lens = Lens(model, insts(), optimizer=opt, groups=groups)
+    torch.manual_seed(1)
+    for _ in range(windows):
+        for b in splits:
+            x, y = data(b), torch.randint(0, 11, (b,))
+            if reads is not None:
+                reads.active = True
+            loss = loss_fn(model(x), y)
+            with lens.capture(losses=F.cross_entropy(model(x), y, reduction="none").detach()):
+                loss.backward()
+            if reads is not None:
+                reads.active = False
+        opt.step()
+        opt.zero_grad()
+    records = list(lens.records)
+    lens.close()
+    return records
+
+
+@pytest.mark.parametrize("model", sorted(SYNC_MODELS))
+@pytest.mark.parametrize("what", sorted(SETS))
+def test_groups_make_no_host_read_in_tracked_micro_steps(model, what):
+    """The per-group pieces (batch_l2 parts, histogram parts) stay on the device in the hot path
+    (groups="param" splits every layer's parameters over groups)."""
+    make, data = SYNC_MODELS[model]
+    with forced_device_paths(), HostReads() as reads:
+        records = _train_grouped(make, data, SETS[what], reads, "param")
+    assert not reads.calls, ", ".join(f"{k} x{v}" for k, v in reads.calls.items())
+    assert records and all(r.groups for r in records)
+
+
+@pytest.mark.parametrize("model", sorted(SYNC_MODELS))
+def test_group_histograms_are_the_same_on_the_device_paths(model):
+    make, data = SYNC_MODELS[model]
+    insts = lambda: [GradHist1d(bins=30, range=(-0.5, 0.5)), GradHist2d(bins=(6, 20)), BatchL2()]  # noqa: E731
+    cpu = _train_grouped(make, data, insts, None, "module")
+    with forced_device_paths():
+        dev = _train_grouped(make, data, insts, None, "module")
+    for a, b in zip(cpu, dev):
+        assert list(a.groups) == list(b.groups)
+        for g in a.groups:
+            assert a.groups[g]["grad_hist_1d"] == b.groups[g]["grad_hist_1d"]
+            assert torch.equal(a.groups[g]["grad_hist_2d"].counts, b.groups[g]["grad_hist_2d"].counts)
+            torch.testing.assert_close(a.groups[g]["batch_l2"], b.groups[g]["batch_l2"])

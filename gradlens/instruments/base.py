@@ -235,8 +235,9 @@ class WindowStats:
         groups = getattr(ctx, "groups", ())
         if groups and "batch_l2" in ctx.needs:  # [G, N_r]: one more gathered piece
             n = sum(t.numel() for t in self.batch_l2)
-            rows = [torch.cat(self.group_l2[g]).double() if self.group_l2.get(g) else torch.zeros(n, dtype=f64)
-                    for g in groups]
+            dev = self.batch_l2[0].device if self.batch_l2 else None
+            rows = [torch.cat(self.group_l2[g]).double() if self.group_l2.get(g)
+                    else torch.zeros(n, dtype=f64, device=dev) for g in groups]
             pieces.append(torch.stack(rows) if n else torch.zeros(len(groups), 0, dtype=f64))
         return DistParts(sums=sums, pieces=pieces)
 
