@@ -586,3 +586,40 @@ def test_group_histograms_are_the_same_on_the_device_paths(model):
             assert a.groups[g]["grad_hist_1d"] == b.groups[g]["grad_hist_1d"]
             assert torch.equal(a.groups[g]["grad_hist_2d"].counts, b.groups[g]["grad_hist_2d"].counts)
             torch.testing.assert_close(a.groups[g]["batch_l2"], b.groups[g]["batch_l2"])
+
+
+def test_a_window_resumed_from_a_mid_window_state_dict_keeps_its_groups():
+    """Lens.state_dict inside a window with groups (the per-group norms and histogram parts of
+    the micro-steps so far) resumes to the record an uninterrupted window gives."""
+    model = gradlens.extend(_tiny())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    insts = lambda: [BatchL2(), GradNorm(), MeanGSNR(), GradHist1d(bins=7), GradHist2d(bins=(3, 5)), BatchDot()]  # noqa: E731
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(b, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (b,), generator=g))
+               for b in (3, 4)]
+
+    def micro(lens, x, y):
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward()
+
+    lens = Lens(model, insts(), groups="param")
+    micro(lens, *batches[0])
+    saved = lens.state_dict()
+    micro(lens, *batches[1])
+    ref = lens.flush()
+    lens.close()
+    lens = Lens(model, insts(), groups="param")
+    lens.load_state_dict(saved)
+    micro(lens, *batches[1])
+    rec = lens.flush()
+    lens.close()
+    assert list(rec.groups) == list(ref.groups) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for grp in ref.groups:
+        for key, v in ref.groups[grp].items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(rec.groups[grp][key], v, rtol=1e-12, atol=0)
+            elif isinstance(v, float):
+                assert rec.groups[grp][key] == pytest.approx(v, rel=1e-12, nan_ok=True)
+            else:
+                assert rec.groups[grp][key] == v, (grp, key)
