@@ -264,7 +264,8 @@ class Lens:
         if self._group is not None:  # once: every rank has the same instruments and schedule
             try:
                 fingerprint = lens_fingerprint(instruments, every, self.step, merge, params)
-                fingerprint["groups"] = repr(groups)  # the layout of the per-group pieces
+                if groups is not None:  # the parameters' grouping fixes the per-group layout
+                    fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
                 check_ranks_agree(self._group, fingerprint, self.timeout)
             except BaseException:
                 self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)

@@ -528,7 +528,8 @@ def test_ranks_with_different_groups_are_refused():
         _spawn(_disagree_worker, 2, out_dir)
         got = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
     for text in got:
-        assert "groups: ranks [1] differ from rank 0" in text, text
+        assert "parameters: ranks [1] differ from rank 0" in text, text
+        assert "groups='module'" in text or "groups='param'" in text, text
 
 
 # ------------------------------------------------------------------------------ no host reads
@@ -623,3 +624,39 @@ def test_a_window_resumed_from_a_mid_window_state_dict_keeps_its_groups():
                 assert rec.groups[grp][key] == pytest.approx(v, rel=1e-12, nan_ok=True)
             else:
                 assert rec.groups[grp][key] == v, (grp, key)
+
+
+def test_an_instrument_joins_groups_by_declaring_per_group():
+    """The hook for new instruments: per_group = True and, with a window state, group_state."""
+    from gradlens.instruments.base import Instrument
+
+    class SumOfSums(Instrument):  # sum over parameters of sum_n g_n, per parameter kept
+        key = "sum_of_sums"
+        needs = frozenset({"grad_sum"})
+        per_group = True
+
+        def finalize(self, stats, state):
+            return float(sum(float(v.sum()) for v in stats.grad_sum.values()))
+
+    class Kept(SumOfSums):  # a window state, but no group_state
+        key = "kept"
+
+        def start_window(self):
+            return {}
+
+    model = gradlens.extend(_tiny())
+    lens = Lens(model, [SumOfSums()], groups="module")
+    rec = _one_window(lens, model)
+    lens.close()
+    assert sum(v["sum_of_sums"] for v in rec.groups.values()) == pytest.approx(rec["sum_of_sums"], rel=1e-12)
+    lens = Lens(model, [Kept()], groups="module")
+    with pytest.raises(NotImplementedError, match=r"Kept.per_group is True but it keeps a window state and does "
+                                                  r"not define group_state\(state, names\)"):
+        _one_window(lens, model)
+    lens.close()
+
+    class Bad(SumOfSums):
+        per_group = "yes"
+
+    with pytest.raises(TypeError, match=r"Bad.per_group must be True or False, got 'yes'"):
+        Lens(model, [Bad()])
