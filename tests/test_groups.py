@@ -381,37 +381,46 @@ RANK_SIZES = [5, 7]  # unequal per-rank batches, N = 12; each rank splits its ba
 
 def _ddp_problem(name):
     model, x, y = make_problem(MODELS[name], seed=0)
+    _, x1, y1 = make_problem(MODELS[name], seed=1)
     gs = plain_per_sample_grads(model, x, y)
-    return model, x, y, gs
+    return model, [(x, y), (x1, y1)], gs
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str, name: str, spec) -> None:
     _init(rank, world, port)
     try:
-        model0, x, y, gs = _ddp_problem(name)
+        model0, windows, gs = _ddp_problem(name)
         names = list(gs)
         grad_r, param_r = _ranges(gs, model0, names)
-        lo = sum(RANK_SIZES[:rank])
-        mine = slice(lo, lo + RANK_SIZES[rank])
         out = {}
-        for label, instruments in (("all", _instruments(grad_r, param_r)), ("light", [GradNorm()])):
+        # "light_equal": equal micro-steps on both ranks (6 = 3 + 3), where the fast route
+        # (the window gradient from DDP's p.grad, from the second window on) applies
+        for label, instruments, sizes, cut in (
+            ("all", _instruments(grad_r, param_r), RANK_SIZES, lambda b: [1, b - 1]),
+            ("light", [GradNorm()], RANK_SIZES, lambda b: [1, b - 1]),
+            ("light_equal", [GradNorm()], [6, 6], lambda b: [3, 3]),
+        ):
+            lo = sum(sizes[:rank])
+            mine = slice(lo, lo + sizes[rank])
             model = gradlens.extend(copy.deepcopy(model0))
             ddp = nn.parallel.DistributedDataParallel(model)
             loss_fn = gradlens.extend(nn.CrossEntropyLoss())
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             lens = Lens(model, instruments, optimizer=opt, groups=spec)
-            xs, ys = x[mine], y[mine]
-            cut = [1, len(xs) - 1]  # unequal micro-steps
-            for k, (xb, yb) in enumerate(zip(xs.split(cut), ys.split(cut))):
-                with ddp.no_sync() if k == 0 else contextlib.nullcontext():
-                    loss = loss_fn(ddp(xb), yb)
-                    with lens.capture():
-                        loss.backward()
-            opt.step()
-            opt.zero_grad()
+            thetas = [copy.deepcopy(model.state_dict())]
+            for x, y in windows:  # from the second window on, DDP's p.grad gives grad_sum
+                xs, ys = x[mine], y[mine]
+                for k, (xb, yb) in enumerate(zip(xs.split(cut(len(xs))), ys.split(cut(len(xs))))):
+                    with ddp.no_sync() if k == 0 else contextlib.nullcontext():
+                        loss = loss_fn(ddp(xb), yb)
+                        with lens.capture():
+                            loss.backward()
+                opt.step()
+                opt.zero_grad()
+                thetas.append(copy.deepcopy(model.state_dict()))
+            fast = lens._ddp_route.fast
             lens.close()
-            rec = lens.records[0]
-            out[label] = (rec.num_samples, dict(rec.values), rec.groups)
+            out[label] = ([(r.num_samples, dict(r.values), r.groups) for r in lens.records], thetas, fast)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -419,92 +428,36 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str, name: str, spec)
 
 @pytest.mark.parametrize("name,spec", [("mlp", "module"), ("cnn", "param"), ("mlp", {"hidden": ["1.*", "3.*"]})])
 def test_groups_under_ddp_equal_the_oracle_of_all_samples(name, spec):
-    """2 gloo ranks x 2 unequal micro-steps: every group's values == the oracle of all N samples
-    (rank-major) restricted to the group, as one batch would give; also in light mode (GradNorm
-    alone), where the group norms need the per-parameter window gradient."""
+    """2 gloo ranks x 2 unequal micro-steps, 2 windows: every group's values == the oracle of
+    all N samples (rank-major) restricted to the group, as one batch would give; also in light
+    mode (GradNorm alone), whose fast route reads the window gradient from DDP's p.grad from the
+    second window on: the groups then need it per parameter."""
     with tempfile.TemporaryDirectory() as out_dir:
         _spawn(_ddp_worker, 2, out_dir, name, spec)
         results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
-    model0, x, y, gs = _ddp_problem(name)
-    names = list(gs)
-    grad_r, param_r = _ranges(gs, model0, names)
+    model0, windows, gs0 = _ddp_problem(name)
+    names = list(gs0)
+    grad_r, param_r = _ranges(gs0, model0, names)
     want = expected_groups(spec, names)
-    for rank_out in results:  # every rank holds the merged record
-        n, values, groups = rank_out["all"]
-        assert n == sum(RANK_SIZES)
-        rec = gradlens.Record(0, n, 4, values, {}, groups)
-        check_groups(rec, gs, spec, "mean", 1e-10)
-        check_group_hists(rec, gs, dict(model0.named_parameters()), want, grad_r, param_r, 1e-10)
-        n, values, groups = rank_out["light"]
-        assert list(groups) == list(want)
-        for group, members in want.items():
-            G = torch.cat([gs[q].flatten(1) for q in members], dim=1)
-            _close(groups[group]["grad_norm"], G.mean(0).norm(), 1e-10, what=group)
-
-
-# ------------------------------------------------------------------------------ log size
-class _GPT2Block(nn.Module):
-    def __init__(self, d=768, heads=12):
-        super().__init__()
-        self.heads = heads
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = nn.Module()
-        self.attn.c_attn = nn.Linear(d, 3 * d)
-        self.attn.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(d, 4 * d)
-        self.mlp.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, h):
-        b, t, d = h.shape
-        q, k, v = self.attn.c_attn(self.ln_1(h)).split(d, dim=2)
-        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        mask = torch.ones(t, t, dtype=torch.bool, device=h.device).tril()
-        att = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")).softmax(-1)
-        h = h + self.attn.c_proj((att @ v).transpose(1, 2).reshape(b, t, d))
-        return h + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(h))))
-
-
-class GPT2SmallShapes(nn.Module):
-    """torch.nn model with GPT-2 small's parameter shapes (124 M, 148 tensors, tied head)."""
-
-    def __init__(self, vocab=50257, ctx=1024, d=768, layers=12):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(ctx, d)
-        self.h = nn.ModuleList(_GPT2Block(d) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-
-    def forward(self, ids):
-        h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-        for block in self.h:
-            h = block(h)
-        return F.linear(self.ln_f(h)[:, -1], self.wte.weight)  # next-token logits [B, vocab]
-
-
-def test_gpt2_small_record_with_module_groups_is_small_in_the_log(tmp_path):
-    """A GPT-2-small-shaped record with groups="module" (50 groups) stays under 200 KB in the
-    log: summaries per group as for the totals."""
-    torch.manual_seed(0)
-    model = gradlens.extend(GPT2SmallShapes())
-    assert sum(p.numel() for p in model.parameters()) == 124_439_808
-    path = tmp_path / "run.jsonl"
-    lens = Lens(model, [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(),
-                        GradHist1d(sample=0.001), GradHist2d(sample=0.001)], log=str(path), groups="module")
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    ids = torch.randint(0, 50257, (2, 4))
-    loss = loss_fn(model(ids), torch.randint(0, 50257, (2,)))
-    with lens.capture():
-        loss.backward()
-    rec = lens.flush()
-    lens.close()
-    assert len(rec.groups) == 1 + 1 + 12 * 6 + 1  # wte (tied head), wpe, 6 per block, ln_f
-    size = path.stat().st_size
-    assert size < 200_000, size
-    back = load_log(path)[0]
-    assert list(back.groups) == list(rec.groups)
-    assert back.groups["h.3.mlp.c_fc"]["grad_norm"] == rec.groups["h.3.mlp.c_fc"]["grad_norm"]
+    for rank_out in results:  # every rank holds the merged records
+        assert rank_out["light_equal"][2] and not rank_out["light"][2]  # the route each one took
+        for label in ("all", "light", "light_equal"):
+            records, thetas, _ = rank_out[label]
+            assert len(records) == 2
+            for t, (n, values, groups) in enumerate(records):
+                model = copy.deepcopy(model0)
+                model.load_state_dict(thetas[t])
+                gs = plain_per_sample_grads(model, *windows[t])
+                assert n == sum(RANK_SIZES)
+                if label == "all":
+                    rec = gradlens.Record(t, n, 4, values, {}, groups)
+                    check_groups(rec, gs, spec, "mean", 1e-10)
+                    check_group_hists(rec, gs, dict(model.named_parameters()), want, grad_r, param_r, 1e-10)
+                    continue
+                assert list(groups) == list(want)
+                for group, members in want.items():
+                    G = torch.cat([gs[q].flatten(1) for q in members], dim=1)
+                    _close(groups[group]["grad_norm"], G.mean(0).norm(), 1e-10, what=f"{t}/{group}")
 
 
 def _disagree_worker(rank: int, world: int, port: int, out_dir: str) -> None:
