@@ -354,6 +354,12 @@ class Lens:
         return list(self._tap.params)
 
     @property
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """``Lens(groups=...)``: group name -> its tracked parameters (the keys of
+        ``record.groups``, in order); ``{}`` without groups."""
+        return dict(self._meter.groups)
+
+    @property
     def coverage(self) -> float:
         """Fraction of the model's trainable elements whose per-sample gradients are tracked."""
         total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)

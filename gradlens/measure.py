@@ -660,7 +660,8 @@ class Meter:
     def _split(self, names: dict[str, str], by_group: bool) -> list[tuple[str | None, dict[str, str]]]:
         """``[(group, names)]``: a use's parameters (attribute -> qualified name) by group, when
         ``batch_l2`` goes to groups (``by_group``); else ``[(None, names)]``. Most uses lie in
-        one group (always under ``groups="module"``): then ``names`` itself, one reduction."""
+        one group (under ``groups="module"`` all but a call mixing parameters of several
+        modules, e.g. a tied head with its own bias): then one reduction, as without groups."""
         of = self.group_of
         if not (by_group and of):
             return [(None, names)]

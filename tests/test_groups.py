@@ -246,6 +246,7 @@ def test_patterns_first_match_wins_and_unmatched_form_other():
     lens = Lens(model, [BatchL2(), GradNorm()], groups={"biases": ["*.bias"], "first": ["0.*"]})
     rec = _one_window(lens, model)
     assert list(rec.groups) == ["biases", "first", "other"]
+    assert lens.groups == {"biases": ("0.bias", "2.bias"), "first": ("0.weight",), "other": ("2.weight",)}
     lens.close()
     lens = Lens(model, [BatchL2()], groups={"none": ["nothing.*"], "all": ["*"]})
     rec = _one_window(lens, model)
