@@ -1,11 +1,13 @@
 """Step-time ratios of gradlens instruments vs a plain training step, beside the tools it replaces.
 
 Run:  python benchmarks/bench_instruments.py [--steps 20] [--models mlp,cnn] [--device cpu|cuda]
+      [--rows "(a),(b)"]   (only the rows whose names contain one of these; the plain step always)
 
 For each model it times (median over ``--steps`` interleaved rounds after warm-up) one training step — forward,
 backward, SGD update, zero_grad — with nothing attached ("plain"), and with:
   (a) BatchL2 + SumGradSquared + GradNorm + NormTest + NoiseScale,
   (b) GradHist1d, (c) GradHist2d, (b+c) both, (b') / (c') the same sampling 1% of the elements,
+  (a), (b), (b+c) with ``groups="module"`` (per-group statistics next to the totals),
   an untracked window (a Lens whose schedule skips the step),
   BackPACK's BatchL2Grad / SumGradSquared / BatchGrad alone (references),
 and cockpit-for-pytorch's GradHist1d, GradHist2d and its "economy" configuration (``pip install -e
@@ -75,12 +77,12 @@ def plain_step(model, x, y):
     return step, lambda: None
 
 
-def lens_step(instruments, every=1):
+def lens_step(instruments, every=1, groups=None):
     def build(model, x, y):
         model = gradlens.extend(model)
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        lens = Lens(model, instruments(), optimizer=opt, every=every, keep_records=False)
+        lens = Lens(model, instruments(), optimizer=opt, every=every, keep_records=False, groups=groups)
 
         def step():
             loss = loss_fn(model(x), y)
@@ -131,6 +133,10 @@ def configs():
         ("gradlens (b) GradHist1d", lens_step(lambda: [GradHist1d()])),
         ("gradlens (c) GradHist2d", lens_step(lambda: [GradHist2d()])),
         ("gradlens (b+c) GradHist1d + GradHist2d", lens_step(lambda: [GradHist1d(), GradHist2d()])),
+        ("gradlens (a) norms with groups='module'", lens_step(NORMS, groups="module")),
+        ("gradlens (b) GradHist1d with groups='module'", lens_step(lambda: [GradHist1d()], groups="module")),
+        ("gradlens (b+c) GradHist1d + GradHist2d with groups='module'",
+         lens_step(lambda: [GradHist1d(), GradHist2d()], groups="module")),
         ("gradlens (b') GradHist1d sample=1%", lens_step(lambda: [GradHist1d(sample=0.01)])),
         ("gradlens (c') GradHist2d sample=1%", lens_step(lambda: [GradHist2d(sample=0.01)])),
         ("BackPACK BatchL2Grad", backpack_step("BatchL2Grad")),
@@ -152,7 +158,9 @@ def main(argv=None):
     p.add_argument("--models", default="mlp,cnn")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--rows", default="", help="comma-separated substrings: only the rows that contain one")
     args = p.parse_args(argv)
+    wanted = [w for w in args.rows.split(",") if w]
     if args.threads:
         torch.set_num_threads(args.threads)
     cockpit = has_cockpit()
@@ -170,7 +178,9 @@ def main(argv=None):
         x = torch.randn(batch, *shape, device=dev)
         y = torch.randint(0, 10, (batch,), device=dev)
 
-        builds = [("plain step", plain_step)] + configs()
+        builds = [("plain step", plain_step)] + [
+            (n, b) for n, b in configs() if not wanted or any(w in n for w in wanted)
+        ]
         steps, closers, failed = build_all(builds, lambda: (copy.deepcopy(base), x, y), sync)
         if "plain step" in failed:
             raise RuntimeError(f"the plain step failed on {dev}: {failed['plain step']}")

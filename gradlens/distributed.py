@@ -560,6 +560,9 @@ class MergeContext:
     timeout: float | None = None
     #: the window's step (for messages)
     step: int | None = None
+    #: the parameter groups of ``Lens(groups=...)`` in a fixed order (their ``batch_l2`` parts
+    #: travel as one more gathered piece ``[G, N_r]``)
+    groups: tuple = ()
 
 
 def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
@@ -593,8 +596,9 @@ def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: 
     if route is not None:
         verdict = route.verdict(window, ctx.params)
         parts.append(DistParts(per_rank=[verdict]))
-        if fast and ctx.needs <= LIGHT_QUANTITIES and route.local_ok:
-            # the instruments read ||sum g_n||^2 only: ||p.grad||^2 now, before the update
+        if fast and ctx.needs <= LIGHT_QUANTITIES and route.local_ok and not ctx.groups:
+            # the instruments read ||sum g_n||^2 only (and no group needs its own part):
+            # ||p.grad||^2 now, before the update
             light_sq = route.light_grad_sq(ctx.params)
     own_scale = route.cmin if route is not None else None  # the route moves on to the next window
     what = "the merge of window " + (str(ctx.step) if ctx.step is not None else "(this one)")

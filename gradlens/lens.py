@@ -43,6 +43,7 @@ from gradlens.distributed import (
 )
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
 from gradlens.instruments.curvature import WindowGraph
+from gradlens.groups import check_groups
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
@@ -192,6 +193,14 @@ class Lens:
             error, the missed records (up to 3) are written again before the next one, and a
             sink that fails 3 times in a row is closed and dropped with a warning
             (:class:`gradlens.sinks.SinkSet`).
+        groups: per-group statistics (``record.groups[group][key]``, next to the totals):
+            ``None`` (default) totals only; ``"param"`` one group per tracked parameter (its
+            qualified name); ``"module"`` one per module that owns parameters directly (its
+            qualified name, ``"(model)"`` for the root's own); a dict group name -> list of
+            ``fnmatch`` patterns over parameter names (a parameter joins the first group it
+            matches; the unmatched form ``"other"``). Shared parameters count once, under
+            their first name. Every instrument value that decomposes over parameters (its
+            class sets ``per_group``) gets one value per group; see :mod:`gradlens.groups`.
         timeout: under ``torch.distributed``, the seconds each of the Lens's collectives (the
             configuration check when it is built, each window's merge) waits for the other
             ranks before it raises a ``RuntimeError`` naming the window (default
@@ -232,12 +241,14 @@ class Lens:
         sinks: Iterable[Any] = (),
         merge: str = "sync",
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        groups: Any = None,
     ):
         model = _watched_model(model)
         instruments = _check_instruments(instruments)
         optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
         if grad_scaler is None:
             grad_scaler = wrapped_scaler
+        groups = check_groups(groups)
         _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
         extra_sinks = _check_sinks(sinks)
         self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
@@ -258,7 +269,7 @@ class Lens:
         _check_not_meta(params)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
-        self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
+        self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
                             undefined=undefined)
         self._tap = self._meter.tap
         for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
@@ -287,9 +298,10 @@ class Lens:
         self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group))
         if self._group is not None:  # once: every rank has the same instruments and schedule
             try:
-                check_ranks_agree(
-                    self._group, lens_fingerprint(instruments, every, self.step, merge, params), self.timeout
-                )
+                fingerprint = lens_fingerprint(instruments, every, self.step, merge, params)
+                if groups is not None:  # the parameters' grouping fixes the per-group layout
+                    fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
+                check_ranks_agree(self._group, fingerprint, self.timeout)
             except BaseException:
                 self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)
                 raise
@@ -340,6 +352,8 @@ class Lens:
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
+            for i in self.instruments:  # parameter -> group (Lens(groups=...)), before the states
+                i.bind_groups(self._meter.group_of)
             self._states = {id(i): i.start_window() for i in self.instruments}
             if self._graph_insts:  # curvature: the micro-steps' gradients with their graphs
                 self._graph = WindowGraph(self._tap.params, self._group, self.model)
@@ -370,7 +384,8 @@ class Lens:
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
         ctx = MergeContext(dict(self._tap.params), sites, self._meter.plan.needs, route=self._ddp_route,
-                           memo=self._merge_memo, timeout=self.timeout, step=self.step)
+                           memo=self._merge_memo, timeout=self.timeout, step=self.step,
+                           groups=tuple(self._meter.groups))
         if self.merge == "deferred" and not defer_off:
             self._finish_inflight()  # the previous window's collective came first: finish it first
             self._merge_pending = merge_window_start(self._window, self.instruments, self._states, self._group, ctx)
@@ -390,6 +405,12 @@ class Lens:
     def tracked(self) -> list[str]:
         """Qualified names of the tracked parameters (as in ``model.named_parameters()``)."""
         return list(self._tap.params)
+
+    @property
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """``Lens(groups=...)``: group name -> its tracked parameters (the keys of
+        ``record.groups``, in order); ``{}`` without groups."""
+        return dict(self._meter.groups)
 
     @property
     def coverage(self) -> float:
@@ -462,7 +483,8 @@ class Lens:
             states,
         )
         if captured:
-            record = _window_record(step, window, states, self.instruments, self._window_coverage, empty)
+            record = _window_record(step, window, states, self.instruments, self._window_coverage, empty,
+                                    self._meter.groups)
             _warn_nonfinite(record, self.optimizer, self.grad_scaler)
             deferring = {id(i): states[id(i)] for i in self.instruments if i.defers(states[id(i)])}
             for i in self.instruments:
@@ -903,7 +925,7 @@ def _warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
 
 
 def _window_record(step: int, window: WindowStats, states: dict[int, Any], instruments: Sequence[Instrument],
-                   coverage: float, empty: int) -> Record:
+                   coverage: float, empty: int, groups: dict[str, tuple[str, ...]] | None = None) -> Record:
     """The record of a captured window: each instrument's finalized value under its key, the
     window's mean loss (None if unknown) and the meta data (coverage as of the window's opening,
     units, empty micro-steps, what the instruments add)."""
@@ -933,6 +955,10 @@ def _window_record(step: int, window: WindowStats, states: dict[int, Any], instr
     )
     for i in instruments:
         record.meta.update(i.meta(states[id(i)]))
+    per_group = [i for i in instruments if i.per_group]
+    for group, names in (groups or {}).items():  # the window seen through each group
+        view = window.restrict(group, names)
+        record.groups[group] = {i.key: i.finalize_group(view, states[id(i)], names) for i in per_group}
     return record
 
 

@@ -26,6 +26,7 @@ from gradlens import ops
 from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
+from gradlens.groups import group_params
 from gradlens.sq_norms import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
 from gradlens.units import MicroStep, check_reduction, loss_calls_for
@@ -52,6 +53,9 @@ class Plan:
             parameter hooks (ParamTap), no per-sample capture.
         fuse_weight_grad: sequence ``nn.Linear`` calls take dL/dW from the per-sample pass
             (the sum of squares, exact per-sample instruments and BatchDot materialise them).
+        groups: the checked ``Lens(groups=...)`` spec (:mod:`gradlens.groups`), or None: each
+            use's ``batch_l2`` contributions also go to its parameters' groups
+            (:attr:`WindowStats.group_l2`); instruments with ``per_group`` finalize per group.
     """
 
     needs: frozenset
@@ -63,10 +67,11 @@ class Plan:
     carry_scale: bool
     light: bool
     fuse_weight_grad: bool
+    groups: Any = None
 
     @classmethod
-    def compile(cls, instruments: list[Instrument]) -> "Plan":
-        """The plan of ``instruments`` (already checked by the Lens)."""
+    def compile(cls, instruments: list[Instrument], groups: Any = None) -> "Plan":
+        """The plan of ``instruments`` (already checked by the Lens) and the checked ``groups``."""
         needs = frozenset().union(*(i.needs for i in instruments)) if instruments else frozenset()
         per_sample = tuple(i for i in instruments if "per_sample" in i.needs)
         layer = tuple(i for i in instruments if "layer" in i.needs)
@@ -84,6 +89,7 @@ class Plan:
             fuse_weight_grad="sum_grad_squared" in needs
             or bool(exact)
             or any(getattr(i, "fills_weight_grad", False) for i in layer),
+            groups=groups,
         )
 
 
@@ -131,6 +137,9 @@ class Meter:
                 on_weight_grad=self.on_weight_grad if "grad_sum" in plan.needs else None,
             )
             self.tap.fuse_weight_grad = plan.fuse_weight_grad
+        self.group_of: dict[str, str] = {}  # tracked parameter -> its group (Lens(groups=...))
+        self.groups: dict[str, tuple[str, ...]] = {}  # group -> its parameters
+        self._set_groups(self.tap.params)
         self.grad_sq_hooks = None
         if "micro_grad_sq" in plan.needs and not plan.light:
             from gradlens.instruments.noise import ParamGradSquares
@@ -162,11 +171,17 @@ class Meter:
             if not params:
                 raise ValueError("the model has no trainable parameters left to track")
             self.tap.set_params(params)
+            self._set_groups(params)
             if self.grad_sq_hooks is not None:
                 self.grad_sq_hooks.remove()
                 self.grad_sq_hooks.params = list(params.values())
                 if self.tap.installed:  # refreshed inside a tracked window's first forward
                     self.grad_sq_hooks.install()
+
+    def _set_groups(self, params: dict[str, nn.Parameter]) -> None:
+        """The groups of the tracked ``params`` under the plan's spec (:func:`group_params`)."""
+        self.groups = group_params(self.plan.groups, list(params))
+        self.group_of = {q: g for g, qs in self.groups.items() for q in qs}
 
     # ------------------------------------------------------------------ micro-step lifecycle
     def begin(self, reduction: str | None, loss: Tensor | None, multiplier: Any, losses: Tensor | None,
@@ -228,6 +243,9 @@ class Meter:
             s.loss_unknown = 1  # the record says "unknown", not "non-finite"
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
+            if self.groups:  # a group no use reached this micro-step: zeros for its samples
+                got = micro.group_l2
+                s.group_l2 = {g: [got[g] if g in got else torch.zeros_like(micro.batch_l2)] for g in self.groups}
         if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
             scale = micro.scale()
             s.micro_grad_sq = micro.grad_sq * (scale * scale)
@@ -269,6 +287,7 @@ class Meter:
                     "nothing is left to track: put those layers in eval mode"
                 )
             self.tap.set_params(rest)  # the Lens updates its coverage after the capture
+            self._set_groups(rest)
             return
         layers = sorted(set(bad.values()))
         raise RuntimeError(
@@ -578,9 +597,10 @@ class Meter:
             if weight_grad is not None:
                 acc["weight_grad"] = weight_grad
             skip = {("grad_sum", "weight")} if weight_via_node else ()
-            l2 = kernel.reduce(module, a, delta, want, w.params, acc, skip)
-            if l2:
-                self._add_l2(micro, sum(l2))
+            for group, names in self._split(w.params, "batch_l2" in want):
+                l2 = kernel.reduce(module, a, delta, want, names, acc, skip)
+                if l2:
+                    self._add_l2(micro, sum(l2), group)
         for inst in self.plan.layer:
             if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
                 inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
@@ -613,6 +633,9 @@ class Meter:
             return
         numel = sum(getattr(module, attr).numel() for attr in attrs)
         l2_parts = []
+        of = self.group_of
+        # per group (Lens(groups=...)): this use's chunks of ||g_n||^2 over the group's parameters
+        group_parts: dict[str, list] = {}
         # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
         fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
         wsum = delta.new_zeros(module.weight.shape) if fill else None
@@ -630,7 +653,14 @@ class Meter:
                         inst.update(micro.states[id(inst)], qname, param, gb)
                 sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
                 if "batch_l2" in from_chunks:
-                    l2 = l2 + sq.flatten(1).sum(1)
+                    part = sq.flatten(1).sum(1)
+                    l2 = l2 + part
+                    if of:
+                        chunks = group_parts.setdefault(of[qname], [])
+                        if len(chunks) > len(l2_parts):  # a second parameter of the same group
+                            chunks[-1] = chunks[-1] + part
+                        else:
+                            chunks.append(part)
                 if "sum_grad_squared" in from_chunks:
                     add_into(window.sum_grad_squared, qname, sq.sum(0))
                 if "grad_sum" in from_chunks:
@@ -639,14 +669,37 @@ class Meter:
                 l2_parts.append(l2)
         if l2_parts:
             self._add_l2(micro, torch.cat(l2_parts))
+            for group, chunks in group_parts.items():
+                self._add_group_l2(micro, torch.cat(chunks), group)
         if wsum is not None:
             holder, scale = weight_grad
             holder.value = (wsum / scale).to(module.weight.dtype)
 
-    @staticmethod
-    def _add_l2(micro: MicroStep, l2: Tensor) -> None:
+    def _split(self, names: dict[str, str], by_group: bool) -> list[tuple[str | None, dict[str, str]]]:
+        """``[(group, names)]``: a use's parameters (attribute -> qualified name) by group, when
+        ``batch_l2`` goes to groups (``by_group``); else ``[(None, names)]``. Most uses lie in
+        one group (under ``groups="module"`` all but a call mixing parameters of several
+        modules, e.g. a tied head with its own bias): then one reduction, as without groups."""
+        of = self.group_of
+        if not (by_group and of):
+            return [(None, names)]
+        parts: dict[str, dict[str, str]] = {}
+        for attr, q in names.items():
+            parts.setdefault(of[q], {})[attr] = q
+        return list(parts.items())
+
+    def _add_l2(self, micro: MicroStep, l2: Tensor, group: str | None = None) -> None:
         l2 = l2.double()
         micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
+        if group is not None:
+            self._add_group_l2(micro, l2, group)
+
+    @staticmethod
+    def _add_group_l2(micro: MicroStep, l2: Tensor, group: str) -> None:
+        """Add ``[b]`` ||g_n||^2 over some parameters of ``group`` into the micro-step's part."""
+        got = micro.group_l2
+        l2 = l2.double()
+        got[group] = l2 if group not in got else got[group] + l2
 
 
 def _shares_storage(t: Tensor, other: Tensor) -> bool:

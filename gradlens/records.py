@@ -425,11 +425,20 @@ def flatten(record: Record, prefix: str = "gradlens/", who: str = "flatten") -> 
 
     Tensors with samples or parameter shapes (``batch_l2`` ``[N]``, ``sum_grad_squared``
     ``[*param]``) are not scalars and are left out; ``who`` names the caller in the error.
+    Per parameter group (:attr:`Record.groups`) the same names under ``<prefix><group>/``,
+    e.g. ``gradlens/layer1.0.conv1/grad_norm``.
     """
     if not isinstance(record, Record):
         raise TypeError(f"{who}(record=...) needs a gradlens Record, got {type(record).__name__}")
     out: dict[str, float] = {}
-    for key, value in record.items():
+    _flat_scalars(record.items(), prefix, out)
+    for group, values in record.groups.items():
+        _flat_scalars(values.items(), f"{prefix}{group}/", out)
+    return out
+
+
+def _flat_scalars(items, prefix: str, out: dict[str, float]) -> None:
+    for key, value in items:
         tag = f"{prefix}{key}"
         if isinstance(value, Hist1d):
             out[f"{tag}/clamped_low"] = float(value.clamped_low)
@@ -446,7 +455,6 @@ def flatten(record: Record, prefix: str = "gradlens/", who: str = "flatten") -> 
             number = as_number(value)
             if number is not None:
                 out[tag] = number
-    return out
 
 
 def flatten_histograms(
@@ -457,12 +465,20 @@ def flatten_histograms(
 
     - ``<prefix><key>`` for a :class:`Hist1d` (``grad_hist_1d``);
     - ``<prefix><key>/grad`` and ``<prefix><key>/param`` for a :class:`Hist2d`: its marginals
-      over the parameter axis and over the gradient axis (sums of its counts).
+      over the parameter axis and over the gradient axis (sums of its counts);
+    - per parameter group (:attr:`Record.groups`) the same under ``<prefix><group>/``.
     """
     if not isinstance(record, Record):
         raise TypeError(f"{who}(record=...) needs a gradlens Record, got {type(record).__name__}")
     out: dict[str, tuple[Tensor, Tensor]] = {}
-    for key, value in record.items():
+    _flat_histograms(record.items(), prefix, out)
+    for group, values in record.groups.items():
+        _flat_histograms(values.items(), f"{prefix}{group}/", out)
+    return out
+
+
+def _flat_histograms(items, prefix: str, out: dict[str, tuple[Tensor, Tensor]]) -> None:
+    for key, value in items:
         tag = f"{prefix}{key}"
         if isinstance(value, Hist1d):
             out[tag] = (value.counts.detach().cpu(), value.edges.detach().cpu().double())
@@ -470,4 +486,3 @@ def flatten_histograms(
             counts = value.counts.detach().cpu()
             out[f"{tag}/grad"] = (counts.sum(0), value.grad_edges.detach().cpu().double())
             out[f"{tag}/param"] = (counts.sum(1), value.param_edges.detach().cpu().double())
-    return out

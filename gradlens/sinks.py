@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import time
 import uuid
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from gradlens.records import (
-    Record, TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json,
+    Hist1d, Hist2d, Record, TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json,
 )
 
 __all__ = ["JsonlSink", "SinkSet", "TensorBoardSink", "load_log", "arrays_dir"]
@@ -196,10 +197,15 @@ class JsonlSink:
             for key, value in items:
                 if self.keys is not None and key not in self.keys:
                     continue
+                full = self.full is True or (self.full is not True and key in self.full)
                 big = _is_big(value, self.max_elements)
-                if big and (self.full is True or (self.full is not True and key in self.full)):
+                if big and full:
                     arrays[prefix + key] = _to_cpu(value)
                     values[key] = {"__array__": f"{self.arrays_dir.name}/{name}", "key": prefix + key}
+                elif prefix and not full and isinstance(value, (Hist1d, Hist2d)) and value.counts.numel() > self.max_elements:
+                    # per group, a histogram of more than max_elements bins as scalar summaries
+                    # (a GPT-2 record has ~75 groups)
+                    values[key] = _group_summary(value, self.max_elements)
                 elif big:
                     values[key] = _summarise(value, self.max_elements)
                 else:
@@ -324,6 +330,43 @@ def _summarise(value: Any, max_elements: int) -> Any:
         k: TensorSummary.of(v) if isinstance(v, Tensor) and v.dim() > 0 else v
         for k, v in value.items()
     }
+
+
+#: the quantiles of a group's histogram written to the log
+GROUP_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+def _group_summary(value: Any, max_elements: int) -> Any:
+    """A per-group value as the log keeps it: tensors as for the totals (:func:`_summarise`),
+    a histogram as a dict of scalars (``total``, the clamped counts and ``clamped_fraction``,
+    quantiles ``q05`` ... ``q95`` of the gradient axis, interpolated linearly within a bin);
+    the full group histograms are in the records in memory and the TensorBoard / W&B sinks."""
+    if isinstance(value, Hist1d):
+        clamped = {"clamped_low": value.clamped_low, "clamped_high": value.clamped_high}
+        counts, edges = value.counts, value.edges
+    elif isinstance(value, Hist2d):
+        clamped = {"clamped_param": value.clamped_param, "clamped_grad": value.clamped_grad}
+        counts, edges = value.counts.sum(0), value.grad_edges
+    elif _is_big(value, max_elements):
+        return _summarise(value, max_elements)
+    else:
+        return value
+    counts = counts.detach().double().cpu()
+    total = float(counts.sum())
+    out = {"total": total, **clamped}
+    out["clamped_fraction"] = float(sum(clamped.values())) / total if total else math.nan
+    cdf = counts.cumsum(0)
+    edges = edges.detach().double().cpu()
+    for q in GROUP_QUANTILES:
+        key = f"q{round(100 * q):02d}"
+        if not total:
+            out[key] = math.nan
+            continue
+        i = min(int(torch.searchsorted(cdf, q * total)), len(counts) - 1)
+        before = float(cdf[i - 1]) if i else 0.0
+        inside = (q * total - before) / float(counts[i]) if float(counts[i]) else 0.0
+        out[key] = float(edges[i] + inside * (edges[i + 1] - edges[i]))
+    return out
 
 
 def _to_cpu(value: Any) -> Any:

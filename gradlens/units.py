@@ -39,6 +39,7 @@ class MicroStep:
     loss_value: Tensor | None = None
     seen: set[str] = field(default_factory=set)
     batch_l2: Tensor | None = None
+    group_l2: dict = field(default_factory=dict)  # group -> [B] part of batch_l2 (Lens(groups=...))
     losses: Tensor | None = None
     #: shared parameters: qualified name -> [B, *param] per-sample gradients summed over uses
     shared: dict[str, Tensor] = field(default_factory=dict)

@@ -138,6 +138,9 @@ class WindowStats:
     #: DDP's ``p.grad`` for instruments that need only this norm), else None
     grad_sum_sq: Tensor | None = None
     loss_unknown: int = 0
+    #: per parameter group (``Lens(groups=...)``): group name -> per micro-step ``[B_k]``
+    #: vectors of ||g_n||^2 over that group's parameters (like ``batch_l2``; groups add up to it)
+    group_l2: dict[str, list[Tensor]] = field(default_factory=dict)
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
@@ -157,7 +160,28 @@ class WindowStats:
             micro_grad_sq=self.micro_grad_sq + other.micro_grad_sq,  # 0-d: no device sync
             micro_size_sq=self.micro_size_sq + other.micro_size_sq,
             loss_unknown=self.loss_unknown + other.loss_unknown,
+            group_l2=_cat_groups(self, other),
         )
+
+    def restrict(self, group: str, names) -> "WindowStats":
+        """The window seen through one parameter group: the same samples, counts and loss, with
+        ``batch_l2`` the group's ``[N]`` norms (:attr:`group_l2`) and the per-parameter sums of
+        the parameters ``names`` only (a view: the tensors are shared, nothing is copied)."""
+        keep = set(names)
+        view = WindowStats(
+            reduction=self.reduction,
+            num_samples=self.num_samples,
+            micro_steps=self.micro_steps,
+            loss_sum=self.loss_sum,
+            batch_l2=list(self.group_l2.get(group, [])),
+            sum_grad_squared={q: v for q, v in self.sum_grad_squared.items() if q in keep},
+            grad_sum={q: v for q, v in self.grad_sum.items() if q in keep},
+            loss_unknown=self.loss_unknown,
+        )
+        # the layer instruments' memo of pure functions of their factors (per-layer Grams,
+        # keyed by layer and tensors) is shared with the groups; the sums' memo is not
+        view._gradlens_cross_memo = self.__dict__.setdefault("_gradlens_cross_memo", {})
+        return view
 
     # ---- derived views, in per-sample units --------------------------------------------
     def batch_l2_all(self) -> Tensor:
@@ -212,6 +236,13 @@ class WindowStats:
                 sums.append(acc[q] if q in acc else p.new_zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32)))
             sums.append(torch.tensor(present, dtype=f64))
         pieces = [self.batch_l2_all().double()] if "batch_l2" in ctx.needs else []
+        groups = getattr(ctx, "groups", ())
+        if groups and "batch_l2" in ctx.needs:  # [G, N_r]: one more gathered piece
+            n = sum(t.numel() for t in self.batch_l2)
+            dev = self.batch_l2[0].device if self.batch_l2 else None
+            rows = [torch.cat(self.group_l2[g]).double() if self.group_l2.get(g)
+                    else torch.zeros(n, dtype=f64, device=dev) for g in groups]
+            pieces.append(torch.stack(rows) if n else torch.zeros(len(groups), 0, dtype=f64))
         return DistParts(sums=sums, pieces=pieces)
 
     def from_buffers(self, ctx, sums, per_rank, pieces) -> "WindowStats":
@@ -240,7 +271,27 @@ class WindowStats:
                     acc[q] = v
         if pieces:
             out.batch_l2 = [t for t in pieces[0] if t.numel()]
+        if len(pieces) > 1:
+            ranks = [t for t in pieces[1] if t.numel()]
+            out.group_l2 = {g: [t[i] for t in ranks] for i, g in enumerate(ctx.groups)}
         return out
+
+
+def _cat_groups(a: WindowStats, b: WindowStats) -> dict[str, list[Tensor]]:
+    """``group_l2`` of two merged windows: per group, a's vectors then b's (a side that has
+    samples but no entry for a group contributes zeros, so samples stay aligned)."""
+    if not a.group_l2 and not b.group_l2:
+        return {}
+    out = {}
+    for g in {**a.group_l2, **b.group_l2}:
+        parts = []
+        for side in (a, b):
+            if g in side.group_l2:
+                parts += side.group_l2[g]
+            elif side.batch_l2:
+                parts += [torch.zeros_like(t) for t in side.batch_l2]
+        out[g] = parts
+    return out
 
 
 def _add_dicts(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -281,6 +332,9 @@ class Instrument:
     fills_weight_grad: bool = False
     #: :meth:`update_layer` forms the micro-step's Gram in backward (BatchDot)
     gram_in_backward: ClassVar[bool] = False
+    #: the value decomposes over parameters: under ``Lens(groups=...)`` the Lens calls
+    #: :meth:`finalize_group` once per group for ``record.groups[group][key]``
+    per_group: bool = False
 
     def start_window(self) -> Any:
         return None
@@ -302,6 +356,32 @@ class Instrument:
 
     def end_window(self, state: Any) -> None:
         return None
+
+    # ---- per parameter group (Lens(groups=...)) -------------------------------------------
+    def bind_groups(self, group_of: dict[str, str]) -> None:
+        """Called by the Lens when a tracked window opens (before :meth:`start_window`) with
+        tracked parameter -> its group (empty without groups): an instrument whose window
+        state must keep per-group parts (histogram counts) reads it in :meth:`update`."""
+        return None
+
+    def group_state(self, state: Any, names: tuple[str, ...]) -> Any:
+        """The part of the window ``state`` that belongs to the parameters ``names`` (one
+        group), as a state :meth:`finalize` reads. Default: stateless instruments (``None``),
+        whose value comes from :class:`WindowStats` alone; an instrument with a state and
+        ``per_group`` overrides this (or :meth:`finalize_group`)."""
+        if state is None:
+            return None
+        raise NotImplementedError(
+            f"{type(self).__name__}.per_group is True but it keeps a window state and does not "
+            "define group_state(state, names); define it, or set per_group = False"
+        )
+
+    def finalize_group(self, stats: WindowStats, state: Any, names: tuple[str, ...]) -> Any:
+        """``record.groups[group][key]``: the value over the parameters ``names`` of one group.
+        ``stats`` is the merged window seen through the group (:meth:`WindowStats.restrict`:
+        its ``batch_l2`` and per-parameter sums are the group's), ``state`` the merged window
+        state (all parameters, all ranks). Default: :meth:`finalize` of the group's state."""
+        return self.finalize(stats, self.group_state(state, names))
 
     def update_outer(self, state: Any, name: str, param: Tensor, delta: Tensor, a: Tensor) -> bool:
         """Optional fast path for rank-one per-sample gradients g_n = delta_n a_n^T (Linear
@@ -465,6 +545,11 @@ def check_instrument(inst: Any) -> None:
                 f"{name}.{flag} is True but \"layer\" is not in {name}.needs ({sorted(needs)}); "
                 f"only update_layer uses it: add \"layer\" to needs or set {flag} = False"
             )
+    if not isinstance(inst.per_group, bool):
+        raise TypeError(
+            f"{name}.per_group must be True or False, got {inst.per_group!r}; set the class "
+            "attribute (or a property returning a bool)"
+        )
     sample = inst.sample
     if sample is not None and (isinstance(sample, bool) or not isinstance(sample, (int, float))
                                or not 0 < sample < 1):

@@ -40,6 +40,12 @@ class BatchDot(_CrossSample):
         are bilinear in them (see :class:`~gradlens.instruments.crosssample._Layer`)."""
         return self.mode == "exact"
 
+    @property
+    def per_group(self) -> bool:
+        """Per group in exact mode (each group's Gram from its layers' factors); a sketch is of
+        the whole g_n only."""
+        return self.mode == "exact"
+
     def _materialises(self, module, a, delta):
         return module.kernel.gram_materialises(module.module, a, delta)
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -430,6 +431,28 @@ class _CrossSample(Instrument):
             )
 
     # ---- window-end evaluation ---------------------------------------------------------
+    # ---- per parameter group (Lens(groups=...)) ------------------------------------------
+    def group_state(self, state: _DotState, names) -> _DotState:
+        """Exact mode: the window's layer factors seen through one group: each kept layer
+        counts only the group's parameters (a layer whose parameters lie in several groups is
+        kept under a new name with the group's part of them, ``"<layer>[weight]"``); the
+        factors are the same tensors (no copy), and per-layer Grams of whole layers are shared
+        with the totals through the window's memo (:func:`_memo`)."""
+        keep = set(names)
+        out = _DotState(reduction=state.reduction,
+                        params={q: p for q, p in state.params.items() if q in keep})
+        for part in state.parts:
+            layers = {}
+            for name, lay in part.layers.items():
+                attrs = [attr for attr, q in lay.w.params.items() if q in keep]
+                if len(attrs) == len(lay.w.params):
+                    layers[name] = lay
+                elif attrs:
+                    w = dataclasses.replace(lay.w.only(attrs), name=f"{name}[{','.join(attrs)}]")
+                    layers[w.name] = dataclasses.replace(lay, w=w, gram=None)
+            out.parts.append(_Part(batch=part.batch, layers=layers))
+        return out
+
     def _check_versions(self, state: _DotState) -> None:
         for p in state.parts:
             for name, lay in p.layers.items():

@@ -130,6 +130,9 @@ class _Hist1dState:
     var: Tensor | None = None  # sampled mode: [bins] float64 variance of the estimated counts
     #: sampled mode: parameter name -> Stratum, shared by the window's micro-steps
     strata: dict = field(default_factory=dict)
+    #: under ``Lens(groups=...)``: group -> its counters (a state without extremes or strata);
+    #: the counters above then hold nothing and the histogram is the sum of the parts
+    parts: dict = field(default_factory=dict)
 
     def to(self, device) -> None:
         """Keep the counters on the gradients' device (no host sync per slice)."""
@@ -155,7 +158,89 @@ def _sampled_counters(bins: int) -> dict:
     return {"counts": z(bins), "var": z(bins), "low": z(), "high": z()}
 
 
-class GradHist1d(Instrument):
+class _GroupedHist(Instrument):
+    """Histograms per parameter group: the counters of each group's parameters go to its own
+    part of the state (no extra pass: each element is binned once, into its group's counts);
+    the record's histogram is the sum of the parts, a group's is its part."""
+
+    per_group = True
+    _group_of: dict = {}
+    #: the state fields that are counters (the rest is shared: range, extremes, caches)
+    _counters: tuple = ()
+
+    def bind_groups(self, group_of: dict[str, str]) -> None:
+        self._group_of = dict(group_of)
+
+    def _dst(self, state, name: str):
+        """The state whose counters take parameter ``name``'s elements: its group's part."""
+        group = self._group_of.get(name) if self._group_of else None
+        if group is None:
+            return state
+        part = state.parts.get(group)
+        if part is None:
+            part = state.parts[group] = self._empty_like(state)
+        return part
+
+    def _empty_like(self, state):
+        """Zero counters like ``state``'s, on its device."""
+        fresh = self.start_window()
+        for f in self._counters:
+            t = getattr(fresh, f)
+            if t is not None:
+                setattr(fresh, f, t.to(state.counts.device))
+        return fresh
+
+    def _merge_parts(self, a, b) -> dict:
+        if not a.parts and not b.parts:
+            return {}
+        out = dict(a.parts)
+        for g, p in b.parts.items():
+            out[g] = self._add_counters(out[g], p) if g in out else p
+        return out
+
+    def _add_counters(self, a, b):
+        kw = {f: _pick(torch.add, getattr(a, f), getattr(b, f)) for f in self._counters}
+        return type(a)(**{**{k: getattr(a, k) for k in a.__dataclass_fields__}, **kw, "parts": {}})
+
+    def _whole(self, state):
+        """The state with every group's counters added into its own (a new state)."""
+        out = type(state)(**{k: getattr(state, k) for k in state.__dataclass_fields__})
+        out.parts = {}
+        for p in state.parts.values():
+            out = self._add_counters(out, p)
+            out.parts = {}
+        return out
+
+    def group_state(self, state, names):
+        """The group's counters, with its parameters' strata (sampled) and theta bins (2D)."""
+        group = self._group_of.get(names[0]) if self._group_of else None
+        part = state.parts.get(group) if group is not None else None
+        if part is None:
+            part = self._empty_like(state)
+        out = type(state)(**{k: getattr(state, k) for k in state.__dataclass_fields__})
+        for f in self._counters:
+            setattr(out, f, getattr(part, f))
+        keep = set(names)
+        out.strata = {q: st for q, st in state.strata.items() if q in keep}
+        if hasattr(out, "cache"):
+            out.cache = {q: t for q, t in state.cache.items() if q in keep}
+        out.parts = {}
+        return out
+
+    def _group_sums(self, state, ctx, totals) -> list:
+        """Under groups: per group of ``ctx.groups`` its counters (``totals`` of its state)."""
+        sums = []
+        if not ctx.groups:
+            return sums
+        members: dict[str, list[str]] = {}
+        for q, g in self._group_of.items():
+            members.setdefault(g, []).append(q)
+        for g in ctx.groups:
+            sums += totals(self.group_state(state, members.get(g, [""])))
+        return sums
+
+
+class GradHist1d(_GroupedHist):
     """``record["grad_hist_1d"]``: :class:`~gradlens.records.Hist1d` of every element of every
     per-sample gradient g_n over the tracked parameters (N * D elements per window).
 
@@ -174,6 +259,7 @@ class GradHist1d(Instrument):
 
     key = "grad_hist_1d"
     needs = frozenset({"per_sample"})
+    _counters = ("counts", "low", "high", "var")
 
     def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None,
                  sample: float | None = None, seed: int = 0):
@@ -214,17 +300,18 @@ class GradHist1d(Instrument):
 
     def update(self, state: _Hist1dState, name, param, grad_batch):
         x = grad_batch.detach()
-        state.to(x.device)
+        dst = self._dst(state, name)
+        dst.to(x.device)
         lo, hi = state.lo, state.hi
         inside = extremes_inside(x, lo, hi)
         if inside is not None:  # nothing clamped, no NaN: the bins alone
-            tally(state.counts, bin_of(x, lo, hi, self.bins, torch.int32, finite=True))
+            tally(dst.counts, bin_of(x, lo, hi, self.bins, torch.int32, finite=True))
             if self.adapt is not None:
                 self._extremes(state, torch.stack(inside))
             return
-        tally(state.counts, bin_of(x, lo, hi, self.bins, torch.int32))
-        state.low += torch.count_nonzero(x < lo)  # (faster than a bool sum)
-        state.high += torch.count_nonzero(x > hi) + torch.count_nonzero(x.isnan())
+        tally(dst.counts, bin_of(x, lo, hi, self.bins, torch.int32))
+        dst.low += torch.count_nonzero(x < lo)  # (faster than a bool sum)
+        dst.high += torch.count_nonzero(x > hi) + torch.count_nonzero(x.isnan())
         if self.adapt is not None:
             self._extremes(state, x)
 
@@ -237,11 +324,12 @@ class GradHist1d(Instrument):
         out = outer_hist1d(delta, a, state.lo, state.hi, self.bins)
         if out is None:
             return False
-        state.to(delta.device)
+        dst = self._dst(state, name)
+        dst.to(delta.device)
         counts, low, high = out
-        state.counts += counts
-        state.low += low
-        state.high += high
+        dst.counts += counts
+        dst.low += low
+        dst.high += high
         if self.adapt is not None:
             ext = torch.stack([delta.amin(1) * a.amin(1), delta.amin(1) * a.amax(1),
                                delta.amax(1) * a.amin(1), delta.amax(1) * a.amax(1)])
@@ -251,14 +339,15 @@ class GradHist1d(Instrument):
     def update_zeros(self, state: _Hist1dState, name, param, count):
         """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer)."""
         n = count * param.numel()
-        state.to(param.device)
-        zero = torch.zeros(1, dtype=torch.float32, device=state.counts.device)
-        state.counts.index_add_(0, bin_of(zero, state.lo, state.hi, self.bins),
-                                torch.full((1,), n, dtype=state.counts.dtype, device=zero.device))
+        dst = self._dst(state, name)
+        dst.to(param.device)
+        zero = torch.zeros(1, dtype=torch.float32, device=dst.counts.device)
+        dst.counts.index_add_(0, bin_of(zero, state.lo, state.hi, self.bins),
+                              torch.full((1,), n, dtype=dst.counts.dtype, device=zero.device))
         if 0.0 < state.lo:
-            state.low += n
+            dst.low += n
         elif 0.0 > state.hi:
-            state.high += n
+            dst.high += n
         if self.adapt is not None:
             self._extremes(state, zero)
 
@@ -273,10 +362,12 @@ class GradHist1d(Instrument):
         return _Hist1dState(
             a.lo, a.hi, a.counts + b.counts.to(dev), a.low + b.low.to(dev), a.high + b.high.to(dev),
             _pick(torch.minimum, a.mn, b.mn), _pick(torch.maximum, a.mx, b.mx),
-            _pick(torch.add, a.var, b.var), merge_strata(a.strata, b.strata),
+            _pick(torch.add, a.var, b.var), merge_strata(a.strata, b.strata), self._merge_parts(a, b),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist1dState) -> Hist1d:
+        if state.parts:
+            state = self._whole(state)
         edges = _edges(state.lo, state.hi, self.bins)
         if state.var is not None:
             counts, var, low, high = state.sampled_totals()
@@ -288,19 +379,33 @@ class GradHist1d(Instrument):
         self.range = _adapted(self.range, _num(state.mn, math.inf), _num(state.mx, -math.inf), self.adapt)
 
     # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
-    def to_buffers(self, state: _Hist1dState, ctx):
+    @staticmethod
+    def _sums(state: _Hist1dState) -> list:
         if state.var is not None:  # independent ranks: estimates and variances add
             counts, var, low, high = state.sampled_totals()
-            sums = [counts, low, high, var]
+            return [counts, low, high, var]
+        return [state.counts, state.low, state.high]
+
+    def to_buffers(self, state: _Hist1dState, ctx):
+        """Counts add across ranks (groups: each group's counters, in ``ctx.groups``' order)."""
+        groups = getattr(ctx, "groups", ())
+        if groups:  # the strata belong to the groups: only the exactly known counters here
+            own = [state.counts, state.low, state.high] + ([state.var] if state.var is not None else [])
+            sums = own + self._group_sums(state, ctx, self._sums)
         else:
-            sums = [state.counts, state.low, state.high]
+            sums = self._sums(self._whole(state) if state.parts else state)
         per_rank = [_extremes_row(state.mn, state.mx)] if self.adapt is not None else []
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist1dState, ctx, sums, per_rank, pieces) -> _Hist1dState:
         mn, mx = _merged_extremes(per_rank)
-        var = sums[3] if len(sums) > 3 else None
-        return _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], mn, mx, var)
+        k = 4 if state.var is not None else 3
+        var = sums[3] if k == 4 else None
+        out = _Hist1dState(state.lo, state.hi, sums[0], sums[1], sums[2], mn, mx, var)
+        for i, g in enumerate(getattr(ctx, "groups", ())):
+            c = sums[k * (i + 1): k * (i + 2)]
+            out.parts[g] = _Hist1dState(state.lo, state.hi, c[0], c[1], c[2], var=c[3] if k == 4 else None)
+        return out
 
     # ---- checkpoints (gradlens.state) ----------------------------------------------------
     def state_dict(self) -> dict:
@@ -343,6 +448,8 @@ class _Hist2dState:
     var: Tensor | None = None  # sampled mode: [P * G] float64 variance of the estimates
     #: sampled mode: parameter name -> Stratum, shared by the window's micro-steps
     strata: dict = field(default_factory=dict)
+    #: under ``Lens(groups=...)``: group -> its counters (see :class:`_Hist1dState`)
+    parts: dict = field(default_factory=dict)
 
     def to(self, device) -> None:
         if self.counts.device != device:
@@ -360,7 +467,7 @@ class _Hist2dState:
         return counts, var, clamped
 
 
-class GradHist2d(Instrument):
+class GradHist2d(_GroupedHist):
     """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
     (theta_j, g_n,j) over all samples n and tracked entries j, theta being the parameter values
     at which the window's gradients were computed.
@@ -375,6 +482,7 @@ class GradHist2d(Instrument):
 
     key = "grad_hist_2d"
     needs = frozenset({"per_sample"})
+    _counters = ("counts", "clamped_grad", "var")
     max_rows_one_by_one = 0.25  # see update_outer
 
     def __init__(self, bins=(40, 50), range=((-1.0, 1.0), (-2.0, 2.0)), adapt: str | None = None,
@@ -435,16 +543,18 @@ class GradHist2d(Instrument):
     def update(self, state: _Hist2dState, name, param, grad_batch):
         x = grad_batch.detach()
         state.to(x.device)
+        dst = self._dst(state, name)
+        dst.to(x.device)
         off = self._theta(state, name, param).offsets
         lo, hi = state.grange
         inside = extremes_inside(x, lo, hi)
         if inside is not None:  # nothing clamped, no NaN: the bins alone
-            tally(state.counts, bin_of(x, lo, hi, self.bins[1], torch.int32, finite=True).add_(off))
+            tally(dst.counts, bin_of(x, lo, hi, self.bins[1], torch.int32, finite=True).add_(off))
             if self.adapt is not None:
                 self._grad_extremes(state, *inside)
             return
-        tally(state.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(off))
-        state.clamped_grad += (torch.count_nonzero(x < lo) + torch.count_nonzero(x > hi)
+        tally(dst.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(off))
+        dst.clamped_grad += (torch.count_nonzero(x < lo) + torch.count_nonzero(x > hi)
                                + torch.count_nonzero(x.isnan()))
         if self.adapt is not None:
             self._grad_extremes(state, *torch.aminmax(x))
@@ -500,6 +610,8 @@ class GradHist2d(Instrument):
         if int(done.numel() - done.sum()) > self.max_rows_one_by_one * done.numel():
             return False
         state.to(delta.device)
+        dst = self._dst(state, name)
+        dst.to(delta.device)
         theta = self._theta(state, name, param)
         off = theta.offsets  # [O, I] p_bin * G
         row_counts = self._row_counts(theta)  # [O, P]
@@ -508,15 +620,15 @@ class GradHist2d(Instrument):
         s_rows = rows[single]
         per_col = torch.bincount(row_i[s_rows] * gbins + first[s_rows], minlength=o * gbins)
         joint = row_counts.t().double() @ per_col.view(o, gbins).double()  # [P, G], exact ints
-        state.counts += joint.round().long().view(-1)
+        dst.counts += joint.round().long().view(-1)
         if zs is not None and bool(zs.any()):
-            self._zero_split(state, zs, delta, a, off, row_counts, int(z))
+            self._zero_split(dst, zs, delta, a, off, row_counts, int(z))
         multi = rows[~done]
         for s, e in sample_chunks(width, multi.numel()):  # [R, I] products per block
             c = multi[s:e]
             x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
-            tally(state.counts, bin_of(x, lo, hi, gbins).add_(off[c % o]))
-            state.clamped_grad += ((x < lo) | (x > hi)).sum()
+            tally(dst.counts, bin_of(x, lo, hi, gbins).add_(off[c % o]))
+            dst.clamped_grad += ((x < lo) | (x > hi)).sum()
         if self.adapt is not None:
             self._grad_extremes(state, vmin.min(), vmax.max())
         return True
@@ -542,14 +654,16 @@ class GradHist2d(Instrument):
         """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer):
         each entry j adds ``count`` to the cell (bin of theta_j, bin of 0)."""
         state.to(param.device)
+        dst = self._dst(state, name)
+        dst.to(param.device)
         off = self._theta(state, name, param).offsets.reshape(-1)
         lo, hi = state.grange
         zero = torch.zeros(1, dtype=torch.float32, device=off.device)
         idx = off + bin_of(zero, lo, hi, self.bins[1])
-        state.counts.index_add_(0, idx, torch.full(idx.shape, count, dtype=state.counts.dtype,
-                                                   device=idx.device))
+        dst.counts.index_add_(0, idx, torch.full(idx.shape, count, dtype=dst.counts.dtype,
+                                                 device=idx.device))
         if not lo <= 0.0 <= hi:
-            state.clamped_grad += count * param.numel()
+            dst.clamped_grad += count * param.numel()
         if self.adapt is not None:
             z = torch.zeros((), device=off.device)
             self._grad_extremes(state, z, z)
@@ -575,9 +689,12 @@ class GradHist2d(Instrument):
             a.clamped_grad + b.clamped_grad.to(a.clamped_grad.device),
             _pick(torch.minimum, a.gmn, b.gmn), _pick(torch.maximum, a.gmx, b.gmx),
             cache=a.cache, var=_pick(torch.add, a.var, b.var), strata=merge_strata(a.strata, b.strata),
+            parts=self._merge_parts(a, b),
         )
 
     def finalize(self, stats: WindowStats, state: _Hist2dState) -> Hist2d:
+        if state.parts:
+            state = self._whole(state)
         pb, gb = self.bins
         sampled = state.var is not None
         if sampled:
@@ -605,19 +722,33 @@ class GradHist2d(Instrument):
 
     # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
     # (theta is the same on every rank under data parallelism: the parameter side needs nothing)
-    def to_buffers(self, state: _Hist2dState, ctx):
-        per_rank = [_extremes_row(state.gmn, state.gmx)] if self.adapt is not None else []
+    @staticmethod
+    def _sums(state: _Hist2dState) -> list:
         if state.var is not None:  # independent ranks: estimates and variances add
             counts, var, clamped = state.sampled_totals()
-            sums = [counts, clamped, var]
+            return [counts, clamped, var]
+        return [state.counts, state.clamped_grad]
+
+    def to_buffers(self, state: _Hist2dState, ctx):
+        """As :meth:`GradHist1d.to_buffers`."""
+        per_rank = [_extremes_row(state.gmn, state.gmx)] if self.adapt is not None else []
+        groups = getattr(ctx, "groups", ())
+        if groups:  # the strata belong to the groups: only the exactly known counters here
+            own = [state.counts, state.clamped_grad] + ([state.var] if state.var is not None else [])
+            sums = own + self._group_sums(state, ctx, self._sums)
         else:
-            sums = [state.counts, state.clamped_grad]
+            sums = self._sums(self._whole(state) if state.parts else state)
         return DistParts(sums=sums, per_rank=per_rank)
 
     def from_buffers(self, state: _Hist2dState, ctx, sums, per_rank, pieces) -> _Hist2dState:
         mn, mx = _merged_extremes(per_rank)
-        var = sums[2] if len(sums) > 2 else None
-        return _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache, var=var)
+        k = 3 if state.var is not None else 2
+        var = sums[2] if k == 3 else None
+        out = _Hist2dState(state.prange, state.grange, sums[0], sums[1], mn, mx, cache=state.cache, var=var)
+        for i, g in enumerate(getattr(ctx, "groups", ())):
+            c = sums[k * (i + 1): k * (i + 2)]
+            out.parts[g] = _Hist2dState(state.prange, state.grange, c[0], c[1], var=c[2] if k == 3 else None)
+        return out
 
     # ---- checkpoints (gradlens.state) ----------------------------------------------------
     def state_dict(self) -> dict:

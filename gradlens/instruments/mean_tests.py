@@ -74,6 +74,12 @@ def _mean_projections_uncached(
 
 
 class _MeanTest(_CrossSample):
+    @property
+    def per_group(self) -> bool:
+        """Per group in exact mode: the test of the group's g_n (G and g_n . G over its
+        parameters); a sketch is of the whole g_n only."""
+        return self.mode == "exact"
+
     def __init__(self, mode: str = "exact", **kwargs):
         super().__init__(mode, **kwargs)
         if mode == "sketch":  # the exact ||G||^2 comes from the capture's grad_sum

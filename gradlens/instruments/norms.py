@@ -21,6 +21,7 @@ class BatchL2(Instrument):
 
     key = "batch_l2"
     needs = frozenset({"batch_l2"})
+    per_group = True
 
     def finalize(self, stats: WindowStats, state):
         return stats.batch_l2_all().double().cpu()
@@ -33,6 +34,7 @@ class SumGradSquared(Instrument):
 
     key = "sum_grad_squared"
     needs = frozenset({"sum_grad_squared"})
+    per_group = True
 
     def finalize(self, stats: WindowStats, state):
         return {k: v.detach().cpu() for k, v in stats.sum_grad_squared.items()}
@@ -44,6 +46,7 @@ class GradNorm(Instrument):
 
     key = "grad_norm"
     needs = frozenset({"grad_sum"})
+    per_group = True
 
     def finalize(self, stats: WindowStats, state):
         return math.sqrt(float(stats.window_grad_sq_norm()))

@@ -94,6 +94,12 @@ class ShiftedMoments:
                 self.count[name] = num_samples
         return self
 
+    def restrict(self, names) -> "ShiftedMoments":
+        """The moments of the parameters ``names`` only (shared tensors, no copy)."""
+        keep = [q for q in self.count if q in set(names)]
+        return ShiftedMoments({q: self.count[q] for q in keep}, {q: self.shift[q] for q in keep},
+                              {q: self.s1[q] for q in keep}, {q: self.s2[q] for q in keep})
+
     def mean_var(self, name: str) -> tuple[Tensor, Tensor]:
         """(G, unbiased var) ``[*param]`` float64 of parameter ``name`` (var NaN if N < 2)."""
         n = self.count[name]
@@ -138,6 +144,11 @@ def _trace_shifted(moments: ShiftedMoments, n: int) -> tuple[float, float]:
 
 
 class _TraceInstrument(Instrument):
+    per_group = True
+
+    def group_state(self, state, names):
+        return state.restrict(names) if self.per_sample else None
+
     def __init__(self, per_sample: bool = False):
         if not isinstance(per_sample, bool):
             raise TypeError(f"per_sample must be True or False, got {per_sample!r}")
@@ -232,6 +243,17 @@ class MeanGSNR(Instrument):
 
     key = "mean_gsnr"
     needs = frozenset({"per_sample"})
+    per_group = True
+
+    def group_state(self, state: ShiftedMoments, names) -> ShiftedMoments:
+        """The group's coordinates."""
+        return state.restrict(names)
+
+    def finalize_group(self, stats: WindowStats, state: ShiftedMoments, names):
+        """The mean GSNR over the group's coordinates, with the round-off floor of the whole
+        window (its largest variance over every tracked coordinate, as for the total): a group
+        whose variances are all round-off (a bias before a norm) gives NaN, not noise."""
+        return self._mean_gsnr(stats, state, self.group_state(state, names))
 
     def start_window(self):
         return ShiftedMoments()
@@ -270,18 +292,34 @@ class MeanGSNR(Instrument):
         return merged
 
     def finalize(self, stats: WindowStats, state: ShiftedMoments):
+        return self._mean_gsnr(stats, state, state)
+
+    @staticmethod
+    def _mean_gsnr(stats: WindowStats, state: ShiftedMoments, part: ShiftedMoments) -> float:
+        """The mean over the coordinates of ``part`` (``state`` or a group of it), with the
+        round-off floor of the whole window ``state``."""
         n = stats.num_samples
         if n < 2:
             return math.nan
         total, count = 0.0, 0
         state.fill_zeros(n)  # samples that skipped a layer: g_n = 0 there, one N per window
-        moments = [state.mean_var(name) for name in state.count]
-        if not moments:
+        part.fill_zeros(n)
+        if not state.count:
             return math.nan
+        moments = [part.mean_var(name) for name in part.count]
         # variances below the round-off level of the window's largest one are zero: e.g. a
-        # key bias under softmax, or a bias before a norm, whose exact gradient is 0
-        eps = max(torch.finfo(state.s2[name].dtype).eps for name in state.count)
-        floor = eps * max(float(var.max()) for _, var in moments)
+        # key bias under softmax, or a bias before a norm, whose exact gradient is 0. The floor
+        # is kept on the state for the groups that follow (keyed by the samples it has seen)
+        seen = (len(state.count), sum(state.count.values()))
+        cached = state.__dict__.get("_gsnr_floor")
+        if cached is not None and cached[0] == seen:
+            floor = cached[1]
+        else:
+            eps = max(torch.finfo(state.s2[name].dtype).eps for name in state.count)
+            vmax = [float(var.max()) for _, var in moments] if part is state else [
+                float(state.mean_var(q)[1].max()) for q in state.count]
+            floor = eps * max(vmax)
+            state.__dict__["_gsnr_floor"] = (seen, floor)
         for mean, var in moments:
             ok = var > floor
             total += float((mean[ok].square() / var[ok]).sum())
