@@ -220,3 +220,38 @@ def test_squared_norms_restrict_to_a_group_and_merge():
     merged = a.merge(b)
     assert merged.norm(["fc1.bias"]) == 5.0 and a.norm() == 5.0  # a itself unchanged
     assert SquaredNorms().merge(b) is b and b.merge(SquaredNorms()) is b
+
+
+def test_distance_and_update_size_per_group_are_the_norms_over_each_groups_parameters():
+    """Lens(groups=...): record.groups[g]["distance"] / ["update_size"] are ||theta_t - theta_0|| /
+    ||theta_{t+1} - theta_t|| over group g's parameters, read from the model's own parameters
+    (float64 copies) around each update; the squares of the groups add up to the total's."""
+    torch.manual_seed(0)
+    model = gradlens.extend(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    theta0 = {q: p.detach().clone() for q, p in model.named_parameters()}
+    lens = Lens(model, [Distance(), UpdateSize()], optimizer=opt, groups={"first": ["0.*"]})
+    x, y = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
+    groups = {"first": ["0.weight", "0.bias"], "other": ["2.weight", "2.bias"]}
+    for _ in range(3):
+        before = {q: p.detach().clone() for q, p in model.named_parameters()}
+        for xb, yb in zip(x.split([4, 1, 4]), y.split([4, 1, 4])):
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after = dict(model.named_parameters())
+        rec = lens.records[-1]
+        assert set(rec.groups) == set(groups)
+        total_d = total_u = 0.0
+        for g, names in groups.items():
+            d = sum(float((before[q] - theta0[q]).square().sum()) for q in names)
+            u = sum(float((after[q].detach() - before[q]).square().sum()) for q in names)
+            assert rec.groups[g]["distance"] == pytest.approx(d ** 0.5, rel=1e-12)
+            assert rec.groups[g]["update_size"] == pytest.approx(u ** 0.5, rel=1e-12)
+            total_d, total_u = total_d + d, total_u + u
+        assert rec["distance"] == pytest.approx(total_d ** 0.5, rel=1e-12)
+        assert rec["update_size"] == pytest.approx(total_u ** 0.5, rel=1e-12)
+    lens.close()

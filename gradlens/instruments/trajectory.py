@@ -102,6 +102,14 @@ class _ParameterInstrument(Instrument):
     def meta(self, state: SquaredNorms) -> dict[str, Any]:
         return {self.key: state.note} if state.note else {}
 
+    #: ``record.groups[g][key]``: the same norm over the group's parameters
+    per_group = True
+
+    def finalize_group(self, stats: WindowStats, state: SquaredNorms, names: tuple[str, ...]) -> float | None:
+        if state.sq is None:  # finalize measures what is still missing (and notes why)
+            self.finalize(stats, state)
+        return state.norm(names)
+
 
 class Distance(_ParameterInstrument):
     """``record["distance"]``: float, ||theta_t - theta_0|| over the tracked parameters (L2,
