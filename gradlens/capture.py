@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradlens import compat, ops
-from gradlens.kernels import Kernel, LinearKernel, OpLinear
+from gradlens import axes, compat, ops
+from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
 from gradlens.registry import forward_for, kernel_for
 
 __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
@@ -50,6 +50,7 @@ __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "
 _EXTENDED = "_gradlens_extended"
 _EXCLUDE = "_gradlens_exclude"
 _LOSS_HOOK = "_gradlens_loss_hook"
+_BATCH_DIM = "_gradlens_batch_dim"
 
 _loss_calls = threading.local()
 
@@ -165,7 +166,7 @@ def _is_loss(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.loss._Loss)
 
 
-def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
+def extend(module: nn.Module, exclude: Iterable[str] = (), batch_dim: int | None = None) -> nn.Module:
     """Make ``module`` ready for gradlens and check it; returns the same module.
 
     For a loss module (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ...): installs a light forward
@@ -180,6 +181,9 @@ def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
         module: a model or a loss module.
         exclude: parameter names (``"fc.weight"``, ``"cls_token"``) or module names (``"fc"``,
             ``"encoder.norm"``) whose parameters gradlens must not track.
+        batch_dim: the sample axis of the model's inputs (``1`` for sequence-first ``[T, B]``
+            inputs); default: 0, or 1 where the model itself says ``batch_first=False``. From
+            there the axis is followed through the forward, never guessed from sizes.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}")
@@ -195,11 +199,23 @@ def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
         return module
     if isinstance(exclude, str):
         raise TypeError(f"exclude must be a list of names, got the string {exclude!r}; use exclude=[{exclude!r}]")
+    if batch_dim is not None:
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(
+                f"batch_dim must be a non-negative int (the inputs' sample axis), got {batch_dim!r}; "
+                "e.g. gradlens.extend(model, batch_dim=1) for [T, B] inputs"
+            )
+        setattr(module, _BATCH_DIM, batch_dim)
     exclude = tuple(getattr(module, _EXCLUDE, ())) + tuple(exclude)
     tracked_parameters(module, exclude)  # checks the names
     setattr(module, _EXCLUDE, exclude)
     setattr(module, _EXTENDED, True)
     return module
+
+
+def declared_batch_dim(module: nn.Module) -> int | None:
+    """The inputs' sample axis given to :func:`extend` (``batch_dim=``), else None."""
+    return getattr(module, _BATCH_DIM, None)
 
 
 def is_extended(module: nn.Module) -> bool:
@@ -291,6 +307,8 @@ class OpUse:
     axis: int
     batch: int
     forward: int = 0  # id of the forward pass
+    #: rows per sample on ``axis`` (its size is ``batch * factor``, samples the leading factor)
+    factor: int = 1
 
 
 def _tensors(args) -> Iterable[tuple[Any, Tensor]]:
@@ -321,13 +339,35 @@ def _input_batch(inputs: tuple, hint: int) -> tuple[int, int] | None:
     return ax, int(first.shape[ax])
 
 
-def _axis(shape, batch: int, hint: int) -> int | None:
-    """The sample axis of a tensor of ``shape`` in a micro-batch of ``batch``: the axis of that
-    size (``hint`` first where several have it), or None."""
+def _only_axis(shape, batch: int) -> int | None:
+    """The one axis of ``shape`` whose size is the micro-batch size, or None (none, or several:
+    then the size says nothing)."""
     cands = [i for i, s in enumerate(shape) if s == batch]
-    if not cands:
-        return None
-    return hint if hint in cands else cands[0]
+    return cands[0] if len(cands) == 1 else None
+
+
+#: kernels whose input may hold several rows per sample: rows of one sample are positions
+_FACTOR_KERNELS: tuple = (LinearKernel, LayerNormKernel, EmbeddingKernel)
+
+
+def _batch_first(t: Tensor, ax: int, factor: int, batch: int) -> Tensor:
+    """``t`` with its sample axis ``ax`` moved to dim 0; ``[B * f, ...] -> [B, f, ...]`` where
+    the samples are the leading factor of that axis."""
+    t = t.movedim(ax, 0) if ax else t
+    return t.reshape(batch, factor, *t.shape[1:]) if factor != 1 else t
+
+
+def _declared(model: nn.Module) -> dict[int, tuple[str, int]]:
+    """id(module) -> (what it declares, the sample axis of its 3-D input) for modules that say
+    ``batch_first`` themselves (RNNs, MultiheadAttention, transformer layers)."""
+    out = {}
+    for m in model.modules():
+        for obj in (m, getattr(m, "self_attn", None)):
+            bf = getattr(obj, "batch_first", None)
+            if isinstance(bf, bool):
+                out[id(m)] = (f"batch_first={bf}", 0 if bf else 1)
+                break
+    return out
 
 
 def _hints(model: nn.Module) -> dict[int, int]:
@@ -378,10 +418,13 @@ class _UseMode(TorchFunctionMode):
         derived = tap._derived
         pid = tap._pid
         is_data = False
+        first = None  # (the first data argument, its sample axis)
         tracked = []
         for pos, x in _tensors(args):
             if x in data:
                 is_data = True
+                if first is None:
+                    first = (x, data[x])
                 continue
             q = pid.get(id(x))
             if q is not None and x is tap.params[q]:
@@ -396,6 +439,8 @@ class _UseMode(TorchFunctionMode):
             if isinstance(x, Tensor):
                 if x in data:
                     is_data = True
+                    if first is None:
+                        first = (x, data[x])
                     continue
                 q = pid.get(id(x))
                 if q is not None and x is tap.params[q]:
@@ -407,8 +452,7 @@ class _UseMode(TorchFunctionMode):
         if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
             out = func(*args, **kwargs)
             if is_data:
-                for o in _outputs(out):
-                    data[o] = True
+                tap._carry(func, args, kwargs, first, out)
             return out
         if func is F.batch_norm and is_data:
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
@@ -417,8 +461,7 @@ class _UseMode(TorchFunctionMode):
         if not tracked:
             out = func(*args, **kwargs)
             if is_data:
-                for o in _outputs(out):
-                    data[o] = True
+                tap._carry(func, args, kwargs, first, out)
                 if func in _LOSS_FUNCTIONS:
                     _note_functional_loss(func, kwargs, out, tap._batch)
             return out
@@ -434,8 +477,7 @@ class _UseMode(TorchFunctionMode):
         else:
             saved = args
         out = func(*args, **kwargs)
-        for o in _outputs(out):
-            data[o] = True
+        tap._carry(func, args, kwargs, first, out)
         tap._meet(func, saved, kwargs, tracked, out)
         return out
 
@@ -474,6 +516,13 @@ class Tap:
         self._skip = 0
         self._stack: list[int] = [0]
         self._batch: int | None = None
+        self._batch_dim = declared_batch_dim(model)
+        self._declared = _declared(model)
+        #: what the sample axis of a use could not be found for, this forward (one error lists all)
+        self.axis_errors: list[str] = []
+        #: sample axes ((dim, factor) or None) of the data tensors the model's last forward returned
+        self.output_axes: list = []
+        #: data tensor -> its sample axis (see :mod:`gradlens.axes`)
         self._data = WeakIdKeyDictionary()
         self._derived = WeakIdKeyDictionary()
         self._visited: set = set()
@@ -511,6 +560,7 @@ class Tap:
         self.uses: Counter = Counter()
         self.received: set[str] = set()
         self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
+        self.axis_errors = []
         self._visited = set()
         self._ops = 0
 
@@ -575,12 +625,13 @@ class Tap:
             return None  # no gradients here, or a torch.func transform of the model (an oracle)
         if self._mode_depth == 0:
             inputs = tuple(args) + tuple(kwargs.values())
-            found = _input_batch(inputs, self._hint.get(id(module), 0))
+            hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
+            found = _input_batch(inputs, hint)
             if found is not None:
                 ax, self._batch = found
                 for _, x in _tensors(inputs):
                     if x.dim() > ax and x.shape[ax] == self._batch:
-                        self._data[x] = True
+                        self._data[x] = (ax, 1)
             self.forward_id += 1
             self._mode.__enter__()
         self._mode_depth += 1
@@ -591,14 +642,21 @@ class Tap:
             self._mode_depth -= 1
             if self._mode_depth == 0:
                 self._mode.__exit__(None, None, None)
+                outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
+                data = self._data
+                self.output_axes = [data[o] for o in outs if isinstance(o, Tensor) and o in data]
         return None
 
     def _pre(self, mod: nn.Module, site: bool):
         hint = 0 if forward_for(mod) is not None else self._hint.get(id(mod), 0)  # batch-first inside
         stack = self._stack
 
+        declared = self._declared.get(id(mod))
+
         def pre(module, args):
             stack.append(hint)
+            if declared is not None and self._mode_depth and args and isinstance(args[0], Tensor):
+                self._check_declared(module, declared, args[0])
             if site and self._mode_depth:
                 self._skip += 1
             return None
@@ -631,6 +689,61 @@ class Tap:
             self._stack.pop()
         return None
 
+    # ------------------------------------------------------------------ the sample axis
+    def _check_declared(self, module: nn.Module, declared: tuple[str, int], x: Tensor) -> None:
+        """A module that says where its samples are (``batch_first``): an input whose carried
+        axis is unknown takes it; one that disagrees is an error (listed with the others)."""
+        what, want = declared
+        if x.dim() != 3 or x not in self._data:
+            return
+        ax = self._data[x]
+        if ax is None:
+            self._data[x] = (want, 1)
+        elif ax[0] != want:
+            self._refuse_axis(
+                x, f"{self.name_of(module)!r} ({type(module).__name__}, {what}) takes its samples on dim "
+                f"{want} of its input {tuple(x.shape)}, but the model's input put them on dim {ax[0]}"
+            )
+
+    def _carry(self, func, args, kwargs, first, out) -> None:
+        """Every output of a data operation is data, with the sample axis its rule gives."""
+        outs = _outputs(out)
+        if first is None:
+            axs = [None] * len(outs)
+        else:
+            axs = axes.carry(func, args, kwargs, first[0], first[1], outs, self._batch)
+        data = self._data
+        for o, ax in zip(outs, axs):
+            data[o] = ax
+
+    def axis_of(self, x: Tensor) -> tuple[int, int] | None:
+        """The sample axis ``(dim, factor)`` of data tensor ``x``: the carried one, else the one
+        axis whose size is the micro-batch size (only if exactly one has it), else None."""
+        ax = self._data[x] if x in self._data else None
+        if ax is not None:
+            return ax
+        only = _only_axis(x.shape, self._batch)
+        return None if only is None else (only, 1)
+
+    def _refuse_axis(self, t: Tensor, what: str) -> None:
+        """A use whose sample axis is unknown: the micro-step's first use in backward raises
+        ONE error naming every such use (:meth:`axis_error`)."""
+        if what not in self.axis_errors:
+            self.axis_errors.append(what)
+
+    def axis_error(self) -> RuntimeError | None:
+        """The error for the uses of this micro-step's forwards whose sample axis is unknown."""
+        errors = self.axis_errors
+        if not errors:
+            return None
+        return RuntimeError(
+            f"gradlens cannot tell the sample axis at {len(errors)} place(s) of the forward "
+            f"(micro-batch of {self._batch}): " + "; ".join(errors) + ". Declare the sample axis "
+            "of the model's input once (gradlens.extend(model, batch_dim=1) for [T, B, ...] "
+            "inputs), keep the samples on one axis (or as the leading factor of one axis) through "
+            "views, reshapes and permutes, or leave these modules out with Lens(..., exclude=[...])"
+        )
+
     def _is_data(self, x: Tensor) -> bool:
         """``x`` carries samples: computed from the model's inputs, or (made by an operation the
         mode cannot see, e.g. a custom kernel) requiring grad without being derived from
@@ -640,7 +753,6 @@ class Tap:
         return x.requires_grad and x not in self._derived and id(x) not in self._pid
 
     def _site_post(self, mod: nn.Module, site: Site | None):
-        hint = self._hint.get(id(mod), 0)
         linear = isinstance(mod, nn.Linear) and site is not None and "weight" in site.params
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
 
@@ -665,25 +777,26 @@ class Tap:
                 elif a in self._derived and output.requires_grad:
                     self._derived[output] = self._derived[a]
                 return None
-            self._data[output] = True
+            ax = self.axis_of(a)
+            if isinstance(module, nn.Embedding) and a.dim() <= 1 and ax is None:
+                ax = (0, 1)  # ids [B]: one id per sample
+            self._data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
             if mixes:
                 self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
             if site is None or not output.requires_grad:
                 return None
             batch = self._batch
-            ax = _axis(a.shape, batch, hint) if a.dim() > 1 or not isinstance(module, nn.Embedding) else 0
-            if ax is None:
-                _raise_in_backward(
+            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
+                self._refuse_axis(
                     output,
-                    f"gradlens cannot find the sample axis of the input of {site.name!r} "
-                    f"({type(module).__name__}, shape {tuple(a.shape)}) in a micro-batch of {batch} "
-                    "(read from the model's first input): the layer must see the samples on an axis "
-                    "of their own",
+                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
                 )
                 return None
+            ax, factor = ax
             for q in site.params.values():
                 self.uses[q] += 1
-            a_b = a.movedim(ax, 0) if ax else a
+            a_b = _batch_first(a, ax, factor, batch)
             node = None
             if linear and self.on_weight_grad is not None:
                 node = _weight_grad_node(output, module.weight)
@@ -695,11 +808,11 @@ class Tap:
             if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
                 def fused_hook(g):
-                    wg.value = on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid, fused=True)
+                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
 
                 output.register_hook(fused_hook)
                 return None
-            output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
+            output.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid))
             return None
 
         return post
@@ -719,17 +832,15 @@ class Tap:
             )
         out = outs[0]
         batch = self._batch
-        hint = self._stack[-1]
-        ax = _axis(out.shape, batch, hint)
+        ax = self.axis_of(out)
         if ax is None:
-            _raise_in_backward(
+            self._refuse_axis(
                 out,
-                f"gradlens cannot find the sample axis of the output of {fname} (shape "
-                f"{tuple(out.shape)}, micro-batch of {batch}), which uses the parameters "
-                f"{sorted(set().union(*(t[2] for t in tracked)))}: keep the samples on an axis "
-                "of their own where parameters are applied",
+                f"the output of {fname} (shape {tuple(out.shape)}), which uses the parameters "
+                f"{sorted(set().union(*(t[2] for t in tracked)))}",
             )
             return
+        ax, factor = ax
         k = self._ops
         self._ops += 1
         positions = {t[0] for t in tracked}
@@ -744,10 +855,9 @@ class Tap:
                 site = Site(f"op{k}:{names['weight']}", OpLinear(w, bias, tuple(names)), LinearKernel(), names)
                 for q in names.values():
                     self.uses[q] += 1
-                a = args[0]
-                a_b = a.movedim(ax, 0) if ax else a
+                a_b = _batch_first(args[0], ax, factor, batch)
                 on_use, fid = self.on_use, self.forward_id
-                out.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, False, batch, fid))
+                out.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
                 return
         detached = tuple(
             a.detach() if isinstance(a, Tensor) else
@@ -755,7 +865,7 @@ class Tap:
             for a in args
         )
         kw = {n: (v.detach() if isinstance(v, Tensor) else v) for n, v in kwargs.items()}
-        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id)
+        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id, factor)
         for _, _, names in tracked:
             for q in names:
                 self.uses[q] += 1
@@ -784,10 +894,13 @@ class Tap:
         """The qualified name of a module of the model (``""`` for the root)."""
         return self._names.get(id(module), type(module).__name__)
 
-    def mark_data(self, x: Tensor) -> None:
+    def mark_data(self, x: Tensor, axis: int | None = None) -> None:
         """Declare ``x`` (made inside a tracked forward, e.g. an RNN's zero initial state) part
-        of the batch."""
-        self._data[x] = True
+        of the batch, its samples on dim ``axis`` (None: the one dim of the micro-batch size,
+        if only one has it)."""
+        if axis is None:
+            axis = _only_axis(x.shape, self._batch)
+        self._data[x] = None if axis is None else (axis, 1)
 
     @property
     def batch(self) -> int | None:
@@ -913,7 +1026,8 @@ class ParamTap:
         if not torch.is_grad_enabled() or _in_functorch():
             return None
         if self._depth == 0:
-            found = _input_batch(tuple(args) + tuple(kwargs.values()), self._hint.get(id(module), 0))
+            dim = declared_batch_dim(module)
+            found = _input_batch(tuple(args) + tuple(kwargs.values()), self._hint.get(id(module), 0) if dim is None else dim)
             if found is not None:
                 self.batch = found[1]
             self.forward_id += 1

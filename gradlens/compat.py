@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "foreach_mul_", "node_name", "embedding_saved",
+    "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
@@ -124,6 +124,24 @@ def embedding_saved(fn: Any) -> tuple[Tensor, int, bool]:
     if pad >= 1 << 63:
         pad -= 1 << 64
     return fn._saved_indices, pad, bool(fn._saved_scale_grad_by_freq)
+
+
+def view_input_sizes(fn: Any) -> tuple[int, ...] | None:
+    """The shape of the tensor that a ``ViewBackward0`` / ``UnsafeViewBackward0`` node (a
+    ``view``/``reshape``/``flatten`` in forward) reshaped (its ``_saved_self_sym_sizes``); None
+    for any other node."""
+    if node_name(fn) not in ("ViewBackward0", "UnsafeViewBackward0"):
+        return None
+    return tuple(int(s) for s in fn._saved_self_sym_sizes)
+
+
+def slice_dim(fn: Any) -> int | None:
+    """The dimension a ``SliceBackward0`` node (``x[:, a:b]``, ``narrow``) sliced (its
+    ``_saved_dim``), normalised to be non-negative; None for any other node."""
+    if node_name(fn) != "SliceBackward0":
+        return None
+    d = int(fn._saved_dim)
+    return d + len(fn._saved_self_sym_sizes) if d < 0 else d
 
 
 # ---------------------------------------------------------------------------- DDP
