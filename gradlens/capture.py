@@ -29,6 +29,7 @@ light hooks for tracked windows only.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -78,6 +79,12 @@ class LossCall:
     output: Tensor | None  # the loss (0-d) until a capture hooks it, then dropped
     target: tuple[Tensor, int] | None = None  # (class targets, ignore_index) of a mean CE/NLL
     module_name: str = ""
+    #: the loss input's dim 0 is a row-major flattening of these leading dims (``[B, T]`` of
+    #: ``logits.view(-1, V)``); ``batch_size`` is then their product until the Meter settles it
+    rows: tuple[int, ...] | None = None
+    #: the autograd node of the tensor that was flattened (walked up through copies and slices
+    #: of other dims); compared with the model's outputs, then dropped
+    rows_node: Any = None
     value: Tensor | None = None
     seen: _Multiplier = field(default_factory=_Multiplier)
 
@@ -99,6 +106,7 @@ class LossCall:
             self.output.register_hook(self.seen)
         self.output = None
         self.target = None
+        self.rows_node = None
 
 
 #: losses computed since the last capture, in this thread (a validation forward's too: only
@@ -152,14 +160,54 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
             )
         if len(inputs) > 1 and isinstance(inputs[1], Tensor) and not inputs[1].is_floating_point():
             target = (inputs[1], module.ignore_index)  # checked by a tracked capture only
+    flat = _flattened_rows(inputs[0]) if isinstance(inputs[0], Tensor) else None
     call = LossCall(
         reduction=module.reduction,
         batch_size=int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1,
         output=output,
         target=target,
         module_name=type(module).__name__,
+        rows=flat[0] if flat else None,
+        rows_node=flat[1] if flat else None,
     )
     _note_loss(call)
+
+
+_KEEP_LEADING = ("CloneBackward0", "ToCopyBackward0", "AliasBackward0")
+
+
+def _flattened_rows(x: Tensor) -> tuple[tuple[int, ...], Any] | None:
+    """``(lead, node)`` if ``x`` (a loss input ``[R, *rest]``) is a view/reshape that flattened
+    the leading dims ``lead`` (``prod(lead) == R``) of a tensor ``[*lead, *rest]``, e.g.
+    ``logits.view(-1, V)`` of ``[B, T, V]`` logits; ``node`` is that tensor's autograd node,
+    walked up through copies (``.float()``, ``.contiguous()``) and slices of other dims (the
+    shift ``logits[:, :-1]``), all of which keep dim 0. Else None."""
+    if x.dim() < 1 or x.grad_fn is None:
+        return None
+    sizes = compat.view_input_sizes(x.grad_fn)
+    if sizes is None:
+        return None
+    k = len(sizes) - (x.dim() - 1)
+    if k < 2 or tuple(sizes[k:]) != tuple(x.shape[1:]) or math.prod(sizes[:k]) != x.shape[0]:
+        return None
+    node = x.grad_fn.next_functions[0][0] if x.grad_fn.next_functions else None
+    while node is not None and (compat.node_name(node) in _KEEP_LEADING or compat.slice_dim(node) not in (None, 0)):
+        node = node.next_functions[0][0] if node.next_functions else None
+    return tuple(sizes[:k]), node
+
+
+def settle_rows(call: LossCall, batch: int | None, output_nodes: dict) -> None:
+    """A loss on flattened rows (``call.rows``, e.g. ``[B, T]`` of ``logits.view(-1, V)``): its
+    samples are the micro-batch ``batch`` of the model's input where the rows' leading dim is
+    that micro-batch, and that dim is known to hold the samples: no other of the leading dims
+    has that size, or the flattened tensor is an output of the model whose samples are on dim 0.
+    Sets ``call.batch_size``; otherwise leaves it (the Meter's batch check then refuses it)."""
+    rows = call.rows
+    if rows is None or batch is None or call.batch_size == batch or rows[0] != batch:
+        return
+    if batch in rows[1:] and output_nodes.get(call.rows_node, None) != (0, 1):
+        return  # dim 0 has the micro-batch size, but so has another: which holds the samples?
+    call.batch_size = batch
 
 
 def _is_loss(module: nn.Module) -> bool:
@@ -520,8 +568,9 @@ class Tap:
         self._declared = _declared(model)
         #: what the sample axis of a use could not be found for, this forward (one error lists all)
         self.axis_errors: list[str] = []
-        #: sample axes ((dim, factor) or None) of the data tensors the model's last forward returned
-        self.output_axes: list = []
+        #: autograd node -> sample axis ((dim, factor) or None) of the data tensors the model's
+        #: last forward returned (until the capture ends)
+        self.output_nodes: dict = {}
         #: data tensor -> its sample axis (see :mod:`gradlens.axes`)
         self._data = WeakIdKeyDictionary()
         self._derived = WeakIdKeyDictionary()
@@ -561,6 +610,7 @@ class Tap:
         self.received: set[str] = set()
         self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
         self.axis_errors = []
+        self.output_nodes = {}
         self._visited = set()
         self._ops = 0
 
@@ -644,7 +694,9 @@ class Tap:
                 self._mode.__exit__(None, None, None)
                 outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
                 data = self._data
-                self.output_axes = [data[o] for o in outs if isinstance(o, Tensor) and o in data]
+                self.output_nodes = {
+                    o.grad_fn: data[o] for o in outs if isinstance(o, Tensor) and o in data and o.grad_fn is not None
+                }
         return None
 
     def _pre(self, mod: nn.Module, site: bool):

@@ -28,7 +28,7 @@ from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
 from gradlens.sq_norms import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
-from gradlens.units import MicroStep, check_reduction, loss_calls_for
+from gradlens.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
 
 __all__ = ["Plan", "Meter"]
 
@@ -173,6 +173,7 @@ class Meter:
         instruments' window ``states`` (read: each instrument's micro-step state starts from
         its own) and ``sites`` (this window's measured uses) belong to the Lens."""
         calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
+        settle_flattened(calls, self.tap.batch, getattr(self.tap, "output_nodes", {}))
         if expected is not None:
             check_reduction(window, expected)
         micro = MicroStep(
