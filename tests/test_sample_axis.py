@@ -176,3 +176,182 @@ def test_an_ambiguous_flattening_is_refused_not_guessed():
     with lens.capture():
         loss.backward()
     _check(lens.flush(), _oracle(oracle_model, [4], ids, labels, "mean"))
+
+
+# ---------------------------------------------------------------- the sample axis, followed
+
+
+class SeqFirstLSTM(nn.Module):
+    """PyTorch's word_language_model layout: ids [T, B] -> Embedding -> LSTM(batch_first=False)
+    -> Linear decoder -> logits [T, B, V]."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Embedding(V, D)
+        self.rnn = nn.LSTM(D, 5, num_layers=1)
+        self.decoder = nn.Linear(5, V)
+
+    def forward(self, ids):
+        out, _ = self.rnn(self.encoder(ids))
+        return self.decoder(out)
+
+
+def _seq_first_oracle(model, split, ids, labels, reduction):
+    """Per-sample float64 loop: sample n is column n of [T, B] ids, run on its own ([T, 1])."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows, start = [], 0
+    for b in split:
+        lab = labels[:, start:start + b]
+        m_k = int((lab != IGNORE).sum())
+        for n in range(start, start + b):
+            out = model(ids[:, n:n + 1])
+            loss = F.cross_entropy(out.reshape(-1, V), labels[:, n], ignore_index=IGNORE, reduction="sum")
+            g = torch.autograd.grad(loss, params)
+            scale = b / m_k if reduction == "mean" else 1.0
+            rows.append(torch.cat([scale * v.reshape(-1) for v in g]))
+        start += b
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("t", [8, 5], ids=["T==B", "T!=B"])
+def test_lstm_language_model_on_seq_first_input_declared_once(t, reduction):
+    """gradlens.extend(model, batch_dim=1): [T, B] ids, exact with T == B and T != B; the loss
+    is stated (capture(reduction=..., loss=loss)) since its rows lead with T."""
+    torch.manual_seed(0)
+    model = SeqFirstLSTM().double()
+    ids, labels = _data(sum(SPLIT), t, t_first=True)
+    oracle_model = copy.deepcopy(model)
+    m = gradlens.extend(model, batch_dim=1)
+    lens = Lens(m, [BatchL2(), GradNorm(), SumGradSquared()])
+    start = 0
+    for b in SPLIT:
+        out = m(ids[:, start:start + b])
+        loss = F.cross_entropy(out.reshape(-1, V), labels[:, start:start + b].reshape(-1),
+                               ignore_index=IGNORE, reduction=reduction)
+        with lens.capture(reduction=reduction, loss=loss):
+            loss.backward()
+        start += b
+    rec = lens.flush()
+    G = _seq_first_oracle(oracle_model, SPLIT, ids, labels, reduction)
+    _check(rec, G, reduction)
+    sizes = [p.numel() for p in oracle_model.parameters()]
+    for (name, _), block in zip(oracle_model.named_parameters(), G.split(sizes, dim=1)):
+        torch.testing.assert_close(rec["sum_grad_squared"][name].reshape(-1), block.square().sum(0),
+                                   rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("t", [8, 5], ids=["T==B", "T!=B"])
+def test_lstm_language_model_undeclared_is_one_error_naming_the_fix(t):
+    """Without batch_dim the model's input is read samples-first; the LSTM says
+    batch_first=False: the disagreement is one error naming the LSTM and the fix, never a
+    number (with T == B sizes cannot tell)."""
+    torch.manual_seed(0)
+    m = gradlens.extend(SeqFirstLSTM().double())
+    ids, labels = _data(8, t, t_first=True)
+    lens = Lens(m, [BatchL2()])
+    out = m(ids)
+    loss = F.cross_entropy(out.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
+    with pytest.raises(RuntimeError, match=r"cannot tell the sample axis at [23] place\(s\) of the forward "
+                       r"\(micro-batch of \d\): 'rnn' \(LSTM, batch_first=False\) takes its samples on dim 1 of its "
+                       r"input \(\d, 8, 6\), but the model's input put them on dim 0; .*the input of 'decoder' "
+                       r"\(Linear.*gradlens.extend\(model, batch_dim=1\)"):
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+
+
+class TimeMajorInside(nn.Module):
+    """A block that works on a [T, B, d] view of its [B, T, d] input (no batch_first said)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.proj = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids):
+        h = self.emb(ids).transpose(0, 1)  # [T, B, d]
+        h = torch.tanh(self.proj(h))  # a Linear on the time-major view
+        h = h + torch.roll(h, 1, dims=0)  # mixes positions of a sample, not samples
+        return self.head(h.permute(1, 0, 2))  # back to [B, T, V]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_time_major_view_inside_an_undeclared_module_with_b_equal_t(reduction):
+    torch.manual_seed(0)
+    model = TimeMajorInside().double()
+    split = [4, 4]  # B == T == 4 in every micro-step
+    ids, labels = _data(8, 4)
+    oracle_model = copy.deepcopy(model)
+    m = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(ignore_index=IGNORE, reduction=reduction))
+    lens = Lens(m, [BatchL2(), GradNorm()])
+    for k in range(2):
+        sl = slice(4 * k, 4 * k + 4)
+        loss = loss_fn(m(ids[sl]).view(-1, V), labels[sl].view(-1))
+        with lens.capture():
+            loss.backward()
+    _check(lens.flush(), _oracle(oracle_model, split, ids, labels, reduction), reduction)
+
+
+class WindowBlock(nn.Module):
+    """Swin-like window attention in torch.nn: [B, H, W, C] -> windows [B * nW, w * w, C]
+    (samples the leading factor), qkv Linear, a learned relative bias added to the scores, proj
+    Linear, windows reversed, LayerNorm, mean-pooled head."""
+
+    def __init__(self, c=4, w=2, heads=2, classes=3):
+        super().__init__()
+        self.w, self.heads = w, heads
+        self.norm1 = nn.LayerNorm(c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.bias_table = nn.Parameter(torch.randn(heads, w * w, w * w) * 0.1)
+        self.proj = nn.Linear(c, c)
+        self.norm2 = nn.LayerNorm(c)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):  # x [B, H, W, C]
+        b, hh, ww, c = x.shape
+        w = self.w
+        h = self.norm1(x)
+        win = h.view(b, hh // w, w, ww // w, w, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, c)
+        q, k, v = self.qkv(win).reshape(win.shape[0], w * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / (c // self.heads) ** 0.5
+        scores = scores + self.bias_table.unsqueeze(0)
+        att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(win.shape[0], w * w, c)
+        out = self.proj(att)
+        out = out.view(b, hh // w, ww // w, w, w, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hh, ww, c)
+        h = self.norm2(x + out)
+        return self.head(h.mean((1, 2)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_window_partition_block_keeps_the_samples_as_the_leading_factor(reduction):
+    torch.manual_seed(0)
+    model = WindowBlock().double()
+    split = [3, 1, 4]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(sum(split), 4, 4, 4, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (sum(split),), generator=g)
+    oracle_model = copy.deepcopy(model)
+    params = list(oracle_model.parameters())
+    rows = []
+    for i in range(sum(split)):
+        gi = torch.autograd.grad(F.cross_entropy(oracle_model(x[i:i + 1]), y[i:i + 1]), params)
+        rows.append(torch.cat([v.reshape(-1) for v in gi]))
+    G = torch.stack(rows)  # the loss of one sample: g_n in either reduction's units
+    m = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    lens = Lens(m, [BatchL2(), GradNorm(), SumGradSquared()])
+    start = 0
+    for b in split:
+        loss = loss_fn(m(x[start:start + b]), y[start:start + b])
+        with lens.capture():
+            loss.backward()
+        start += b
+    rec = lens.flush()
+    assert rec.meta["coverage"] == 1.0
+    _check(rec, G, reduction)
+    sizes = [p.numel() for p in params]
+    for (name, _), block in zip(oracle_model.named_parameters(), G.split(sizes, dim=1)):
+        torch.testing.assert_close(rec["sum_grad_squared"][name].reshape(-1), block.square().sum(0),
+                                   rtol=1e-10, atol=1e-14)
