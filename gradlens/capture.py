@@ -649,8 +649,16 @@ class Tap:
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
         for q, p in self.params.items():
             self._handles.append(p.register_post_accumulate_grad_hook(self._received(q)))
+        # a tracked forward follows every operation in Python: under torch.compile it runs
+        # eagerly (no graph break, no recompile; the compiled graphs serve the untracked windows)
+        self._stance = compat.compile_stance()
+        if self._stance == "default":
+            compat.set_compile_stance("force_eager")
 
     def remove(self) -> None:
+        if self._handles and getattr(self, "_stance", None) == "default":
+            compat.set_compile_stance("default")
+        self._stance = None
         for h in self._handles:
             h.remove()
         self._handles = []

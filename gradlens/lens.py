@@ -52,11 +52,12 @@ from gradlens.units import check_multiplier
 __all__ = ["Lens"]
 
 _COMPILED = (
-    "the model runs under torch.compile: in a tracked window gradlens hooks every "
-    "watched layer's output, and each hook is a graph break (a 3-layer MLP: 6), so "
-    "tracked windows run partly uncompiled and recompile when tracking starts or "
-    "stops; untracked windows install no hook and stay fully compiled. Track fewer "
-    "windows (Lens(..., every=k)) to keep the cost small. (Said once per Lens.)"
+    "the model runs under torch.compile: gradlens follows every operation of a tracked "
+    "forward in Python, so tracked windows run the model eagerly (torch.compiler stance "
+    "'force_eager' while the window's hooks are installed: no graph break, no recompile); "
+    "untracked windows install no hook and run the compiled graphs. A tracked window costs "
+    "about an eager step plus gradlens' own cost: track fewer windows (Lens(..., every=k)) "
+    "to keep the cost small (docs/long_runs.md). (Said once per Lens.)"
 )
 
 
@@ -205,6 +206,7 @@ class Lens:
         merge: str = "sync",
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ):
+        compiled_wrapper = compiled_original(model) is not model  # torch.compile(model) given
         model = _watched_model(model)
         instruments = _check_instruments(instruments)
         _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
@@ -270,7 +272,7 @@ class Lens:
         self._empty_micro_steps = 0
         self._pending: tuple[Record, dict[int, Any]] | None = None
         self._probes = _ForwardProbes(model, self, self._ddp_route)  # tracked windows only
-        self._compiled_seen = False
+        self._compiled_seen = compiled_wrapper
         self._compile_warned = False
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}

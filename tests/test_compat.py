@@ -213,6 +213,18 @@ def test_embedding_saved():
     _check("embedding_saved", torch.equal(padded[0], ids) and padded[1:] == (2, True), f"padding_idx=2, scale_grad_by_freq gave {padded}")
 
 
+def test_compile_stance():
+    before = compat.compile_stance()
+    with _entry("compile_stance"), _entry("set_compile_stance"):
+        compat.set_compile_stance("force_eager")
+        during = compat.compile_stance()
+        compat.set_compile_stance(before)
+        after = compat.compile_stance()
+    _check("compile_stance", before == "default", f"the stance outside any set_stance is {before!r}")
+    _check("set_compile_stance", during == "force_eager" and after == "default",
+           f"set_compile_stance('force_eager') then back gave {during!r}, {after!r}")
+
+
 def test_view_input_sizes():
     x = torch.randn(2, 3, 5, requires_grad=True) * 1
     with _entry("view_input_sizes"):

@@ -1,9 +1,11 @@
-"""torch.compile (issue 12): untracked windows cause no graph break; tracked windows say once
-what they cost."""
+"""torch.compile (issues 12, 21): untracked windows cause no graph break; tracked windows run
+the model eagerly (no graph break either), say once what they cost, and give the eager records."""
 
 from __future__ import annotations
 
 import warnings
+
+import pytest
 
 import torch
 from torch import nn
@@ -40,12 +42,59 @@ def test_untracked_windows_compile_without_graph_breaks_tracked_warn_once():
         opt.step()
         opt.zero_grad()
         seen.append([str(c.message) for c in caught if "torch.compile" in str(c.message)])
-        if window == 0:
-            assert _breaks() > before  # a tracked window's output hooks do break the graph
-        if window % 2 == 1:
-            assert _breaks() == before, f"untracked window {window} broke the graph"
-    assert len(seen[0]) == 1 and "graph break" in seen[0][0] and seen[1:] == [[], [], []]
+        assert _breaks() == before, f"window {window} broke the graph"  # tracked ones run eagerly
+    assert len(seen[0]) == 1 and "no graph break" in seen[0][0] and "eagerly" in seen[0][0]
+    assert seen[1:] == [[], [], []]
     assert [r.step for r in lens.records] == [0, 2]
     lens.close()
     torch._dynamo.reset()
     assert lens.records[1]["grad_norm"] > 0
+
+
+def test_compiled_tracked_windows_equal_the_eager_records_and_keep_the_stance():
+    """A compiled CNN and the same CNN eager, K = 3 unequal micro-steps: equal records; the
+    compiler's stance is back to default after each tracked window; untracked windows run the
+    compiled graph."""
+    from torch._dynamo.utils import counters
+
+    from gradlens import compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    def cnn():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 4)).double()
+
+    x, y = torch.randn(8, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (8,))
+    recs = []
+    for compile_it in (False, True):
+        model = gradlens.extend(cnn())
+        run = torch.compile(model, backend="eager") if compile_it else model
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lens = Lens(run, [BatchL2(), GradNorm()], optimizer=opt, every=2)
+            for _window in range(3):
+                start = 0
+                for b in (3, 1, 4):
+                    loss = loss_fn(run(x[start:start + b]), y[start:start + b])
+                    with lens.capture():
+                        loss.backward()
+                    start += b
+                # tracked windows (0, 2) run eagerly while open; untracked ones stay compiled
+                assert compat.compile_stance() == ("default" if _window == 1 else "force_eager")
+                opt.step()
+                opt.zero_grad()
+                # the next window (1, 2, 3) is open: tracked when even
+                assert compat.compile_stance() == ("force_eager" if _window % 2 == 1 else "default")
+            lens.close()
+        assert compat.compile_stance() == "default"
+        recs.append(list(lens.records))
+    assert [r.step for r in recs[1]] == [0, 2] == [r.step for r in recs[0]]
+    for eager, compiled in zip(*recs):
+        torch.testing.assert_close(compiled["batch_l2"], eager["batch_l2"], rtol=1e-12, atol=0)
+        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-12)
+    assert counters["stats"]["unique_graphs"] >= 1  # the untracked window ran compiled
+    torch._dynamo.reset()
