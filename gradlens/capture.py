@@ -18,8 +18,10 @@ follows every use of a tracked parameter:
 In backward each hooked output hands its gradient down to the Meter (:mod:`gradlens.measure`),
 which rescales it to per-sample units and measures it. Where the Meter materialises a sequence ``nn.Linear``'s per-sample weight
 gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as a
-``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is the axis whose size is the micro-batch size
-(read from the model's first input; dim 1 where a ``batch_first=False`` module says so).
+``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is followed from the model's input (dim 0, the
+``batch_dim`` given to :func:`extend`, or dim 1 where the model says ``batch_first=False``)
+through every data operation (:mod:`gradlens.axes`), never guessed from sizes where they are
+ambiguous. A tracked window runs a compiled model eagerly (compiler stance ``force_eager``).
 
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
 on the model and cost ~1.6x a plain step on a 784-512-512-10 MLP even outside a ``backpack``
