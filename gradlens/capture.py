@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -567,6 +568,10 @@ class Tap:
         self._stack: list[int] = [0]
         self._batch: int | None = None
         self._batch_dim = declared_batch_dim(model)
+        #: the model runs under torch.compile (set by the Lens): while installed, the compiler's
+        #: stance is "force_eager" (back to "default" on remove, or if the Tap is collected)
+        self.run_eager = False
+        self._eager = None
         self._declared = _declared(model)
         #: what the sample axis of a use could not be found for, this forward (one error lists all)
         self.axis_errors: list[str] = []
@@ -653,14 +658,14 @@ class Tap:
             self._handles.append(p.register_post_accumulate_grad_hook(self._received(q)))
         # a tracked forward follows every operation in Python: under torch.compile it runs
         # eagerly (no graph break, no recompile; the compiled graphs serve the untracked windows)
-        self._stance = compat.compile_stance()
-        if self._stance == "default":
+        if self.run_eager and compat.compile_stance() == "default":
             compat.set_compile_stance("force_eager")
+            self._eager = weakref.finalize(self, compat.set_compile_stance, "default")
 
     def remove(self) -> None:
-        if self._handles and getattr(self, "_stance", None) == "default":
-            compat.set_compile_stance("default")
-        self._stance = None
+        if self._eager is not None:
+            self._eager()  # the stance back to "default" (once; the finalizer is then dead)
+            self._eager = None
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -232,6 +232,7 @@ class Lens:
         self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
                             undefined=undefined)
         self._tap = self._meter.tap
+        self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
 
         self._group = resolve_group(process_group)
