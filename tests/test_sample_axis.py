@@ -355,3 +355,25 @@ def test_window_partition_block_keeps_the_samples_as_the_leading_factor(reductio
     for (name, _), block in zip(oracle_model.named_parameters(), G.split(sizes, dim=1)):
         torch.testing.assert_close(rec["sum_grad_squared"][name].reshape(-1), block.square().sum(0),
                                    rtol=1e-10, atol=1e-14)
+
+
+def test_flattened_lm_loss_under_light_capture():
+    """GradNorm alone (parameter hooks only, no layer looked at): the flattened loss covers
+    the B samples there too, so the window gradient is in the right units."""
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    ids, labels = _data(sum(SPLIT), 5)
+    oracle_model = copy.deepcopy(model)
+    m = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(ignore_index=IGNORE))
+    lens = Lens(m, [GradNorm()])
+    start = 0
+    for b in SPLIT:
+        loss = loss_fn(m(ids[start:start + b]).view(-1, V), labels[start:start + b].view(-1))
+        with lens.capture():
+            loss.backward()
+        start += b
+    rec = lens.flush()
+    G = _oracle(oracle_model, SPLIT, ids, labels, "mean")
+    assert rec.num_samples == sum(SPLIT)
+    assert rec["grad_norm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-10)
