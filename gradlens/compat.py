@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance",
+    "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
@@ -59,6 +59,12 @@ def compiled_original(model: nn.Module) -> nn.Module:
     """The module that ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), or
     ``model`` itself when it is not a compiled wrapper."""
     return getattr(model, "_orig_mod", model)
+
+
+def compiled_in_place(model: nn.Module) -> bool:
+    """True after ``model.compile()`` (``nn.Module._compiled_call_impl`` is set): calling the
+    module itself runs the compiled graph."""
+    return getattr(model, "_compiled_call_impl", None) is not None
 
 
 def compile_stance() -> str:

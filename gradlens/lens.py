@@ -27,7 +27,7 @@ from gradlens.capture import (
     tracked_parameters,
     trainable_split,
 )
-from gradlens.compat import compiled_original
+from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.distributed import (
     DEFAULT_TIMEOUT_S,
     DDPGradRoute,
@@ -206,7 +206,8 @@ class Lens:
         merge: str = "sync",
         timeout: float | None = DEFAULT_TIMEOUT_S,
     ):
-        compiled_wrapper = compiled_original(model) is not model  # torch.compile(model) given
+        # torch.compile(model) or model.compile(): tracked windows run the model eagerly
+        compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
         model = _watched_model(model)
         instruments = _check_instruments(instruments)
         _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)

@@ -213,6 +213,14 @@ def test_embedding_saved():
     _check("embedding_saved", torch.equal(padded[0], ids) and padded[1:] == (2, True), f"padding_idx=2, scale_grad_by_freq gave {padded}")
 
 
+def test_compiled_in_place():
+    plain, compiled = nn.Linear(2, 2), nn.Linear(2, 2)
+    with _entry("compiled_in_place"):
+        compiled.compile(backend="eager")
+        got = (compat.compiled_in_place(plain), compat.compiled_in_place(compiled))
+    _check("compiled_in_place", got == (False, True), f"a plain / a model.compile()'d Linear gave {got}")
+
+
 def test_compile_stance():
     before = compat.compile_stance()
     with _entry("compile_stance"), _entry("set_compile_stance"):

@@ -3,6 +3,7 @@ the model eagerly (no graph break either), say once what they cost, and give the
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -99,4 +100,36 @@ def test_compiled_tracked_windows_equal_the_eager_records_and_keep_the_stance():
         torch.testing.assert_close(compiled["batch_l2"], eager["batch_l2"], rtol=1e-12, atol=0)
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-12)
     assert counters["stats"]["unique_graphs"] >= 1  # the untracked window ran compiled
+    torch._dynamo.reset()
+
+
+def test_a_model_compiled_in_place_runs_its_tracked_windows_eagerly():
+    """model.compile() (the Lens gets the module itself): tracked windows set the eager stance,
+    add no graph break, and the records equal those of an eager copy."""
+    from gradlens import compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = gradlens.extend(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double())
+    model = copy.deepcopy(eager)
+    model.compile(backend="eager")
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    loss_fn = gradlens.extend(nn.MSELoss())
+    recs = []
+    for m in (eager, model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lens = Lens(m, [BatchL2(), GradNorm()])
+            before = _breaks()
+            for sl in (slice(0, 2), slice(2, 7)):
+                loss = loss_fn(m(x[sl]), y[sl])
+                with lens.capture():
+                    loss.backward()
+            assert compat.compile_stance() == ("force_eager" if m is model else "default")
+            assert _breaks() == before
+            recs.append(lens.flush())
+            lens.close()
+        assert compat.compile_stance() == "default"
+    torch.testing.assert_close(recs[1]["batch_l2"], recs[0]["batch_l2"], rtol=1e-12, atol=0)
+    assert recs[1]["grad_norm"] == pytest.approx(recs[0]["grad_norm"], rel=1e-12)
     torch._dynamo.reset()
