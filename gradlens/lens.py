@@ -60,6 +60,13 @@ _COMPILED = (
     "to keep the cost small (docs/long_runs.md). (Said once per Lens.)"
 )
 
+_TRACED = (
+    " This Lens got the plain module while a compiled one ran the forward, so this window's "
+    "forward was traced with gradlens' hooks (graph breaks); from the next tracked window on "
+    "it runs eagerly. Give the Lens the compiled module (Lens(torch.compile(model), ...)) or "
+    "compile in place (model.compile()) to avoid that."
+)
+
 
 class _ForwardProbes:
     """Forward pre-hooks of tracked windows on the model: one notes a compiled forward (sets
@@ -446,7 +453,9 @@ class Lens:
             return
         if self._compiled_seen and not self._compile_warned:
             self._compile_warned = True
-            warnings.warn(_COMPILED, RuntimeWarning, stacklevel=4)
+            traced = not self._tap.run_eager  # the Lens got the plain module: dynamo traced the hooks
+            self._tap.run_eager = True  # from the next tracked window on
+            warnings.warn(_COMPILED + (_TRACED if traced else ""), RuntimeWarning, stacklevel=4)
 
     def _drop_window_skipped_by_scaler(self) -> None:
         """With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's

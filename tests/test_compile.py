@@ -133,3 +133,44 @@ def test_a_model_compiled_in_place_runs_its_tracked_windows_eagerly():
     torch.testing.assert_close(recs[1]["batch_l2"], recs[0]["batch_l2"], rtol=1e-12, atol=0)
     assert recs[1]["grad_norm"] == pytest.approx(recs[0]["grad_norm"], rel=1e-12)
     torch._dynamo.reset()
+
+
+def test_a_lens_on_the_plain_module_of_a_compiled_forward_says_so_then_runs_eagerly():
+    """Lens(model) while torch.compile(model) runs the forward: the first tracked window is
+    traced (its hooks break the graph) and the warning names the fix; the next tracked windows
+    run eagerly (no graph break) with the records of an eager copy."""
+    from gradlens import compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = gradlens.extend(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double())
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="eager")
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    loss_fn = gradlens.extend(nn.MSELoss())
+    out = {}
+    for name, m, run in (("eager", eager, eager), ("compiled", model, compiled)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        lens = Lens(m, [BatchL2(), GradNorm()], optimizer=opt)
+        caught_all, breaks = [], []
+        for _window in range(3):
+            before = _breaks()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = loss_fn(run(x), y)
+                with lens.capture():
+                    loss.backward()
+            breaks.append(_breaks() - before)
+            caught_all.append([str(c.message) for c in caught if "torch.compile" in str(c.message)])
+            opt.step()
+            opt.zero_grad()
+        lens.close()
+        out[name] = (list(lens.records), caught_all, breaks)
+    recs, caught, breaks = out["compiled"]
+    assert len(caught[0]) == 1 and "Give the Lens the compiled module (Lens(torch.compile(model), ...))" in caught[0][0]
+    assert caught[1:] == [[], []]
+    assert breaks[0] > 0 and breaks[1:] == [0, 0]
+    assert compat.compile_stance() == "default"
+    for e, c in zip(out["eager"][0], recs):
+        torch.testing.assert_close(c["batch_l2"], e["batch_l2"], rtol=1e-12, atol=0)
+    torch._dynamo.reset()
