@@ -22,8 +22,8 @@ from torch import Tensor
 
 __all__ = ["Axis", "carry", "reshaped", "moved"]
 
-#: (dim, factor) or None (unknown)
-Axis = "tuple[int, int] | None"
+#: the type of a sample axis: ``(dim, factor)``, or None (unknown)
+Axis = Any
 
 _RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
              "_unsafe_view", "squeeze_", "unsqueeze_", "ravel"}
@@ -137,6 +137,28 @@ def _index(x: Tensor, ax: Any, idx: Any, o: Tensor) -> Any:
     return (pos_out + a - pos_in, f)  # an untouched trailing dim
 
 
+#: the descriptors of ``x.T``, ``x.H`` (all dims reversed) and ``x.mT``, ``x.mH`` (the last two
+#: swapped): the mode sees their ``__get__``, a new method-wrapper on each access
+_REVERSED = (torch.Tensor.T, torch.Tensor.H)
+_LAST_TWO = (torch.Tensor.mT, torch.Tensor.mH)
+
+
+def _einsum(args, x: Tensor, ax: Any) -> Any:
+    """``torch.einsum(eq, *operands)``: the sample axis' letter in ``x``'s subscripts, found in
+    the explicit output subscripts (None without ``->``, with ``...``, or if summed out)."""
+    eq = args[0]
+    ops_ = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    subs = lhs.split(",")
+    i = next((k for k, t in enumerate(ops_) if t is x), None)
+    if i is None or i >= len(subs) or len(subs[i]) != x.dim():
+        return None
+    letter = subs[i][ax[0]]
+    return (out.index(letter), ax[1]) if letter in out else None
+
+
 def _int_arg(args, kwargs, i, name, default=None):
     if len(args) > i:
         return args[i]
@@ -154,7 +176,7 @@ def carry(func, args: tuple, kwargs: dict, x: Tensor, ax: Any, outs: list[Tensor
         if name in _RESHAPES and len(outs) == 1:
             return [reshaped(tuple(x.shape), tuple(outs[0].shape), ax, batch)]
         if name in _SWAPS and len(outs) == 1:
-            if name.startswith("t") and name != "transpose" and name != "transpose_":
+            if name in ("t", "t_"):
                 d0, d1 = 0, 1
             else:
                 d0 = _dim(_int_arg(args, kwargs, 1, "dim0"), nd)
@@ -162,6 +184,22 @@ def carry(func, args: tuple, kwargs: dict, x: Tensor, ax: Any, outs: list[Tensor
             perm = list(range(nd))
             perm[d0], perm[d1] = perm[d1], perm[d0]
             return [moved(ax, perm)]
+        owner = getattr(func, "__self__", None)
+        if name == "__get__" and any(owner is d for d in _REVERSED):  # x.T / x.H
+            return [moved(ax, list(range(nd))[::-1])]
+        if name == "__get__" and any(owner is d for d in _LAST_TWO) and nd >= 2:  # x.mT / x.mH
+            perm = list(range(nd))
+            perm[-1], perm[-2] = perm[-2], perm[-1]
+            return [moved(ax, perm)]
+        if name == "rot90" and len(outs) == 1:  # k odd: the two dims swap
+            k = _int_arg(args, kwargs, 1, "k", 1)
+            dims = [_dim(d, nd) for d in _int_arg(args, kwargs, 2, "dims", [0, 1])]
+            perm = list(range(nd))
+            if k % 2:
+                perm[dims[0]], perm[dims[1]] = perm[dims[1]], perm[dims[0]]
+            return [moved(ax, perm)]
+        if name == "einsum" and len(outs) == 1:
+            return [_einsum(args, x, ax)]
         if name in _PERMUTES and len(outs) == 1:
             dims = args[1:] if len(args) > 2 else _int_arg(args, kwargs, 1, "dims")
             if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
