@@ -565,7 +565,6 @@ class Tap:
         self._mode = _UseMode(self)
         self._mode_depth = 0
         self._skip = 0
-        self._stack: list[int] = [0]
         self._batch: int | None = None
         self._batch_dim = declared_batch_dim(model)
         #: the model runs under torch.compile (set by the Lens): while installed, the compiler's
@@ -676,7 +675,6 @@ class Tap:
             self._mode_depth -= 1
             self._mode.__exit__(None, None, None)
         self._skip = 0
-        self._stack = [0]
 
     def _received(self, q: str):
         def hook(p):
@@ -715,13 +713,9 @@ class Tap:
         return None
 
     def _pre(self, mod: nn.Module, site: bool):
-        hint = 0 if forward_for(mod) is not None else self._hint.get(id(mod), 0)  # batch-first inside
-        stack = self._stack
-
         declared = self._declared.get(id(mod))
 
         def pre(module, args):
-            stack.append(hint)
             if declared is not None and self._mode_depth and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
             if site and self._mode_depth:
@@ -752,8 +746,6 @@ class Tap:
         return pre_, post_
 
     def _post(self, module, args, output):
-        if len(self._stack) > 1:
-            self._stack.pop()
         return None
 
     # ------------------------------------------------------------------ the sample axis
@@ -825,8 +817,6 @@ class Tap:
 
         def post(module, args, output):
             nonlocal site
-            if len(self._stack) > 1:
-                self._stack.pop()
             if not self._mode_depth:
                 return None
             self._skip -= 1
@@ -1111,15 +1101,6 @@ class ParamTap:
 
 def _in_functorch() -> bool:
     return compat.in_functorch_transform()
-
-
-def _raise_in_backward(t: Tensor, message: str) -> None:
-    """A use gradlens cannot measure: the error comes when (and only if) backward reaches it."""
-
-    def hook(g):
-        raise RuntimeError(message)
-
-    t.register_hook(hook)
 
 
 class _TrackedForward:

@@ -34,7 +34,7 @@ class TinyLM(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(ids))))
 
 
-def _flat_rows(model, params, ids, labels, n, reduction, t_first=False):
+def _flat_rows(model, ids, labels, n, t_first=False):
     """Sample n's summed token losses (ignored targets count for none)."""
     out = model(ids)
     logits = out[:, n] if t_first else out[n]
@@ -54,7 +54,7 @@ def _oracle(model, split, ids, labels, reduction, t_first=False):
         l_k = labels[:, sl] if t_first else labels[sl]
         m_k = int((l_k != IGNORE).sum())
         for n in range(b):
-            g = torch.autograd.grad(_flat_rows(model, params, i_k, l_k, n, reduction, t_first), params)
+            g = torch.autograd.grad(_flat_rows(model, i_k, l_k, n, t_first), params)
             scale = b / m_k if reduction == "mean" else 1.0
             rows.append(torch.cat([scale * v.reshape(-1) for v in g]))
         start += b
