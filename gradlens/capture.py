@@ -18,8 +18,10 @@ follows every use of a tracked parameter:
 In backward each hooked output hands its gradient down to the Meter (:mod:`gradlens.measure`),
 which rescales it to per-sample units and measures it. Where the Meter materialises a sequence ``nn.Linear``'s per-sample weight
 gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as a
-``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is the axis whose size is the micro-batch size
-(read from the model's first input; dim 1 where a ``batch_first=False`` module says so).
+``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is followed from the model's input (dim 0, the
+``batch_dim`` given to :func:`extend`, or dim 1 where the model says ``batch_first=False``)
+through every data operation (:mod:`gradlens.axes`), never guessed from sizes where they are
+ambiguous. A tracked window runs a compiled model eagerly (compiler stance ``force_eager``).
 
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
 on the model and cost ~1.6x a plain step on a 784-512-512-10 MLP even outside a ``backpack``
@@ -29,7 +31,9 @@ light hooks for tracked windows only.
 
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -41,8 +45,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradlens import compat, ops
-from gradlens.kernels import Kernel, LinearKernel, OpLinear
+from gradlens import axes, compat, ops
+from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
 from gradlens.registry import forward_for, kernel_for
 
 __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
@@ -50,6 +54,7 @@ __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "
 _EXTENDED = "_gradlens_extended"
 _EXCLUDE = "_gradlens_exclude"
 _LOSS_HOOK = "_gradlens_loss_hook"
+_BATCH_DIM = "_gradlens_batch_dim"
 
 _loss_calls = threading.local()
 
@@ -77,6 +82,12 @@ class LossCall:
     output: Tensor | None  # the loss (0-d) until a capture hooks it, then dropped
     target: tuple[Tensor, int] | None = None  # (class targets, ignore_index) of a mean CE/NLL
     module_name: str = ""
+    #: the loss input's dim 0 is a row-major flattening of these leading dims (``[B, T]`` of
+    #: ``logits.view(-1, V)``); ``batch_size`` is then their product until the Meter settles it
+    rows: tuple[int, ...] | None = None
+    #: the autograd node of the tensor that was flattened (walked up through copies and slices
+    #: of other dims); compared with the model's outputs, then dropped
+    rows_node: Any = None
     value: Tensor | None = None
     seen: _Multiplier = field(default_factory=_Multiplier)
 
@@ -98,6 +109,7 @@ class LossCall:
             self.output.register_hook(self.seen)
         self.output = None
         self.target = None
+        self.rows_node = None
 
 
 #: losses computed since the last capture, in this thread (a validation forward's too: only
@@ -151,21 +163,61 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
             )
         if len(inputs) > 1 and isinstance(inputs[1], Tensor) and not inputs[1].is_floating_point():
             target = (inputs[1], module.ignore_index)  # checked by a tracked capture only
+    flat = _flattened_rows(inputs[0]) if isinstance(inputs[0], Tensor) else None
     call = LossCall(
         reduction=module.reduction,
         batch_size=int(inputs[0].shape[0]) if inputs[0].dim() > 0 else 1,
         output=output,
         target=target,
         module_name=type(module).__name__,
+        rows=flat[0] if flat else None,
+        rows_node=flat[1] if flat else None,
     )
     _note_loss(call)
+
+
+_KEEP_LEADING = ("CloneBackward0", "ToCopyBackward0", "AliasBackward0")
+
+
+def _flattened_rows(x: Tensor) -> tuple[tuple[int, ...], Any] | None:
+    """``(lead, node)`` if ``x`` (a loss input ``[R, *rest]``) is a view/reshape that flattened
+    the leading dims ``lead`` (``prod(lead) == R``) of a tensor ``[*lead, *rest]``, e.g.
+    ``logits.view(-1, V)`` of ``[B, T, V]`` logits; ``node`` is that tensor's autograd node,
+    walked up through copies (``.float()``, ``.contiguous()``) and slices of other dims (the
+    shift ``logits[:, :-1]``), all of which keep dim 0. Else None."""
+    if x.dim() < 1 or x.grad_fn is None:
+        return None
+    sizes = compat.view_input_sizes(x.grad_fn)
+    if sizes is None:
+        return None
+    k = len(sizes) - (x.dim() - 1)
+    if k < 2 or tuple(sizes[k:]) != tuple(x.shape[1:]) or math.prod(sizes[:k]) != x.shape[0]:
+        return None
+    node = x.grad_fn.next_functions[0][0] if x.grad_fn.next_functions else None
+    while node is not None and (compat.node_name(node) in _KEEP_LEADING or compat.slice_dim(node) not in (None, 0)):
+        node = node.next_functions[0][0] if node.next_functions else None
+    return tuple(sizes[:k]), node
+
+
+def settle_rows(call: LossCall, batch: int | None, output_nodes: dict) -> None:
+    """A loss on flattened rows (``call.rows``, e.g. ``[B, T]`` of ``logits.view(-1, V)``): its
+    samples are the micro-batch ``batch`` of the model's input where the rows' leading dim is
+    that micro-batch, and that dim is known to hold the samples: no other of the leading dims
+    has that size, or the flattened tensor is an output of the model whose samples are on dim 0.
+    Sets ``call.batch_size``; otherwise leaves it (the Meter's batch check then refuses it)."""
+    rows = call.rows
+    if rows is None or batch is None or call.batch_size == batch or rows[0] != batch:
+        return
+    if batch in rows[1:] and output_nodes.get(call.rows_node, None) != (0, 1):
+        return  # dim 0 has the micro-batch size, but so has another: which holds the samples?
+    call.batch_size = batch
 
 
 def _is_loss(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.loss._Loss)
 
 
-def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
+def extend(module: nn.Module, exclude: Iterable[str] = (), batch_dim: int | None = None) -> nn.Module:
     """Make ``module`` ready for gradlens and check it; returns the same module.
 
     For a loss module (``nn.CrossEntropyLoss``, ``nn.MSELoss``, ...): installs a light forward
@@ -180,6 +232,9 @@ def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
         module: a model or a loss module.
         exclude: parameter names (``"fc.weight"``, ``"cls_token"``) or module names (``"fc"``,
             ``"encoder.norm"``) whose parameters gradlens must not track.
+        batch_dim: the sample axis of the model's inputs (``1`` for sequence-first ``[T, B]``
+            inputs); default: 0, or 1 where the model itself says ``batch_first=False``. From
+            there the axis is followed through the forward, never guessed from sizes.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}")
@@ -195,11 +250,23 @@ def extend(module: nn.Module, exclude: Iterable[str] = ()) -> nn.Module:
         return module
     if isinstance(exclude, str):
         raise TypeError(f"exclude must be a list of names, got the string {exclude!r}; use exclude=[{exclude!r}]")
+    if batch_dim is not None:
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(
+                f"batch_dim must be a non-negative int (the inputs' sample axis), got {batch_dim!r}; "
+                "e.g. gradlens.extend(model, batch_dim=1) for [T, B] inputs"
+            )
+        setattr(module, _BATCH_DIM, batch_dim)
     exclude = tuple(getattr(module, _EXCLUDE, ())) + tuple(exclude)
     tracked_parameters(module, exclude)  # checks the names
     setattr(module, _EXCLUDE, exclude)
     setattr(module, _EXTENDED, True)
     return module
+
+
+def declared_batch_dim(module: nn.Module) -> int | None:
+    """The inputs' sample axis given to :func:`extend` (``batch_dim=``), else None."""
+    return getattr(module, _BATCH_DIM, None)
 
 
 def is_extended(module: nn.Module) -> bool:
@@ -291,6 +358,8 @@ class OpUse:
     axis: int
     batch: int
     forward: int = 0  # id of the forward pass
+    #: rows per sample on ``axis`` (its size is ``batch * factor``, samples the leading factor)
+    factor: int = 1
 
 
 def _tensors(args) -> Iterable[tuple[Any, Tensor]]:
@@ -321,13 +390,35 @@ def _input_batch(inputs: tuple, hint: int) -> tuple[int, int] | None:
     return ax, int(first.shape[ax])
 
 
-def _axis(shape, batch: int, hint: int) -> int | None:
-    """The sample axis of a tensor of ``shape`` in a micro-batch of ``batch``: the axis of that
-    size (``hint`` first where several have it), or None."""
+def _only_axis(shape, batch: int) -> int | None:
+    """The one axis of ``shape`` whose size is the micro-batch size, or None (none, or several:
+    then the size says nothing)."""
     cands = [i for i, s in enumerate(shape) if s == batch]
-    if not cands:
-        return None
-    return hint if hint in cands else cands[0]
+    return cands[0] if len(cands) == 1 else None
+
+
+#: kernels whose input may hold several rows per sample: rows of one sample are positions
+_FACTOR_KERNELS: tuple = (LinearKernel, LayerNormKernel, EmbeddingKernel)
+
+
+def _batch_first(t: Tensor, ax: int, factor: int, batch: int) -> Tensor:
+    """``t`` with its sample axis ``ax`` moved to dim 0; ``[B * f, ...] -> [B, f, ...]`` where
+    the samples are the leading factor of that axis."""
+    t = t.movedim(ax, 0) if ax else t
+    return t.reshape(batch, factor, *t.shape[1:]) if factor != 1 else t
+
+
+def _declared(model: nn.Module) -> dict[int, tuple[str, int]]:
+    """id(module) -> (what it declares, the sample axis of its 3-D input) for modules that say
+    ``batch_first`` themselves (RNNs, MultiheadAttention, transformer layers)."""
+    out = {}
+    for m in model.modules():
+        for obj in (m, getattr(m, "self_attn", None)):
+            bf = getattr(obj, "batch_first", None)
+            if isinstance(bf, bool):
+                out[id(m)] = (f"batch_first={bf}", 0 if bf else 1)
+                break
+    return out
 
 
 def _hints(model: nn.Module) -> dict[int, int]:
@@ -378,10 +469,13 @@ class _UseMode(TorchFunctionMode):
         derived = tap._derived
         pid = tap._pid
         is_data = False
+        first = None  # (the first data argument, its sample axis)
         tracked = []
         for pos, x in _tensors(args):
             if x in data:
                 is_data = True
+                if first is None:
+                    first = (x, data[x])
                 continue
             q = pid.get(id(x))
             if q is not None and x is tap.params[q]:
@@ -396,6 +490,8 @@ class _UseMode(TorchFunctionMode):
             if isinstance(x, Tensor):
                 if x in data:
                     is_data = True
+                    if first is None:
+                        first = (x, data[x])
                     continue
                 q = pid.get(id(x))
                 if q is not None and x is tap.params[q]:
@@ -407,8 +503,7 @@ class _UseMode(TorchFunctionMode):
         if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
             out = func(*args, **kwargs)
             if is_data:
-                for o in _outputs(out):
-                    data[o] = True
+                tap._carry(func, args, kwargs, first, out)
             return out
         if func is F.batch_norm and is_data:
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
@@ -417,8 +512,7 @@ class _UseMode(TorchFunctionMode):
         if not tracked:
             out = func(*args, **kwargs)
             if is_data:
-                for o in _outputs(out):
-                    data[o] = True
+                tap._carry(func, args, kwargs, first, out)
                 if func in _LOSS_FUNCTIONS:
                     _note_functional_loss(func, kwargs, out, tap._batch)
             return out
@@ -434,8 +528,7 @@ class _UseMode(TorchFunctionMode):
         else:
             saved = args
         out = func(*args, **kwargs)
-        for o in _outputs(out):
-            data[o] = True
+        tap._carry(func, args, kwargs, first, out)
         tap._meet(func, saved, kwargs, tracked, out)
         return out
 
@@ -472,8 +565,20 @@ class Tap:
         self._mode = _UseMode(self)
         self._mode_depth = 0
         self._skip = 0
-        self._stack: list[int] = [0]
+        self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _pre)
         self._batch: int | None = None
+        self._batch_dim = declared_batch_dim(model)
+        #: the model runs under torch.compile (set by the Lens): while installed, the compiler's
+        #: stance is "force_eager" (back to "default" on remove, or if the Tap is collected)
+        self.run_eager = False
+        self._eager = None
+        self._declared = _declared(model)
+        #: what the sample axis of a use could not be found for, this forward (one error lists all)
+        self.axis_errors: list[str] = []
+        #: autograd node -> sample axis ((dim, factor) or None) of the data tensors the model's
+        #: last forward returned (until the capture ends)
+        self.output_nodes: dict = {}
+        #: data tensor -> its sample axis (see :mod:`gradlens.axes`)
         self._data = WeakIdKeyDictionary()
         self._derived = WeakIdKeyDictionary()
         self._visited: set = set()
@@ -511,6 +616,8 @@ class Tap:
         self.uses: Counter = Counter()
         self.received: set[str] = set()
         self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
+        self.axis_errors = []
+        self.output_nodes = {}
         self._visited = set()
         self._ops = 0
 
@@ -553,8 +660,16 @@ class Tap:
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
         for q, p in self.params.items():
             self._handles.append(p.register_post_accumulate_grad_hook(self._received(q)))
+        # a tracked forward follows every operation in Python: under torch.compile it runs
+        # eagerly (no graph break, no recompile; the compiled graphs serve the untracked windows)
+        if self.run_eager and compat.compile_stance() == "default":
+            compat.set_compile_stance("force_eager")
+            self._eager = weakref.finalize(self, compat.set_compile_stance, "default")
 
     def remove(self) -> None:
+        if self._eager is not None:
+            self._eager()  # the stance back to "default" (once; the finalizer is then dead)
+            self._eager = None
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -565,7 +680,7 @@ class Tap:
             self._mode_depth -= 1
             self._mode.__exit__(None, None, None)
         self._skip = 0
-        self._stack = [0]
+        self._hooks_gen += 1  # hooks made before this removal do nothing if torch still runs them
 
     def _received(self, q: str):
         def hook(p):
@@ -579,12 +694,13 @@ class Tap:
             return None  # no gradients here, or a torch.func transform of the model (an oracle)
         if self._mode_depth == 0:
             inputs = tuple(args) + tuple(kwargs.values())
-            found = _input_batch(inputs, self._hint.get(id(module), 0))
+            hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
+            found = _input_batch(inputs, hint)
             if found is not None:
                 ax, self._batch = found
                 for _, x in _tensors(inputs):
                     if x.dim() > ax and x.shape[ax] == self._batch:
-                        self._data[x] = True
+                        self._data[x] = (ax, 1)
             self.forward_id += 1
             self._mode.__enter__()
         self._mode_depth += 1
@@ -595,16 +711,22 @@ class Tap:
             self._mode_depth -= 1
             if self._mode_depth == 0:
                 self._mode.__exit__(None, None, None)
+                outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
+                data = self._data
+                self.output_nodes = {
+                    o.grad_fn: data[o] for o in outs if isinstance(o, Tensor) and o in data and o.grad_fn is not None
+                }
         return None
 
     def _pre(self, mod: nn.Module, site: bool):
-        hint = 0 if forward_for(mod) is not None else self._hint.get(id(mod), 0)  # batch-first inside
-        stack = self._stack
+        declared = self._declared.get(id(mod))
+        gen = self._hooks_gen
 
         def pre(module, args):
-            if stack is not self._stack:  # removed (and reinstalled) earlier in this forward
+            if gen != self._hooks_gen:  # removed (and reinstalled) earlier in this forward
                 return None
-            stack.append(hint)
+            if declared is not None and self._mode_depth and args and isinstance(args[0], Tensor):
+                self._check_declared(module, declared, args[0])
             if site and self._mode_depth:
                 self._skip += 1
             return None
@@ -633,9 +755,62 @@ class Tap:
         return pre_, post_
 
     def _post(self, module, args, output):
-        if len(self._stack) > 1:
-            self._stack.pop()
         return None
+
+    # ------------------------------------------------------------------ the sample axis
+    def _check_declared(self, module: nn.Module, declared: tuple[str, int], x: Tensor) -> None:
+        """A module that says where its samples are (``batch_first``): an input whose carried
+        axis is unknown takes it; one that disagrees is an error (listed with the others)."""
+        what, want = declared
+        if x.dim() != 3 or x not in self._data:
+            return
+        ax = self._data[x]
+        if ax is None:
+            self._data[x] = (want, 1)
+        elif ax[0] != want:
+            self._refuse_axis(
+                x, f"{self.name_of(module)!r} ({type(module).__name__}, {what}) takes its samples on dim "
+                f"{want} of its input {tuple(x.shape)}, but the model's input put them on dim {ax[0]}"
+            )
+
+    def _carry(self, func, args, kwargs, first, out) -> None:
+        """Every output of a data operation is data, with the sample axis its rule gives."""
+        outs = _outputs(out)
+        if first is None:
+            axs = [None] * len(outs)
+        else:
+            axs = axes.carry(func, args, kwargs, first[0], first[1], outs, self._batch)
+        data = self._data
+        for o, ax in zip(outs, axs):
+            data[o] = ax
+
+    def axis_of(self, x: Tensor) -> tuple[int, int] | None:
+        """The sample axis ``(dim, factor)`` of data tensor ``x``: the carried one, else the one
+        axis whose size is the micro-batch size (only if exactly one has it), else None."""
+        ax = self._data[x] if x in self._data else None
+        if ax is not None:
+            return ax
+        only = _only_axis(x.shape, self._batch)
+        return None if only is None else (only, 1)
+
+    def _refuse_axis(self, t: Tensor, what: str) -> None:
+        """A use whose sample axis is unknown: the micro-step's first use in backward raises
+        ONE error naming every such use (:meth:`axis_error`)."""
+        if what not in self.axis_errors:
+            self.axis_errors.append(what)
+
+    def axis_error(self) -> RuntimeError | None:
+        """The error for the uses of this micro-step's forwards whose sample axis is unknown."""
+        errors = self.axis_errors
+        if not errors:
+            return None
+        return RuntimeError(
+            f"gradlens cannot tell the sample axis at {len(errors)} place(s) of the forward "
+            f"(micro-batch of {self._batch}): " + "; ".join(errors) + ". Declare the sample axis "
+            "of the model's input once (gradlens.extend(model, batch_dim=1) for [T, B, ...] "
+            "inputs), keep the samples on one axis (or as the leading factor of one axis) through "
+            "views, reshapes and permutes, or leave these modules out with Lens(..., exclude=[...])"
+        )
 
     def _is_data(self, x: Tensor) -> bool:
         """``x`` carries samples: computed from the model's inputs, or (made by an operation the
@@ -646,14 +821,11 @@ class Tap:
         return x.requires_grad and x not in self._derived and id(x) not in self._pid
 
     def _site_post(self, mod: nn.Module, site: Site | None):
-        hint = self._hint.get(id(mod), 0)
         linear = isinstance(mod, nn.Linear) and site is not None and "weight" in site.params
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
 
         def post(module, args, output):
             nonlocal site
-            if len(self._stack) > 1:
-                self._stack.pop()
             if not self._mode_depth:
                 return None
             self._skip -= 1
@@ -671,25 +843,26 @@ class Tap:
                 elif a in self._derived and output.requires_grad:
                     self._derived[output] = self._derived[a]
                 return None
-            self._data[output] = True
+            ax = self.axis_of(a)
+            if isinstance(module, nn.Embedding) and a.dim() <= 1 and ax is None:
+                ax = (0, 1)  # ids [B]: one id per sample
+            self._data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
             if mixes:
                 self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
             if site is None or not output.requires_grad:
                 return None
             batch = self._batch
-            ax = _axis(a.shape, batch, hint) if a.dim() > 1 or not isinstance(module, nn.Embedding) else 0
-            if ax is None:
-                _raise_in_backward(
+            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
+                self._refuse_axis(
                     output,
-                    f"gradlens cannot find the sample axis of the input of {site.name!r} "
-                    f"({type(module).__name__}, shape {tuple(a.shape)}) in a micro-batch of {batch} "
-                    "(read from the model's first input): the layer must see the samples on an axis "
-                    "of their own",
+                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
                 )
                 return None
+            ax, factor = ax
             for q in site.params.values():
                 self.uses[q] += 1
-            a_b = a.movedim(ax, 0) if ax else a
+            a_b = _batch_first(a, ax, factor, batch)
             node = None
             if linear and self.on_weight_grad is not None:
                 node = _weight_grad_node(output, module.weight)
@@ -701,11 +874,11 @@ class Tap:
             if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
                 def fused_hook(g):
-                    wg.value = on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid, fused=True)
+                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
 
                 output.register_hook(fused_hook)
                 return None
-            output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
+            output.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid))
             return None
 
         return post
@@ -725,17 +898,15 @@ class Tap:
             )
         out = outs[0]
         batch = self._batch
-        hint = self._stack[-1]
-        ax = _axis(out.shape, batch, hint)
+        ax = self.axis_of(out)
         if ax is None:
-            _raise_in_backward(
+            self._refuse_axis(
                 out,
-                f"gradlens cannot find the sample axis of the output of {fname} (shape "
-                f"{tuple(out.shape)}, micro-batch of {batch}), which uses the parameters "
-                f"{sorted(set().union(*(t[2] for t in tracked)))}: keep the samples on an axis "
-                "of their own where parameters are applied",
+                f"the output of {fname} (shape {tuple(out.shape)}), which uses the parameters "
+                f"{sorted(set().union(*(t[2] for t in tracked)))}",
             )
             return
+        ax, factor = ax
         k = self._ops
         self._ops += 1
         positions = {t[0] for t in tracked}
@@ -750,10 +921,9 @@ class Tap:
                 site = Site(f"op{k}:{names['weight']}", OpLinear(w, bias, tuple(names)), LinearKernel(), names)
                 for q in names.values():
                     self.uses[q] += 1
-                a = args[0]
-                a_b = a.movedim(ax, 0) if ax else a
+                a_b = _batch_first(args[0], ax, factor, batch)
                 on_use, fid = self.on_use, self.forward_id
-                out.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, False, batch, fid))
+                out.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
                 return
         detached = tuple(
             a.detach() if isinstance(a, Tensor) else
@@ -761,7 +931,7 @@ class Tap:
             for a in args
         )
         kw = {n: (v.detach() if isinstance(v, Tensor) else v) for n, v in kwargs.items()}
-        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id)
+        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id, factor)
         for _, _, names in tracked:
             for q in names:
                 self.uses[q] += 1
@@ -790,10 +960,13 @@ class Tap:
         """The qualified name of a module of the model (``""`` for the root)."""
         return self._names.get(id(module), type(module).__name__)
 
-    def mark_data(self, x: Tensor) -> None:
+    def mark_data(self, x: Tensor, axis: int | None = None) -> None:
         """Declare ``x`` (made inside a tracked forward, e.g. an RNN's zero initial state) part
-        of the batch."""
-        self._data[x] = True
+        of the batch, its samples on dim ``axis`` (None: the one dim of the micro-batch size,
+        if only one has it)."""
+        if axis is None:
+            axis = _only_axis(x.shape, self._batch)
+        self._data[x] = None if axis is None else (axis, 1)
 
     @property
     def batch(self) -> int | None:
@@ -921,7 +1094,8 @@ class ParamTap:
         if not torch.is_grad_enabled() or _in_functorch():
             return None
         if self._depth == 0:
-            found = _input_batch(tuple(args) + tuple(kwargs.values()), self._hint.get(id(module), 0))
+            dim = declared_batch_dim(module)
+            found = _input_batch(tuple(args) + tuple(kwargs.values()), self._hint.get(id(module), 0) if dim is None else dim)
             if found is not None:
                 self.batch = found[1]
             self.forward_id += 1
@@ -938,15 +1112,6 @@ class ParamTap:
 
 def _in_functorch() -> bool:
     return compat.in_functorch_transform()
-
-
-def _raise_in_backward(t: Tensor, message: str) -> None:
-    """A use gradlens cannot measure: the error comes when (and only if) backward reaches it."""
-
-    def hook(g):
-        raise RuntimeError(message)
-
-    t.register_hook(hook)
 
 
 class _TrackedForward:

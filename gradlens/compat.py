@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "foreach_mul_", "node_name", "embedding_saved",
+    "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
@@ -59,6 +59,32 @@ def compiled_original(model: nn.Module) -> nn.Module:
     """The module that ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), or
     ``model`` itself when it is not a compiled wrapper."""
     return getattr(model, "_orig_mod", model)
+
+
+def compiled_in_place(model: nn.Module) -> bool:
+    """True after ``model.compile()`` (``nn.Module._compiled_call_impl`` is set): calling the
+    module itself runs the compiled graph."""
+    return getattr(model, "_compiled_call_impl", None) is not None
+
+
+def compile_stance() -> str:
+    """The current ``torch.compiler.set_stance`` stance (``"default"``, ``"force_eager"``,
+    ...), read from ``torch._dynamo.eval_frame._stance.stance``; ``"default"`` where torch has
+    no stances."""
+    try:
+        from torch._dynamo import eval_frame
+    except ImportError:  # pragma: no cover - a torch build without dynamo
+        return "default"
+    stance = getattr(eval_frame, "_stance", None)
+    return getattr(stance, "stance", "default")
+
+
+def set_compile_stance(stance: str) -> None:
+    """``torch.compiler.set_stance(stance)``, called as a function (it sets the stance at
+    once); a no-op on a torch without stances."""
+    setter = getattr(torch.compiler, "set_stance", None)
+    if setter is not None:
+        setter(stance)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -124,6 +150,24 @@ def embedding_saved(fn: Any) -> tuple[Tensor, int, bool]:
     if pad >= 1 << 63:
         pad -= 1 << 64
     return fn._saved_indices, pad, bool(fn._saved_scale_grad_by_freq)
+
+
+def view_input_sizes(fn: Any) -> tuple[int, ...] | None:
+    """The shape of the tensor that a ``ViewBackward0`` / ``UnsafeViewBackward0`` node (a
+    ``view``/``reshape``/``flatten`` in forward) reshaped (its ``_saved_self_sym_sizes``); None
+    for any other node."""
+    if node_name(fn) not in ("ViewBackward0", "UnsafeViewBackward0"):
+        return None
+    return tuple(int(s) for s in fn._saved_self_sym_sizes)
+
+
+def slice_dim(fn: Any) -> int | None:
+    """The dimension a ``SliceBackward0`` node (``x[:, a:b]``, ``narrow``) sliced (its
+    ``_saved_dim``), normalised to be non-negative; None for any other node."""
+    if node_name(fn) != "SliceBackward0":
+        return None
+    d = int(fn._saved_dim)
+    return d + len(fn._saved_self_sym_sizes) if d < 0 else d
 
 
 # ---------------------------------------------------------------------------- DDP

@@ -143,7 +143,7 @@ def rnn_forward(self: nn.RNNBase, tap, input: Tensor, hx=None):
     hs = self.hidden_size
     if hx is None:
         z = x.new_zeros(self.num_layers * dirs, b, hs)
-        tap.mark_data(z)
+        tap.mark_data(z, axis=1)
         h0, c0 = z, z
     elif lstm:
         h0, c0 = hx

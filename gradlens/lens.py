@@ -27,7 +27,7 @@ from gradlens.capture import (
     tracked_parameters,
     trainable_split,
 )
-from gradlens.compat import compiled_original
+from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.distributed import (
     DEFAULT_TIMEOUT_S,
     DDPGradRoute,
@@ -55,11 +55,19 @@ from gradlens.units import check_multiplier
 __all__ = ["Lens"]
 
 _COMPILED = (
-    "the model runs under torch.compile: in a tracked window gradlens hooks every "
-    "watched layer's output, and each hook is a graph break (a 3-layer MLP: 6), so "
-    "tracked windows run partly uncompiled and recompile when tracking starts or "
-    "stops; untracked windows install no hook and stay fully compiled. Track fewer "
-    "windows (Lens(..., every=k)) to keep the cost small. (Said once per Lens.)"
+    "the model runs under torch.compile: gradlens follows every operation of a tracked "
+    "forward in Python, so tracked windows run the model eagerly (torch.compiler stance "
+    "'force_eager' while the window's hooks are installed: no graph break, no recompile); "
+    "untracked windows install no hook and run the compiled graphs. A tracked window costs "
+    "about an eager step plus gradlens' own cost: track fewer windows (Lens(..., every=k)) "
+    "to keep the cost small (docs/long_runs.md). (Said once per Lens.)"
+)
+
+_TRACED = (
+    " This Lens got the plain module while a compiled one ran the forward, so this window's "
+    "forward was traced with gradlens' hooks (graph breaks); from the next tracked window on "
+    "it runs eagerly. Give the Lens the compiled module (Lens(torch.compile(model), ...)) or "
+    "compile in place (model.compile()) to avoid that."
 )
 
 
@@ -243,6 +251,8 @@ class Lens:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         groups: Any = None,
     ):
+        # torch.compile(model) or model.compile(): tracked windows run the model eagerly
+        compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
         model = _watched_model(model)
         instruments = _check_instruments(instruments)
         optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
@@ -274,6 +284,8 @@ class Lens:
         self._tap = self._meter.tap
         for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
             inst.attach(lambda: self._tap.params, optimizer)
+
+        self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
 
         for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
@@ -317,7 +329,7 @@ class Lens:
         self._empty_micro_steps = 0
         self._pending: tuple[Record, dict[int, Any]] | None = None
         self._probes = _ForwardProbes(model, self, self._ddp_route)  # tracked windows only
-        self._compiled_seen = False
+        self._compiled_seen = compiled_wrapper
         self._compile_warned = False
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
@@ -533,7 +545,9 @@ class Lens:
             return
         if self._compiled_seen and not self._compile_warned:
             self._compile_warned = True
-            warnings.warn(_COMPILED, RuntimeWarning, stacklevel=4)
+            traced = not self._tap.run_eager  # the Lens got the plain module: dynamo traced the hooks
+            self._tap.run_eager = True  # from the next tracked window on
+            warnings.warn(_COMPILED + (_TRACED if traced else ""), RuntimeWarning, stacklevel=4)
 
     def _drop_window_skipped_by_scaler(self) -> None:
         """With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's

@@ -29,7 +29,7 @@ from gradlens.compat import queue_backward_callback
 from gradlens.groups import group_params
 from gradlens.sq_norms import sq_norm
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
-from gradlens.units import MicroStep, check_reduction, loss_calls_for
+from gradlens.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
 
 __all__ = ["Plan", "Meter"]
 
@@ -193,6 +193,7 @@ class Meter:
         instruments' window ``states`` (read: each instrument's micro-step state starts from
         its own) and ``sites`` (this window's measured uses) belong to the Lens."""
         calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
+        settle_flattened(calls, self.tap.batch, getattr(self.tap, "output_nodes", {}))
         if expected is not None:
             check_reduction(window, expected)
         micro = MicroStep(
@@ -388,6 +389,12 @@ class Meter:
             queue_backward_callback(lambda: setattr(micro, "backward_done", True))
         return micro
 
+    def _check_axes(self) -> None:
+        """One error for every use of this micro-step whose sample axis is unknown."""
+        err = self.tap.axis_error() if hasattr(self.tap, "axis_error") else None
+        if err is not None:
+            raise err
+
     def _begin_use(self, what: str, batch: int, forward: int) -> MicroStep | None:
         """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
         micro = self._in_backward(what)
@@ -400,6 +407,7 @@ class Meter:
                 "would count twice; run a new forward pass for each captured micro-step"
             )
         micro.forwards.add(forward)
+        self._check_axes()
         if batch == 0:
             micro.empty = True
         if micro.empty:
@@ -495,11 +503,14 @@ class Meter:
             if not names:
                 continue
             params = [tap.params[q] for q in names]
-            direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
-            if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
-                add_into(per_q, names[0], direct.detach())
-                continue
+            if use.factor == 1:
+                direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
+                if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
+                    add_into(per_q, names[0], direct.detach())
+                    continue
             gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
+            if use.factor != 1:  # rows n * f + j of the axis: sample n's gradient sums its f rows
+                gt = gt.reshape(use.batch, use.factor, *gt.shape[1:]).sum(1)
             if len(names) == 1 and t is tap.params[names[0]]:
                 got = [gt]
             else:
@@ -551,6 +562,7 @@ class Meter:
         if self.plan.light:
             return
         tap = self.tap
+        self._check_axes()
         missing = sorted(q for q in tap.received if q in tap.params and q not in micro.seen)
         if missing:
             raise RuntimeError(

@@ -9,16 +9,17 @@ GradScaler's scale, 1/K, ...). :meth:`MicroStep.scale` is that factor, B / c or 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradlens.capture import LossCall
+from gradlens.capture import LossCall, settle_rows
 from gradlens.instruments.base import WindowStats
 
-__all__ = ["MicroStep", "loss_calls_for", "check_multiplier", "check_reduction"]
+__all__ = ["MicroStep", "loss_calls_for", "check_multiplier", "check_reduction", "settle_flattened"]
 
 
 @dataclass
@@ -111,6 +112,30 @@ class MicroStep:
             c = self._multiplier
             self._scale = base if c is None else base / c
         return self._scale
+
+
+def settle_flattened(calls: list[LossCall], batch: int | None, output_nodes: dict) -> None:
+    """Losses on flattened rows (``loss_fn(logits.view(-1, V), labels.view(-1))`` with
+    ``[B, T, V]`` logits): each covers the ``B`` samples of the model's input, the token-mean
+    convention of docs/design.md ("Units": L_n = sample n's summed token losses over the
+    micro-step's counted tokens, ``ignore_index`` targets counting for none, g_n = B dL_n).
+    A flattening gradlens cannot map to the samples is refused here, naming the fix."""
+    for call in calls:
+        if call.rows is None:
+            continue
+        settle_rows(call, batch, output_nodes)
+        if batch is None or call.batch_size == batch:
+            continue
+        lead = "[" + ", ".join(str(r) for r in call.rows) + "]"
+        why = (f"whose dim 0 ({call.rows[0]}) is not the micro-batch of {batch} samples of the model's input"
+               if call.rows[0] != batch else
+               f"and another of its dims has the micro-batch size {batch} too, so gradlens cannot tell which holds the samples")
+        raise RuntimeError(
+            f"{call.module_name} saw {math.prod(call.rows)} rows, a flattening of {lead} {why}. Flatten "
+            "samples-first outputs ([B, T, V] logits: logits.reshape(-1, V), labels.reshape(-1)), or "
+            "state the units and name the loss: with lens.capture(reduction='mean', loss=loss): "
+            "loss.backward()"
+        )
 
 
 def check_reduction(window: WindowStats, reduction: str) -> None:

@@ -213,6 +213,45 @@ def test_embedding_saved():
     _check("embedding_saved", torch.equal(padded[0], ids) and padded[1:] == (2, True), f"padding_idx=2, scale_grad_by_freq gave {padded}")
 
 
+def test_compiled_in_place():
+    plain, compiled = nn.Linear(2, 2), nn.Linear(2, 2)
+    with _entry("compiled_in_place"):
+        compiled.compile(backend="eager")
+        got = (compat.compiled_in_place(plain), compat.compiled_in_place(compiled))
+    _check("compiled_in_place", got == (False, True), f"a plain / a model.compile()'d Linear gave {got}")
+
+
+def test_compile_stance():
+    before = compat.compile_stance()
+    with _entry("compile_stance"), _entry("set_compile_stance"):
+        compat.set_compile_stance("force_eager")
+        during = compat.compile_stance()
+        compat.set_compile_stance(before)
+        after = compat.compile_stance()
+    _check("compile_stance", before == "default", f"the stance outside any set_stance is {before!r}")
+    _check("set_compile_stance", during == "force_eager" and after == "default",
+           f"set_compile_stance('force_eager') then back gave {during!r}, {after!r}")
+
+
+def test_view_input_sizes():
+    x = torch.randn(2, 3, 5, requires_grad=True) * 1
+    with _entry("view_input_sizes"):
+        viewed = compat.view_input_sizes(x.view(-1, 5).grad_fn)
+        copied = compat.view_input_sizes(x[:, 1:].reshape(-1, 5).grad_fn)  # a copy, then a view
+        other = compat.view_input_sizes((x * 2).grad_fn)
+    _check("view_input_sizes", viewed == (2, 3, 5), f"x.view(-1, 5) of a [2, 3, 5] tensor gave {viewed}")
+    _check("view_input_sizes", copied == (2, 2, 5), f"x[:, 1:].reshape(-1, 5) gave {copied}")
+    _check("view_input_sizes", other is None, f"a MulBackward0 node gave {other}")
+
+
+def test_slice_dim():
+    x = torch.randn(2, 3, 5, requires_grad=True) * 1
+    with _entry("slice_dim"):
+        dims = (compat.slice_dim(x[:, 1:].grad_fn), compat.slice_dim(x[..., :-1].grad_fn),
+                compat.slice_dim((x * 2).grad_fn))
+    _check("slice_dim", dims == (1, 2, None), f"x[:, 1:], x[..., :-1], x * 2 gave {dims}")
+
+
 # ---------------------------------------------------------------------------- DDP
 
 

@@ -1,0 +1,252 @@
+"""The sample axis of a tensor of a tracked forward, followed from the model's input.
+
+Each "data" tensor (computed from the batch) carries an :data:`Axis`: ``(axis, factor)`` says
+that dim ``axis`` has size ``B * factor`` and that its index is ``n * factor + j`` for sample
+``n`` (the samples are its leading factor: ``factor == 1`` is a plain sample axis; a window
+partition ``[B, H, W, C] -> [B * nW, w * w, C]`` gives ``(0, nW)``); ``None`` says "unknown".
+Rules per operation (:func:`carry`): reshapes (``view``, ``reshape``, ``flatten``,
+``unflatten``, ``squeeze``, ``unsqueeze``) by matching groups of dims, ``transpose`` /
+``permute`` / ``movedim`` by moving the axis, indexing, ``cat`` / ``stack`` / ``chunk`` /
+``split`` / ``unbind``, reductions with ``dim``; any other operation keeps the axis where its
+output has it unambiguously (same position from the left or from the right, same size), else
+the axis is unknown. Nothing here guesses from sizes alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Axis", "carry", "reshaped", "moved"]
+
+#: the type of a sample axis: ``(dim, factor)``, or None (unknown)
+Axis = Any
+
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
+             "_unsafe_view", "squeeze_", "unsqueeze_", "ravel"}
+_SWAPS = {"transpose", "swapaxes", "swapdims", "transpose_", "t", "t_"}
+_PERMUTES = {"permute"}
+_MOVES = {"movedim", "moveaxis"}
+_SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unsafe_split"}
+_CATS = {"cat", "concat", "concatenate"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
+               "nansum", "nanmean", "argmax", "argmin", "all", "any", "median", "count_nonzero"}
+
+
+def _dim(d: int, nd: int) -> int:
+    return d + nd if d < 0 else d
+
+
+def reshaped(old: tuple[int, ...], new: tuple[int, ...], ax: Any, batch: int) -> Any:
+    """The axis in ``new`` of a row-major reshape of a tensor of shape ``old`` with axis ``ax``
+    (``(dim, factor)``), or None where the samples are not the leading factor of one new dim.
+
+    Dims are matched in groups of equal products (``old[i0:i1]`` <-> ``new[j0:j1]``); in the
+    sample axis' group the samples lead if every old dim before the axis has size 1; they stay
+    the leading factor of the first new dim of the group whose size is not 1."""
+    if ax is None or not old or math.prod(old) != math.prod(new) or 0 in old:
+        return None
+    a, f = ax
+    i = j = 0
+    try:
+        while i < len(old):
+            i0, j0 = i, j
+            po = old[i]
+            pn = new[j] if j < len(new) else 1
+            i, j = i + 1, j + 1
+            while po != pn:
+                if po < pn:
+                    po *= old[i]
+                    i += 1
+                else:
+                    pn *= new[j]
+                    j += 1
+            if not i0 <= a < i:
+                continue
+            if any(old[k] != 1 for k in range(i0, a)):
+                return None  # the samples are not the leading factor of the group
+            group = f * math.prod(old[a + 1:i])  # the group's flat index is n * group + r
+            for k in range(j0, min(j, len(new))):
+                rest = math.prod(new[k + 1:j])
+                if new[k] % batch == 0 and (new[k] // batch) * rest == group:
+                    return (k, new[k] // batch)
+                if new[k] != 1:
+                    return None
+            return None
+    except IndexError:
+        return None
+    return None
+
+
+def moved(ax: Any, perm: list[int]) -> Any:
+    """The axis after ``x.permute(perm)``."""
+    if ax is None:
+        return None
+    return (perm.index(ax[0]), ax[1])
+
+
+def _same(x: Tensor, ax: Any, o: Tensor) -> Any:
+    """Any other operation: the axis kept where the output has it at the same position counted
+    from the left or from the right with the same size, and only one such position."""
+    if ax is None:
+        return None
+    a, f = ax
+    size = x.shape[a]
+    cands = set()
+    if a < o.dim() and o.shape[a] == size:
+        cands.add(a)
+    r = a - x.dim() + o.dim()
+    if 0 <= r < o.dim() and o.shape[r] == size:
+        cands.add(r)
+    if len(cands) != 1:
+        return None
+    return (cands.pop(), f)
+
+
+def _index(x: Tensor, ax: Any, idx: Any, o: Tensor) -> Any:
+    """``x[idx]``: basic indexing (ints, slices, None, Ellipsis) moves the axis; a slice or int
+    on the sample axis itself, or advanced indexing, makes it unknown (unless the output keeps
+    it unambiguously)."""
+    a, f = ax
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if any(isinstance(i, (Tensor, list)) for i in idx):
+        return _same(x, ax, o)
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    pos_in = pos_out = 0
+    for i in idx:
+        if i is Ellipsis:
+            skip = x.dim() - n_real
+            if pos_in <= a < pos_in + skip:
+                return (pos_out + a - pos_in, f)
+            pos_in += skip
+            pos_out += skip
+        elif i is None:
+            pos_out += 1
+        elif isinstance(i, slice):
+            if pos_in == a:
+                return (pos_out, f) if i == slice(None) else None
+            pos_in += 1
+            pos_out += 1
+        else:  # an int
+            if pos_in == a:
+                return None
+            pos_in += 1
+    return (pos_out + a - pos_in, f)  # an untouched trailing dim
+
+
+#: the descriptors of ``x.T``, ``x.H`` (all dims reversed) and ``x.mT``, ``x.mH`` (the last two
+#: swapped): the mode sees their ``__get__``, a new method-wrapper on each access
+_REVERSED = (torch.Tensor.T, torch.Tensor.H)
+_LAST_TWO = (torch.Tensor.mT, torch.Tensor.mH)
+
+
+def _einsum(args, x: Tensor, ax: Any) -> Any:
+    """``torch.einsum(eq, *operands)``: the sample axis' letter in ``x``'s subscripts, found in
+    the explicit output subscripts (None without ``->``, with ``...``, or if summed out)."""
+    eq = args[0]
+    ops_ = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    if not isinstance(eq, str) or "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    subs = lhs.split(",")
+    i = next((k for k, t in enumerate(ops_) if t is x), None)
+    if i is None or i >= len(subs) or len(subs[i]) != x.dim():
+        return None
+    letter = subs[i][ax[0]]
+    return (out.index(letter), ax[1]) if letter in out else None
+
+
+def _int_arg(args, kwargs, i, name, default=None):
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def carry(func, args: tuple, kwargs: dict, x: Tensor, ax: Any, outs: list[Tensor], batch: int) -> list[Any]:
+    """The axis of each output of ``func(*args, **kwargs)``, ``x`` being its first data
+    argument with axis ``ax``."""
+    name = getattr(func, "__name__", "")
+    if ax is None or batch is None:
+        return [None] * len(outs)
+    nd = x.dim()
+    try:
+        if name in _RESHAPES and len(outs) == 1:
+            return [reshaped(tuple(x.shape), tuple(outs[0].shape), ax, batch)]
+        if name in _SWAPS and len(outs) == 1:
+            if name in ("t", "t_"):
+                d0, d1 = 0, 1
+            else:
+                d0 = _dim(_int_arg(args, kwargs, 1, "dim0"), nd)
+                d1 = _dim(_int_arg(args, kwargs, 2, "dim1"), nd)
+            perm = list(range(nd))
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+            return [moved(ax, perm)]
+        owner = getattr(func, "__self__", None)
+        if name == "__get__" and any(owner is d for d in _REVERSED):  # x.T / x.H
+            return [moved(ax, list(range(nd))[::-1])]
+        if name == "__get__" and any(owner is d for d in _LAST_TWO) and nd >= 2:  # x.mT / x.mH
+            perm = list(range(nd))
+            perm[-1], perm[-2] = perm[-2], perm[-1]
+            return [moved(ax, perm)]
+        if name == "rot90" and len(outs) == 1:  # k odd: the two dims swap
+            k = _int_arg(args, kwargs, 1, "k", 1)
+            dims = [_dim(d, nd) for d in _int_arg(args, kwargs, 2, "dims", [0, 1])]
+            perm = list(range(nd))
+            if k % 2:
+                perm[dims[0]], perm[dims[1]] = perm[dims[1]], perm[dims[0]]
+            return [moved(ax, perm)]
+        if name == "einsum" and len(outs) == 1:
+            return [_einsum(args, x, ax)]
+        if name in _PERMUTES and len(outs) == 1:
+            dims = args[1:] if len(args) > 2 else _int_arg(args, kwargs, 1, "dims")
+            if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
+                dims = dims[0]
+            return [moved(ax, [_dim(int(d), nd) for d in dims])]
+        if name in _MOVES and len(outs) == 1:
+            src, dst = _int_arg(args, kwargs, 1, "source"), _int_arg(args, kwargs, 2, "destination")
+            src = [src] if isinstance(src, int) else list(src)
+            dst = [dst] if isinstance(dst, int) else list(dst)
+            src, dst = [_dim(s, nd) for s in src], [_dim(d, nd) for d in dst]
+            perm = [None] * nd
+            for s, d in zip(src, dst):
+                perm[d] = s
+            rest = iter(i for i in range(nd) if i not in src)
+            perm = [p if p is not None else next(rest) for p in perm]
+            return [moved(ax, perm)]
+        if name == "__getitem__" and len(outs) == 1:
+            return [_index(x, ax, args[1], outs[0])]
+        if name in ("select", "narrow") and len(outs) == 1:
+            d = _dim(_int_arg(args, kwargs, 1, "dim"), nd)
+            if d == ax[0]:
+                return [None]
+            return [(ax[0] - 1 if name == "select" and d < ax[0] else ax[0], ax[1])]
+        if name in _SPLITS or name == "unbind":
+            d = _dim(_int_arg(args, kwargs, 2 if name != "unbind" else 1, "dim", 0), nd)
+            if d == ax[0]:
+                return [None] * len(outs)
+            if name == "unbind":
+                return [(ax[0] - 1 if d < ax[0] else ax[0], ax[1])] * len(outs)
+            return [ax] * len(outs)
+        if name in _CATS and len(outs) == 1:
+            d = _dim(_int_arg(args, kwargs, 1, "dim", 0), nd)
+            return [None if d == ax[0] else ax]
+        if name == "stack" and len(outs) == 1:
+            d = _dim(_int_arg(args, kwargs, 1, "dim", 0), nd + 1)
+            return [(ax[0] + 1, ax[1]) if d <= ax[0] else ax]
+        if name in _REDUCTIONS and ("dim" in kwargs or len(args) > 1) and len(outs) >= 1:
+            dims = _int_arg(args, kwargs, 1, "dim")
+            if isinstance(dims, int):
+                dims = [dims]
+            if isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims):
+                dims = [_dim(d, nd) for d in dims]
+                if ax[0] in dims:
+                    return [None] * len(outs)
+                keep = bool(_int_arg(args, kwargs, 2, "keepdim", False))
+                a = ax[0] if keep else ax[0] - sum(1 for d in dims if d < ax[0])
+                return [(a, ax[1]) if o.dim() > a else None for o in outs]
+    except (TypeError, ValueError, IndexError, AttributeError):
+        pass
+    return [_same(x, ax, o) for o in outs]
