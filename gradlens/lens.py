@@ -41,6 +41,8 @@ from gradlens.distributed import (
     merge_window_start,
     resolve_group,
 )
+from gradlens.fsdp import ShardedView, presenting
+from gradlens.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
@@ -224,11 +226,17 @@ class Lens:
         params = tracked_parameters(model, self._exclude)
         if not params:
             raise ValueError("the model has no trainable parameters left to track after exclusions")
+        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (gradlens/fsdp.py)
+        self._sharded = ShardedView.of(model)
+        if self._sharded is not None:
+            check_sharded_instruments(instruments)
+            params = self._sharded.unsharded(params)
         _check_not_meta(params)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
-        self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
-                            undefined=undefined)
+        with presenting(self._sharded):
+            self._meter = Meter(model, params, Plan.compile(instruments), chunk_elements=chunk_elements,
+                                undefined=undefined)
         self._tap = self._meter.tap
         plan = self._meter.plan
 
@@ -296,7 +304,8 @@ class Lens:
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
-            self._meter.install()
+            with presenting(self._sharded):
+                self._meter.install()
             self._probes.install()
             if self._ddp_route is not None:
                 self._ddp_route.reset()
@@ -347,7 +356,10 @@ class Lens:
     def _refresh_params(self) -> None:
         """Follow parameters frozen, unfrozen or added since the last tracked window."""
         params, total = trainable_split(self.model, self._exclude)  # names checked at build
-        self._meter.follow(params)
+        if self._sharded is not None:
+            params = self._sharded.unsharded(params)
+        with presenting(self._sharded):
+            self._meter.follow(params)
         self._window_coverage = sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _on_pre_step(self, optimizer, args, kwargs):

@@ -1,0 +1,140 @@
+"""A Lens on a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Outside its forward and backward, a ``fully_shard``-ed module holds its parameters as sharded
+``DTensor`` parameters (``model.named_parameters()`` returns these: full shape, this rank's
+rows); during them FSDP2 swaps in *unsharded* parameters: plain ``nn.Parameter`` objects of the
+full shape (in the ``MixedPrecisionPolicy``'s ``param_dtype``), one per parameter, created at
+its module's first all-gather and kept for the module's lifetime (their storage is freed after
+use and refilled at the next all-gather). Autograd accumulates each backward's ``dL/dp`` into
+the unsharded parameter, and FSDP2 then reduce-scatters it into the sharded ``p.grad``.
+
+So the per-sample pieces of a use (its input ``a``, its output gradient ``delta``) are what
+they are under DDP: full-shaped, for this rank's own samples. :class:`ShardedView` gives the
+Lens the unsharded parameters under the qualified names of ``model.named_parameters()``; the
+Lens tracks them (hooks, per-sample sums in the full parameter shapes), and merges the ranks'
+windows with the same one all_reduce (+ one all_gather) as under DDP (gradlens/distributed.py).
+Nothing is gathered beyond what FSDP2 gathers itself, except once: a Lens built before the
+model's first forward unshards each ``fully_shard``-ed module once, one after the other (the
+all-gather FSDP2's own first forward makes), so that the unsharded parameters exist.
+
+What does not apply: ``p.grad`` is a sharded, reduce-scattered DTensor, so the DDP route of the
+global gradient sum (:class:`~gradlens.distributed.DDPGradRoute`) never applies: ``grad_sum``
+travels in the all_reduce. Instruments that read parameter *values* outside a module's own
+backward (``GradHist2d``'s parameter axis, ``Alpha``'s update direction) are refused
+(:func:`check_instruments`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+from torch import nn
+
+from gradlens import compat
+
+__all__ = ["ShardedView", "check_instruments", "unmanaged_dtensors"]
+
+#: instruments that read parameter values, which FSDP2 shards (class names)
+NEEDS_VALUES = {"GradHist2d": "its parameter axis reads the parameter values",
+                "Alpha": "its update direction reads the parameter values before and after the update"}
+
+
+def _is_dtensor(p: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(p, DTensor)
+
+
+def unmanaged_dtensors(model: nn.Module) -> list[str]:
+    """Names of ``model``'s DTensor parameters that FSDP2 does not manage (tensor
+    parallelism, a hand-made ``distribute_tensor``)."""
+    managed = compat.fsdp_params(model)
+    return [n for n, p in model.named_parameters() if _is_dtensor(p) and id(p) not in managed]
+
+
+class ShardedView:
+    """The unsharded parameters of a ``fully_shard``-ed model, for one Lens.
+
+    Build it with :meth:`of` (None when nothing in the model is sharded).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ShardedView | None":
+        return cls(model) if compat.fsdp_params(model) else None
+
+    def _ensure_unsharded(self, fps: dict[int, Any]) -> None:
+        """Unshard (then reshard) once each ``fully_shard``-ed module whose unsharded
+        parameters do not exist yet (a model that has not run a forward). A collective: every
+        rank builds its Lens at the same point."""
+        from torch.distributed.fsdp import FSDPModule
+
+        missing = {id(compat.fsdp_param_slots(fp)[0][0]) for fp in fps.values()
+                   if compat.fsdp_unsharded_param(fp) is None}
+        if not missing:
+            return
+        for mod in self.model.modules():
+            if isinstance(mod, FSDPModule) and any(
+                id(compat.fsdp_param_slots(fp)[0][0]) in missing
+                for g in mod._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+            ):
+                mod.unshard()
+                mod.reshard()
+
+    def unsharded(self, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+        """``params`` (qualified name -> parameter, as ``model.named_parameters()`` gives
+        them) with every sharded parameter replaced by its unsharded one (full shape)."""
+        fps = compat.fsdp_params(self.model)
+        self._ensure_unsharded(fps)
+        out = {}
+        for q, p in params.items():
+            fp = fps.get(id(p))
+            out[q] = p if fp is None else compat.fsdp_unsharded_param(fp)
+        return out
+
+    @contextlib.contextmanager
+    def presented(self) -> Iterator[None]:
+        """While the Tap is built or installed: every module holds its unsharded parameters
+        (identities only; no data is touched or gathered), as during its forward; afterwards
+        each module holds again what it held before."""
+        swapped = []
+        for fp in compat.fsdp_params(self.model).values():
+            full = compat.fsdp_unsharded_param(fp)
+            if full is None:
+                continue
+            for mod, attr in compat.fsdp_param_slots(fp):
+                before = mod._parameters.get(attr)
+                if before is not full:
+                    mod._parameters[attr] = full
+                    swapped.append((mod, attr, before))
+        try:
+            yield
+        finally:
+            for mod, attr, before in reversed(swapped):
+                mod._parameters[attr] = before
+
+
+def presenting(view: ShardedView | None):
+    """``view.presented()``, or nothing to do without a sharded model."""
+    return contextlib.nullcontext() if view is None else view.presented()
+
+
+def check_instruments(instruments: Sequence[Any]) -> None:
+    """Refuse, on a ``fully_shard``-ed model, the instruments that read parameter values."""
+    bad = [(type(i).__name__, NEEDS_VALUES[type(i).__name__]) for i in instruments
+           if type(i).__name__ in NEEDS_VALUES]
+    if bad:
+        names = ", ".join(n for n, _ in bad)
+        why = "; ".join(f"{n}: {w}" for n, w in bad)
+        raise ValueError(
+            f"instruments {names} are not supported on a model sharded with FSDP2 (fully_shard) "
+            f"({why}, and FSDP2 holds each parameter sharded across the ranks outside its "
+            "module's forward and backward); drop them from the Lens's instruments (e.g. "
+            "GradHist1d, BatchDot and the norm and noise instruments work under FSDP2), or "
+            "train the model under DistributedDataParallel when it fits on one device"
+        )
