@@ -289,3 +289,63 @@ def test_refusals_name_what_works_and_the_recipes_work():
             assert f"instruments {name} are not supported on a model sharded with FSDP2" in out[name], out[name]
             assert "drop them from the Lens's instruments" in out[name]
         assert out["recipe"] == 12
+
+
+# ------------------------------------------------------------------- schedule and restart
+def _schedule_worker(rank, world, port, out_dir):
+    """every=2 over 4 windows; window 2 is interrupted after its first micro-step: the Lens is
+    saved (state_dict), closed, and a new Lens loaded from the state finishes the window."""
+    _init(rank, world, port)
+    try:
+        name, micro = "mlp", [2, 3]
+        model0, windows, grad_r = _problem(name)
+        sizes = RANK_SIZES[world]
+        lo = sum(sizes[:rank])
+        model = gradlens.extend(_shard(copy.deepcopy(model0), name, reshard_after_forward=False))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        make = lambda: Lens(model, _instruments(grad_r), optimizer=opt, every=2)  # noqa: E731
+        lens = make()
+        records, thetas = [], [_full_state(model)]
+        for t in range(4):
+            x, y = windows[t % 2]
+            split = _micro_splits(world, micro)[rank]
+            xs, ys = torch.split(x[lo: lo + sizes[rank]], split), torch.split(y[lo: lo + sizes[rank]], split)
+            for k, (xb, yb) in enumerate(zip(xs, ys)):
+                last = k == len(xs) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+                loss = loss_fn(model(xb), yb)
+                with lens.capture():
+                    loss.backward()
+                if t == 2 and k == 0:  # restart from the saved state, mid-window
+                    state = lens.state_dict()
+                    records += lens.records
+                    lens.close(write_pending=False)
+                    lens = make()
+                    lens.load_state_dict(state)
+            opt.step()
+            opt.zero_grad()
+            thetas.append(_full_state(model))
+        records += lens.records
+        lens.close()
+        out = ([(r.step, r.num_samples, r.micro_steps, dict(r.values)) for r in records], thetas)
+        del lens, opt, model, make
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_schedule_and_restart_from_state_mid_window():
+    world = 2
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_schedule_worker, world, out_dir)
+        records, thetas = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    model0, windows, grad_r = _problem("mlp")
+    names_shapes = [(q, p.shape) for q, p in model0.named_parameters()]
+    micro_sizes = [b for split in _micro_splits(world, [2, 3]) for b in split]
+    assert [r[0] for r in records] == [0, 2]  # every=2: windows 0 and 2 only
+    for step, n, k, vals in records:
+        assert k == len(micro_sizes)
+        G = flat(per_sample_grads(_model_at(model0, thetas[step]), *windows[step % 2]))
+        _check(vals, n, G, names_shapes, micro_sizes, grad_r)
