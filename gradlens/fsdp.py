@@ -33,7 +33,8 @@ from torch import nn
 
 from gradlens import compat
 
-__all__ = ["ShardedView", "check_instruments", "unmanaged_dtensors"]
+__all__ = ["ShardedView", "check_instruments", "unmanaged_dtensors", "check_fold", "check_monitor",
+           "NOISE_UNDER_FSDP"]
 
 #: instruments that read parameter values, which FSDP2 shards (class names)
 NEEDS_VALUES = {"GradHist2d": "its parameter axis reads the parameter values",
@@ -46,6 +47,42 @@ def _is_dtensor(p: Any) -> bool:
     except ImportError:  # pragma: no cover - torch without DTensor
         return False
     return isinstance(p, DTensor)
+
+
+#: what measures the two-batch noise scale under FSDP2 (the refusals below suggest it)
+NOISE_UNDER_FSDP = (
+    "under FSDP2 use the Lens instrument: lens = Lens(model, [NoiseScaleTwoBatch()], optimizer=opt) "
+    "(small batches = each rank's micro-batches, big batch = the window of all ranks)"
+)
+
+
+def check_fold(params: Sequence[Any]) -> None:
+    """``GradientAccumulateOptimizer.step()`` on FSDP2-sharded parameters: refuse a micro-step
+    whose backward left no gradient (one under ``set_requires_gradient_sync(False)``: FSDP2
+    keeps it in its unsharded parameters until a synchronised backward, so the wrapper would
+    fold several micro-steps as one, with one micro-step's weight). One check of the first
+    parameter's type on other models."""
+    first = next(iter(params), None)
+    if first is None or not _is_dtensor(first) or any(p.grad is not None for p in params):
+        return
+    raise RuntimeError(
+        "GradientAccumulateOptimizer.step(): no parameter has a gradient in this micro-step and "
+        "the parameters are FSDP2 (fully_shard) shards: a backward under "
+        "model.set_requires_gradient_sync(False) leaves its gradient inside FSDP2 until a "
+        "synchronised backward, so this micro-step cannot be weighted by its own sample count. "
+        "Keep gradient sync on for every micro-step (model.set_requires_gradient_sync(True), "
+        "FSDP2's default): the wrapper accumulates the window itself"
+    )
+
+
+def check_monitor(params: Sequence[Any], who: str) -> None:
+    """Refuse a gradient-reading noise monitor on FSDP2-sharded parameters (their ``p.grad``
+    is a reduce-scattered shard, not the micro-step's gradient on this rank)."""
+    if any(_is_dtensor(p) for p in params):
+        raise TypeError(
+            f"{who} reads each micro-step's p.grad, which FSDP2 (fully_shard) holds as a "
+            f"reduce-scattered shard of the ranks' average; {NOISE_UNDER_FSDP}"
+        )
 
 
 def unmanaged_dtensors(model: nn.Module) -> list[str]:

@@ -411,3 +411,73 @@ def test_bf16_mixed_precision_policy_against_float32():
         assert float((bf["sum_grad_squared"][q] - v).abs().max()) <= BF16_ELEMENT_TOL * float(v.abs().max()), q
     # and bf16 is not float32: the policy did run the model in bf16
     assert not torch.equal(torch.as_tensor(bf["batch_l2"]), torch.as_tensor(f32["batch_l2"]))
+
+
+# ------------------------------------------------------------------- accumulation wrapper, monitors
+def _accumulate_worker(rank, world, port, out_dir):
+    """GradientAccumulateOptimizer on an FSDP2 model (gradient sync on every micro-step, as the
+    refusal says), with a Lens; the refusals of a no-sync micro-step and of the gradient-reading
+    noise monitors."""
+    _init(rank, world, port)
+    out = {}
+    try:
+        from gradlens import GradientAccumulateOptimizer
+        from gradlens.instruments import NoiseScaleDDP, NoiseScaleMonitor
+
+        model0, windows, grad_r = _problem("mlp")
+        model = gradlens.extend(_shard(copy.deepcopy(model0), "mlp"))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+        opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=LR), accum_steps=2)
+        for make in (lambda: NoiseScaleMonitor(opt, ranks=world), lambda: NoiseScaleDDP(model, batch_size=6)):
+            try:
+                make()
+                out[len(out)] = "no error"
+            except TypeError as err:
+                out[len(out)] = str(err)
+        lens = Lens(model, _instruments(grad_r), optimizer=opt)
+        x, y = windows[0]
+        xr, yr = x[6 * rank: 6 * rank + 6], y[6 * rank: 6 * rank + 6]
+        for lo, hi in [(0, 2), (2, 6)]:  # unequal micro-steps, the same on every rank
+            loss = loss_fn(model(xr[lo:hi]), yr[lo:hi])
+            with lens.capture():
+                loss.backward()
+            opt.step(num_samples=hi - lo)
+            opt.zero_grad()
+        out["record"] = dict(lens.records[0].values)
+        out["theta"] = _full_state(model)
+        # a micro-step under set_requires_gradient_sync(False): refused, nothing folded
+        model.set_requires_gradient_sync(False)
+        loss = loss_fn(model(xr[:2]), yr[:2])
+        with lens.capture():
+            loss.backward()
+        try:
+            opt.step(num_samples=2)
+            out["nosync"] = "no error"
+        except RuntimeError as err:
+            out["nosync"] = str(err)
+        lens.close()
+        del lens, opt, model
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accumulate_optimizer_exact_and_refusals_under_fsdp2():
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_accumulate_worker, 2, out_dir)
+        outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    model0, windows, grad_r = _problem("mlp")
+    x, y = windows[0]
+    G = flat(per_sample_grads(model0, x, y))
+    names_shapes = [(q, p.shape) for q, p in model0.named_parameters()]
+    ref = copy.deepcopy(model0)
+    F.cross_entropy(ref(x), y).backward()  # equal per-rank batches: the update of one batch of 12
+    for out in outs:
+        for i in (0, 1):
+            assert "under FSDP2 use the Lens instrument: lens = Lens(model, [NoiseScaleTwoBatch()]" in out[i], out[i]
+        assert "NoiseScaleMonitor reads each micro-step's p.grad" in out[0]
+        assert "NoiseScaleDDP reads each micro-step's p.grad" in out[1]
+        _check(out["record"], 12, G, names_shapes, [2, 4, 2, 4], grad_r)  # NoiseScaleTwoBatch included
+        for q, p in ref.named_parameters():
+            _close(out["theta"][q], p.detach() - LR * p.grad, rtol=1e-12)
+        assert "Keep gradient sync on for every micro-step (model.set_requires_gradient_sync(True)" in out["nosync"]
