@@ -234,61 +234,54 @@ def test_three_ranks_cnn_equal_one_batch_oracle():
 
 
 # ------------------------------------------------------------------- refusals
-def _refusal_worker(rank, world, port, out_dir):
-    _init(rank, world, port)
+def _refusals(rank, world):
+    """What a Lens on a sharded model refuses, and that the recipes of the messages work."""
     out = {}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # a DTensor parameter that FSDP2 does not manage (tensor parallelism by hand)
+    tp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    tp[0].weight = nn.Parameter(distribute_tensor(tp[0].weight.detach(), mesh, [Shard(0)]))
+    tp = gradlens.extend(tp)
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        # a DTensor parameter that FSDP2 does not manage (tensor parallelism by hand)
-        tp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        mesh = init_device_mesh("cpu", (world,))
-        tp[0].weight = nn.Parameter(distribute_tensor(tp[0].weight.detach(), mesh, [Shard(0)]))
-        tp = gradlens.extend(tp)
+        Lens(tp, [GradNorm()])
+        out["tp"] = "no error"
+    except RuntimeError as err:
+        out["tp"] = str(err)
+    del tp
+    # instruments that read parameter values, refused; the recipe (drop them) works
+    model0, windows, grad_r = _problem("mlp")
+    model = gradlens.extend(_shard(copy.deepcopy(model0), "mlp"))
+    for inst in (GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1))), Alpha()):
         try:
-            Lens(tp, [GradNorm()])
-            out["tp"] = "no error"
-        except RuntimeError as err:
-            out["tp"] = str(err)
-        del tp
-        # instruments that read parameter values, refused; the recipe (drop them) works
-        model0, windows, grad_r = _problem("mlp")
-        model = gradlens.extend(_shard(copy.deepcopy(model0), "mlp"))
-        for inst in (GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1))), Alpha()):
-            try:
-                Lens(model, [GradNorm(), inst])
-                out[type(inst).__name__] = "no error"
-            except ValueError as err:
-                out[type(inst).__name__] = str(err)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        with Lens(model, [GradNorm(), GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)), BatchDot()],
-                  optimizer=opt) as lens:
-            x, y = windows[0]
-            lo = 6 * rank
-            loss = F.cross_entropy(model(x[lo:lo + 6]), y[lo:lo + 6])
-            with lens.capture(reduction="mean", loss=loss):
-                loss.backward()
-            opt.step()
-            out["recipe"] = lens.records[-1].num_samples
-        del lens, opt, model
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+            Lens(model, [GradNorm(), inst])
+            out[type(inst).__name__] = "no error"
+        except ValueError as err:
+            out[type(inst).__name__] = str(err)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with Lens(model, [GradNorm(), GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)), BatchDot()],
+              optimizer=opt) as lens:
+        x, y = windows[0]
+        lo = 6 * rank
+        loss = F.cross_entropy(model(x[lo:lo + 6]), y[lo:lo + 6])
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+        opt.step()
+        out["recipe"] = lens.records[-1].num_samples
+    del lens, opt, model
+    return out
 
 
-def test_refusals_name_what_works_and_the_recipes_work():
-    with tempfile.TemporaryDirectory() as out_dir:
-        _spawn(_refusal_worker, 2, out_dir)
-        outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
-    for out in outs:
-        msg = out["tp"]
-        assert "FSDP2" in msg and "DistributedDataParallel" in msg, msg
-        assert "0.weight" in msg and "fully_shard" in msg, msg
-        for name in ("GradHist2d", "Alpha"):
-            assert f"instruments {name} are not supported on a model sharded with FSDP2" in out[name], out[name]
-            assert "drop them from the Lens's instruments" in out[name]
-        assert out["recipe"] == 12
+def _check_refusals(out):
+    msg = out["tp"]
+    assert "FSDP2" in msg and "DistributedDataParallel" in msg, msg
+    assert "0.weight" in msg and "fully_shard" in msg, msg
+    for name in ("GradHist2d", "Alpha"):
+        assert f"instruments {name} are not supported on a model sharded with FSDP2" in out[name], out[name]
+        assert "drop them from the Lens's instruments" in out[name]
+    assert out["recipe"] == 12
 
 
 # ------------------------------------------------------------------- schedule and restart
@@ -415,12 +408,12 @@ def test_bf16_mixed_precision_policy_against_float32():
 
 # ------------------------------------------------------------------- accumulation wrapper, monitors
 def _accumulate_worker(rank, world, port, out_dir):
-    """GradientAccumulateOptimizer on an FSDP2 model (gradient sync on every micro-step, as the
-    refusal says), with a Lens; the refusals of a no-sync micro-step and of the gradient-reading
-    noise monitors."""
+    """The refusals (:func:`_refusals`); GradientAccumulateOptimizer on an FSDP2 model (gradient
+    sync on every micro-step, as the refusal says), with a Lens; the refusals of a no-sync
+    micro-step and of the gradient-reading noise monitors."""
     _init(rank, world, port)
-    out = {}
     try:
+        out = {"refusals": _refusals(rank, world)}
         from gradlens import GradientAccumulateOptimizer
         from gradlens.instruments import NoiseScaleDDP, NoiseScaleMonitor
 
@@ -428,12 +421,13 @@ def _accumulate_worker(rank, world, port, out_dir):
         model = gradlens.extend(_shard(copy.deepcopy(model0), "mlp"))
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=LR), accum_steps=2)
-        for make in (lambda: NoiseScaleMonitor(opt, ranks=world), lambda: NoiseScaleDDP(model, batch_size=6)):
+        for i, make in enumerate((lambda: NoiseScaleMonitor(opt, ranks=world),
+                                  lambda: NoiseScaleDDP(model, batch_size=6))):
             try:
                 make()
-                out[len(out)] = "no error"
+                out[i] = "no error"
             except TypeError as err:
-                out[len(out)] = str(err)
+                out[i] = str(err)
         lens = Lens(model, _instruments(grad_r), optimizer=opt)
         x, y = windows[0]
         xr, yr = x[6 * rank: 6 * rank + 6], y[6 * rank: 6 * rank + 6]
@@ -462,7 +456,7 @@ def _accumulate_worker(rank, world, port, out_dir):
         dist.destroy_process_group()
 
 
-def test_accumulate_optimizer_exact_and_refusals_under_fsdp2():
+def test_refusals_and_accumulate_optimizer_under_fsdp2():
     with tempfile.TemporaryDirectory() as out_dir:
         _spawn(_accumulate_worker, 2, out_dir)
         outs = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
@@ -473,6 +467,7 @@ def test_accumulate_optimizer_exact_and_refusals_under_fsdp2():
     ref = copy.deepcopy(model0)
     F.cross_entropy(ref(x), y).backward()  # equal per-rank batches: the update of one batch of 12
     for out in outs:
+        _check_refusals(out["refusals"])
         for i in (0, 1):
             assert "under FSDP2 use the Lens instrument: lens = Lens(model, [NoiseScaleTwoBatch()]" in out[i], out[i]
         assert "NoiseScaleMonitor reads each micro-step's p.grad" in out[0]
