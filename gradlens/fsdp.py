@@ -19,8 +19,9 @@ all-gather FSDP2's own first forward makes), so that the unsharded parameters ex
 
 What does not apply: ``p.grad`` is a sharded, reduce-scattered DTensor, so the DDP route of the
 global gradient sum (:class:`~gradlens.distributed.DDPGradRoute`) never applies: ``grad_sum``
-travels in the all_reduce. Instruments that read parameter *values* outside a module's own
-backward (``GradHist2d``'s parameter axis, ``Alpha``'s update direction) are refused
+travels in the all_reduce. ``GradHist2d``'s parameter axis bins the gathered full values once
+per tracked window (:meth:`ShardedView.bin_values`); instruments that read parameter values
+elsewhere (``Alpha``'s update direction, sampled ``GradHist2d``) are refused
 (:func:`check_instruments`).
 """
 
@@ -36,9 +37,17 @@ from gradlens import compat
 __all__ = ["ShardedView", "check_instruments", "unmanaged_dtensors", "check_fold", "check_monitor",
            "NOISE_UNDER_FSDP"]
 
-#: instruments that read parameter values, which FSDP2 shards (class names)
-NEEDS_VALUES = {"GradHist2d": "its parameter axis reads the parameter values",
+#: instruments that read parameter values, which FSDP2 shards (class names; GradHist2d only in
+#: sampled mode: exact GradHist2d bins the gathered values once per window, :meth:`ShardedView.bin_values`)
+NEEDS_VALUES = {"GradHist2d": "in sampled mode it reads sampled entries of the parameter values during backward",
                 "Alpha": "its update direction reads the parameter values before and after the update"}
+
+
+def _refused(inst: Any) -> bool:
+    name = type(inst).__name__
+    if name == "GradHist2d":
+        return getattr(inst, "sample", None) is not None
+    return name in NEEDS_VALUES
 
 
 def _is_dtensor(p: Any) -> bool:
@@ -134,6 +143,24 @@ class ShardedView:
             out[q] = p if fp is None else compat.fsdp_unsharded_param(fp)
         return out
 
+    def bin_values(self, instruments: Sequence[Any], states: dict[int, Any], params: dict[str, nn.Parameter]) -> None:
+        """When a tracked window opens (every rank): each exact ``GradHist2d`` bins the full
+        values of every tracked parameter for the window, gathered one parameter at a time
+        (``DTensor.full_tensor()``: one all-gather of D numbers per tracked window, the values
+        freed after binning; the bins, D int32, are what GradHist2d keeps on one process too).
+        Nothing is gathered without a GradHist2d."""
+        hists = [i for i in instruments if type(i).__name__ == "GradHist2d" and hasattr(i, "bin_param")]
+        if not hists:
+            return
+        fps = compat.fsdp_params(self.model)
+        sharded = {id(compat.fsdp_unsharded_param(fp)): fp.sharded_param for fp in fps.values()}
+        for q, p in params.items():
+            src = sharded.get(id(p))
+            values = (src.full_tensor() if src is not None else p).detach()
+            for inst in hists:
+                inst.bin_param(states[id(inst)], q, values)
+            del values
+
     @contextlib.contextmanager
     def presented(self) -> Iterator[None]:
         """While the Tap is built or installed: every module holds its unsharded parameters
@@ -163,8 +190,7 @@ def presenting(view: ShardedView | None):
 
 def check_instruments(instruments: Sequence[Any]) -> None:
     """Refuse, on a ``fully_shard``-ed model, the instruments that read parameter values."""
-    bad = [(type(i).__name__, NEEDS_VALUES[type(i).__name__]) for i in instruments
-           if type(i).__name__ in NEEDS_VALUES]
+    bad = [(type(i).__name__, NEEDS_VALUES[type(i).__name__]) for i in instruments if _refused(i)]
     if bad:
         names = ", ".join(n for n, _ in bad)
         why = "; ".join(f"{n}: {w}" for n, w in bad)
@@ -172,6 +198,7 @@ def check_instruments(instruments: Sequence[Any]) -> None:
             f"instruments {names} are not supported on a model sharded with FSDP2 (fully_shard) "
             f"({why}, and FSDP2 holds each parameter sharded across the ranks outside its "
             "module's forward and backward); drop them from the Lens's instruments (e.g. "
-            "GradHist1d, BatchDot and the norm and noise instruments work under FSDP2), or "
+            "GradHist2d without sample=, GradHist1d, BatchDot and the norm and noise instruments "
+            "work under FSDP2), or "
             "train the model under DistributedDataParallel when it fits on one device"
         )

@@ -303,6 +303,8 @@ class Lens:
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
             self._states = {id(i): i.start_window() for i in self.instruments}
+            if self._sharded is not None:  # GradHist2d's parameter axis: the gathered values
+                self._sharded.bin_values(self.instruments, self._states, self._tap.params)
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
             with presenting(self._sharded):
                 self._meter.install()
@@ -626,6 +628,8 @@ class Lens:
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)
+        if self._sharded is not None and self._window is not None:  # GradHist2d: bins of the window
+            self._sharded.bin_values(self.instruments, self._states, self._tap.params)
 
     def _object_ids(self, by_pid: bool = False):
         """Objects a saved state refers to by name: tracked parameters, the model's modules,

@@ -34,7 +34,7 @@ from gradlens.instruments import (
     OrthoTest,
     SumGradSquared,
 )
-from oracle import MODELS, flat, hist_oracle, make_problem, per_sample_grads
+from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads
 from oracle_models import ViTBlock
 from test_distributed import RANK_SIZES, _close, _init, _oracle_two_batch, _spawn
 
@@ -43,6 +43,7 @@ fully_shard = fsdp.fully_shard
 
 LR = 0.3
 HIST_BINS = 9  # odd: 0 (and round-off values around it) sits inside a bin, not on an edge
+HIST2D_BINS = (5, 7)
 
 
 class TinyLM(nn.Module):
@@ -77,6 +78,10 @@ def _problem(name: str):
     return model, windows, 0.5 * float(G.abs().max())
 
 
+def _param_range(model: nn.Module) -> float:
+    return 0.5 * max(float(p.detach().abs().max()) for p in model.parameters())
+
+
 def _shard(model: nn.Module, name: str, reshard_after_forward: bool = True, mp_policy=None) -> nn.Module:
     """``fully_shard`` per block (each Linear / Conv2d layer, or each transformer block), then
     at the root."""
@@ -90,8 +95,9 @@ def _shard(model: nn.Module, name: str, reshard_after_forward: bool = True, mp_p
     return model
 
 
-def _instruments(grad_r: float):
+def _instruments(grad_r: float, param_r: float):
     return [
+        GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
         BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
         NoiseScaleTwoBatch(), GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
         BatchDot(), InnerTest(), OrthoTest(),
@@ -155,7 +161,7 @@ def _worker(rank, world, port, out_dir, name, micro):
         model0, windows, grad_r = _problem(name)
         # unequal micro-step counts per rank: FSDP2 itself needs the parameters kept unsharded
         # between the window's micro-steps (else the ranks' all-gathers do not pair up)
-        out = _train(rank, world, name, micro, model0, windows, _instruments(grad_r),
+        out = _train(rank, world, name, micro, model0, windows, _instruments(grad_r, _param_range(model0)),
                      reshard_after_forward=not _unequal(micro))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -168,8 +174,13 @@ def _model_at(model0: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     return m
 
 
-def _check(vals, n, G, names_shapes, micro_sizes, grad_r, rtol=1e-9):
+def _check(vals, n, G, names_shapes, micro_sizes, grad_r, theta_model, param_r, rtol=1e-9):
     assert n == G.shape[0]
+    theta = torch.cat([p.detach().flatten() for p in theta_model.parameters()])  # the full values
+    pb, gb = HIST2D_BINS
+    joint = bins_oracle(theta, -param_r, param_r, pb) * gb + bins_oracle(G, -grad_r, grad_r, gb)
+    assert torch.equal(vals["grad_hist_2d"].counts, torch.bincount(joint.flatten(), minlength=pb * gb).view(pb, gb))
+    assert vals["grad_hist_2d"].clamped_param == n * int(((theta < -param_r) | (theta > param_r)).sum())
     _close(vals["batch_l2"], G.square().sum(1), rtol)  # rank-major sample order
     gs = dict(zip([q for q, _ in names_shapes], G.split([s.numel() for _, s in names_shapes], dim=1)))
     for (q, shape) in names_shapes:
@@ -211,8 +222,9 @@ def _run_and_check(world: int, name: str, micro: list[int]):
     assert len(records) == 2
     for t, (step, n, k, vals) in enumerate(records):
         assert step == t and k == len(micro_sizes)
-        G = flat(per_sample_grads(_model_at(model0, thetas[t]), *windows[t]))
-        _check(vals, n, G, names_shapes, micro_sizes, grad_r)
+        m = _model_at(model0, thetas[t])
+        G = flat(per_sample_grads(m, *windows[t]))
+        _check(vals, n, G, names_shapes, micro_sizes, grad_r, m, _param_range(model0))
     for other in results[1:]:  # every rank holds the same records, in full shapes
         for (s0, n0, k0, v0), (s1, n1, k1, v1) in zip(records, other[0]):
             assert (s0, n0, k0) == (s1, n1, k1)
@@ -251,10 +263,11 @@ def _refusals(rank, world):
     except RuntimeError as err:
         out["tp"] = str(err)
     del tp
-    # instruments that read parameter values, refused; the recipe (drop them) works
+    # instruments that read parameter values outside the gathered bins, refused; the recipe
+    # (drop them) works
     model0, windows, grad_r = _problem("mlp")
     model = gradlens.extend(_shard(copy.deepcopy(model0), "mlp"))
-    for inst in (GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1))), Alpha()):
+    for inst in (GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1)), sample=0.5), Alpha()):
         try:
             Lens(model, [GradNorm(), inst])
             out[type(inst).__name__] = "no error"
@@ -297,7 +310,7 @@ def _schedule_worker(rank, world, port, out_dir):
         model = gradlens.extend(_shard(copy.deepcopy(model0), name, reshard_after_forward=False))
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        make = lambda: Lens(model, _instruments(grad_r), optimizer=opt, every=2)  # noqa: E731
+        make = lambda: Lens(model, _instruments(grad_r, _param_range(model0)), optimizer=opt, every=2)  # noqa: E731
         lens = make()
         records, thetas = [], [_full_state(model)]
         for t in range(4):
@@ -340,8 +353,9 @@ def test_every_schedule_and_restart_from_state_mid_window():
     assert [r[0] for r in records] == [0, 2]  # every=2: windows 0 and 2 only
     for step, n, k, vals in records:
         assert k == len(micro_sizes)
-        G = flat(per_sample_grads(_model_at(model0, thetas[step]), *windows[step % 2]))
-        _check(vals, n, G, names_shapes, micro_sizes, grad_r)
+        m = _model_at(model0, thetas[step])
+        G = flat(per_sample_grads(m, *windows[step % 2]))
+        _check(vals, n, G, names_shapes, micro_sizes, grad_r, m, _param_range(model0))
 
 
 # ------------------------------------------------------------------- mixed precision
@@ -428,7 +442,7 @@ def _accumulate_worker(rank, world, port, out_dir):
                 out[i] = "no error"
             except TypeError as err:
                 out[i] = str(err)
-        lens = Lens(model, _instruments(grad_r), optimizer=opt)
+        lens = Lens(model, _instruments(grad_r, _param_range(model0)), optimizer=opt)
         x, y = windows[0]
         xr, yr = x[6 * rank: 6 * rank + 6], y[6 * rank: 6 * rank + 6]
         for lo, hi in [(0, 2), (2, 6)]:  # unequal micro-steps, the same on every rank
@@ -472,7 +486,7 @@ def test_refusals_and_accumulate_optimizer_under_fsdp2():
             assert "under FSDP2 use the Lens instrument: lens = Lens(model, [NoiseScaleTwoBatch()]" in out[i], out[i]
         assert "NoiseScaleMonitor reads each micro-step's p.grad" in out[0]
         assert "NoiseScaleDDP reads each micro-step's p.grad" in out[1]
-        _check(out["record"], 12, G, names_shapes, [2, 4, 2, 4], grad_r)  # NoiseScaleTwoBatch included
+        _check(out["record"], 12, G, names_shapes, [2, 4, 2, 4], grad_r, model0, _param_range(model0))
         for q, p in ref.named_parameters():
             _close(out["theta"][q], p.detach() - LR * p.grad, rtol=1e-12)
         assert "Keep gradient sync on for every micro-step (model.set_requires_gradient_sync(True)" in out["nosync"]
