@@ -19,10 +19,10 @@ all-gather FSDP2's own first forward makes), so that the unsharded parameters ex
 
 What does not apply: ``p.grad`` is a sharded, reduce-scattered DTensor, so the DDP route of the
 global gradient sum (:class:`~gradlens.distributed.DDPGradRoute`) never applies: ``grad_sum``
-travels in the all_reduce. ``GradHist2d``'s parameter axis bins the gathered full values once
-per tracked window (:meth:`ShardedView.bin_values`); instruments that read parameter values
-elsewhere (``Alpha``'s update direction, sampled ``GradHist2d``) are refused
-(:func:`check_instruments`).
+travels in the all_reduce. Instruments that read parameter values get the gathered full values:
+``GradHist2d``'s parameter axis, binned once per tracked window (:meth:`ShardedView.bin_values`),
+``Alpha``'s theta_t and theta_{t+1} (:meth:`ShardedView.present_values`); sampled ``GradHist2d``,
+which reads sampled entries during backward, is refused (:func:`check_instruments`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ __all__ = ["ShardedView", "check_instruments", "unmanaged_dtensors", "check_fold
 
 #: instruments that read parameter values, which FSDP2 shards (class names; GradHist2d only in
 #: sampled mode: exact GradHist2d bins the gathered values once per window, :meth:`ShardedView.bin_values`)
-NEEDS_VALUES = {"GradHist2d": "in sampled mode it reads sampled entries of the parameter values during backward",
-                "Alpha": "its update direction reads the parameter values before and after the update"}
+NEEDS_VALUES = {"GradHist2d": "in sampled mode it reads sampled entries of the parameter values during backward"}
 
 
 def _refused(inst: Any) -> bool:
@@ -161,6 +160,27 @@ class ShardedView:
                 inst.bin_param(states[id(inst)], q, values)
             del values
 
+    def present_values(self, instruments: Sequence[Any], states: dict[int, Any],
+                       params: dict[str, nn.Parameter]) -> None:
+        """Around the real update (every rank): ``Alpha``'s state reads the parameters' values
+        before and after it (theta_t, theta_{t+1}); give it the gathered full values instead of
+        the unsharded parameters, whose storage FSDP2 has freed by then. Every tracked parameter
+        is gathered in a fixed order (``DTensor.full_tensor()``: one all-gather of D numbers each
+        time, twice per tracked window; D numbers of memory, as Alpha needs on one process).
+        Nothing is gathered without an Alpha."""
+        alphas = [states[id(i)] for i in instruments if type(i).__name__ == "Alpha" and id(i) in states]
+        if not alphas:
+            return
+        fps = compat.fsdp_params(self.model)
+        sharded = {id(compat.fsdp_unsharded_param(fp)): fp.sharded_param for fp in fps.values()}
+        full = {}
+        for q, p in params.items():
+            src = sharded.get(id(p))
+            full[q] = src.full_tensor().detach() if src is not None else p
+        for st in alphas:
+            if isinstance(getattr(st, "params", None), dict):
+                st.params = {q: full.get(q, v) for q, v in st.params.items()}
+
     @contextlib.contextmanager
     def presented(self) -> Iterator[None]:
         """While the Tap is built or installed: every module holds its unsharded parameters
@@ -189,16 +209,16 @@ def presenting(view: ShardedView | None):
 
 
 def check_instruments(instruments: Sequence[Any]) -> None:
-    """Refuse, on a ``fully_shard``-ed model, the instruments that read parameter values."""
+    """Refuse, on a ``fully_shard``-ed model, the instruments that read parameter values where
+    FSDP2 has them only sharded (:data:`NEEDS_VALUES`)."""
     bad = [(type(i).__name__, NEEDS_VALUES[type(i).__name__]) for i in instruments if _refused(i)]
     if bad:
         names = ", ".join(n for n, _ in bad)
         why = "; ".join(f"{n}: {w}" for n, w in bad)
         raise ValueError(
             f"instruments {names} are not supported on a model sharded with FSDP2 (fully_shard) "
-            f"({why}, and FSDP2 holds each parameter sharded across the ranks outside its "
-            "module's forward and backward); drop them from the Lens's instruments (e.g. "
-            "GradHist2d without sample=, GradHist1d, BatchDot and the norm and noise instruments "
-            "work under FSDP2), or "
-            "train the model under DistributedDataParallel when it fits on one device"
+            f"({why}, where FSDP2 may already have freed the unsharded parameter); drop them from "
+            "the Lens's instruments (e.g. GradHist2d without sample=, Alpha, GradHist1d, BatchDot "
+            "and the norm and noise instruments work under FSDP2), or train the model under "
+            "DistributedDataParallel when it fits on one device"
         )

@@ -372,11 +372,15 @@ class Lens:
     def _before_update(self) -> None:
         if self._window is not None:
             self._merge_ranks()
+            if self._sharded is not None:  # Alpha's theta_t: the gathered values
+                self._sharded.present_values(self.instruments, self._states, self._tap.params)
             for i in self.instruments:
                 i.before_update(self._states[id(i)])
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
+            if self._sharded is not None:  # Alpha's theta_{t+1}: the gathered values
+                self._sharded.present_values(self.instruments, self._states, self._tap.params)
             for i in self.instruments:
                 i.after_update(self._states[id(i)])
         self._close_window()

@@ -95,8 +95,8 @@ def _shard(model: nn.Module, name: str, reshard_after_forward: bool = True, mp_p
     return model
 
 
-def _instruments(grad_r: float, param_r: float):
-    return [
+def _instruments(grad_r: float, param_r: float, alpha: bool = False):
+    return [*([Alpha()] if alpha else []),
         GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
         BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
         NoiseScaleTwoBatch(), GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
@@ -114,7 +114,7 @@ def _micro_splits(world: int, micro: list[int]) -> list[list[int]]:
     return [[len(t) for t in torch.tensor_split(torch.arange(b), k)] for b, k in zip(RANK_SIZES[world], micro)]
 
 
-def _train(rank, world, name, micro, model0, windows, instruments, *, every=1, keep_open=False,
+def _train(rank, world, name, micro, model0, windows, instruments, *, every=1,
            reshard_after_forward=True, lens_kw=None):
     """Windows of this rank's slice of each window's batch in ``micro[rank]`` micro-steps; the
     usual FSDP2 accumulation: no gradient sync (and, for unequal micro-step counts, no reshard
@@ -137,16 +137,15 @@ def _train(rank, world, name, micro, model0, windows, instruments, *, every=1, k
             model.set_requires_gradient_sync(last)
             if keep:
                 model.set_reshard_after_backward(last)
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
                 loss.backward()
         opt.step()
         opt.zero_grad()
         thetas.append(_full_state(model))
+    lens.close()  # writes the last window's pending Alpha record
     records = [(r.step, r.num_samples, r.micro_steps, dict(r.values)) for r in lens.records]
-    if keep_open:
-        return lens, model, opt, records, thetas
-    lens.close()
     del lens, opt, model  # free the FSDP modules before destroy_process_group
     return records, thetas
 
@@ -161,7 +160,7 @@ def _worker(rank, world, port, out_dir, name, micro):
         model0, windows, grad_r = _problem(name)
         # unequal micro-step counts per rank: FSDP2 itself needs the parameters kept unsharded
         # between the window's micro-steps (else the ranks' all-gathers do not pair up)
-        out = _train(rank, world, name, micro, model0, windows, _instruments(grad_r, _param_range(model0)),
+        out = _train(rank, world, name, micro, model0, windows, _instruments(grad_r, _param_range(model0), True),
                      reshard_after_forward=not _unequal(micro))
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -225,6 +224,13 @@ def _run_and_check(world: int, name: str, micro: list[int]):
         m = _model_at(model0, thetas[t])
         G = flat(per_sample_grads(m, *windows[t]))
         _check(vals, n, G, names_shapes, micro_sizes, grad_r, m, _param_range(model0))
+        if t == 0:  # Alpha and the projections on the update, against the oracle of both windows
+            from test_dots import oracle_window
+
+            o = oracle_window([m, _model_at(model0, thetas[1])], windows, 0)
+            for key in ("start", "end", "update_sq_norm"):
+                _close(vals["search_dir_projections"][key], o[key])
+            _close(vals["alpha"], o["alpha"], rtol=1e-7)
     for other in results[1:]:  # every rank holds the same records, in full shapes
         for (s0, n0, k0, v0), (s1, n1, k1, v1) in zip(records, other[0]):
             assert (s0, n0, k0) == (s1, n1, k1)
@@ -267,14 +273,13 @@ def _refusals(rank, world):
     # (drop them) works
     model0, windows, grad_r = _problem("mlp")
     model = gradlens.extend(_shard(copy.deepcopy(model0), "mlp"))
-    for inst in (GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1)), sample=0.5), Alpha()):
-        try:
-            Lens(model, [GradNorm(), inst])
-            out[type(inst).__name__] = "no error"
-        except ValueError as err:
-            out[type(inst).__name__] = str(err)
+    try:
+        Lens(model, [GradNorm(), GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1)), sample=0.5)])
+        out["sampled"] = "no error"
+    except ValueError as err:
+        out["sampled"] = str(err)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with Lens(model, [GradNorm(), GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)), BatchDot()],
+    with Lens(model, [GradNorm(), GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1))), BatchDot()],
               optimizer=opt) as lens:
         x, y = windows[0]
         lo = 6 * rank
@@ -291,9 +296,9 @@ def _check_refusals(out):
     msg = out["tp"]
     assert "FSDP2" in msg and "DistributedDataParallel" in msg, msg
     assert "0.weight" in msg and "fully_shard" in msg, msg
-    for name in ("GradHist2d", "Alpha"):
-        assert f"instruments {name} are not supported on a model sharded with FSDP2" in out[name], out[name]
-        assert "drop them from the Lens's instruments" in out[name]
+    msg = out["sampled"]
+    assert "instruments GradHist2d are not supported on a model sharded with FSDP2" in msg, msg
+    assert "drop them from the Lens's instruments (e.g. GradHist2d without sample=" in msg, msg
     assert out["recipe"] == 12
 
 
