@@ -1,6 +1,7 @@
 """FSDP2 (``fully_shard``, gloo, CPU, float64): a Lens on a model sharded per block and at the
 root gives the records of the global batch of all ranks and micro-steps (rank-major), for every
-instrument it accepts there, against the float64 torch.func oracle on the concatenated batch;
+instrument (all but sampled GradHist2d, refused), against the float64 torch.func oracle on the
+concatenated batch;
 unequal per-rank batches and unequal micro-steps per rank (``set_requires_gradient_sync``);
 ``every=`` schedules; a restart from ``Lens.state_dict``; a bf16 ``MixedPrecisionPolicy``
 against float32; what is refused, and that the refusals' recipes work as written."""
