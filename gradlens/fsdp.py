@@ -13,9 +13,10 @@ they are under DDP: full-shaped, for this rank's own samples. :class:`ShardedVie
 Lens the unsharded parameters under the qualified names of ``model.named_parameters()``; the
 Lens tracks them (hooks, per-sample sums in the full parameter shapes), and merges the ranks'
 windows with the same one all_reduce (+ one all_gather) as under DDP (gradlens/distributed.py).
-Nothing is gathered beyond what FSDP2 gathers itself, except once: a Lens built before the
-model's first forward unshards each ``fully_shard``-ed module once, one after the other (the
-all-gather FSDP2's own first forward makes), so that the unsharded parameters exist.
+Nothing is gathered beyond what FSDP2 gathers itself, except the parameter values below and
+once, when a Lens is built before the model's first forward: it unshards each
+``fully_shard``-ed module once, one after the other (the all-gather FSDP2's own first forward
+makes), so that the unsharded parameters exist.
 
 What does not apply: ``p.grad`` is a sharded, reduce-scattered DTensor, so the DDP route of the
 global gradient sum (:class:`~gradlens.distributed.DDPGradRoute`) never applies: ``grad_sum``
