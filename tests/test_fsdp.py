@@ -8,6 +8,7 @@ against float32; what is refused, and that the refusals' recipes work as written
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -496,3 +497,65 @@ def test_refusals_and_accumulate_optimizer_under_fsdp2():
         for q, p in ref.named_parameters():
             _close(out["theta"][q], p.detach() - LR * p.grad, rtol=1e-12)
         assert "Keep gradient sync on for every micro-step (model.set_requires_gradient_sync(True)" in out["nosync"]
+
+
+# ------------------------------------------------------------------- collectives
+def _count_worker(rank, world, port, out_dir):
+    """Collectives per window of an FSDP2 model with a Lens (every=2) and without one."""
+    _init(rank, world, port)
+    try:
+        calls: dict[str, int] = {}
+        for fn in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                   "reduce_scatter_tensor", "broadcast", "all_to_all_single"):
+            if hasattr(dist, fn):
+                def wrapped(*a, _fn=fn, _orig=getattr(dist, fn), **k):
+                    calls[_fn] = calls.get(_fn, 0) + 1
+                    return _orig(*a, **k)
+
+                setattr(dist, fn, wrapped)
+        model0, windows, grad_r = _problem("mlp")
+        x, y = windows[0]
+        xr, yr = x[6 * rank: 6 * rank + 6], y[6 * rank: 6 * rank + 6]
+        out = {}
+        for label in ("lens", "plain"):
+            model = _shard(copy.deepcopy(model0), "mlp")
+            loss_fn = nn.CrossEntropyLoss()
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            lens = None
+            if label == "lens":
+                model, loss_fn = gradlens.extend(model), gradlens.extend(loss_fn)
+                lens = Lens(model, [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale()],
+                            optimizer=opt, every=2)
+            per_window = []
+            for _ in range(5 if lens is not None else 2):
+                before = dict(calls)
+                for k, (xb, yb) in enumerate(zip(xr.split(3), yr.split(3))):
+                    model.set_requires_gradient_sync(k == 1)
+                    loss = loss_fn(model(xb), yb)
+                    with lens.capture() if lens is not None else contextlib.nullcontext():
+                        loss.backward()
+                opt.step()
+                opt.zero_grad()
+                per_window.append({f: calls.get(f, 0) - before.get(f, 0) for f in calls})
+            if lens is not None:
+                lens.close()
+            out[label] = per_window
+            del lens, opt, model
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_collective_per_tracked_window_and_none_untracked():
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_count_worker, 2, out_dir)
+        out = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    fsdp_own = out["plain"][1]  # FSDP2's own collectives of one step (after its first)
+    assert fsdp_own.get("all_reduce", 0) == 0 and sum(fsdp_own.values()) > 0
+    lens = out["lens"]
+    keys = set(fsdp_own) | {k for w in lens for k in w}
+    extra = [{k: w.get(k, 0) - fsdp_own.get(k, 0) for k in keys if w.get(k, 0) != fsdp_own.get(k, 0)}
+             for w in lens[1:]]
+    # windows 1 and 3 untracked: nothing beyond FSDP2's own; windows 2 and 4 tracked: one
+    # all_reduce (batch_l2 travels inside it once its shapes are known, from window 0)
+    assert extra == [{}, {"all_reduce": 1}, {}, {"all_reduce": 1}], extra
