@@ -715,7 +715,8 @@ def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None])
 # ---------------------------------------------------------------------- arguments
 def _watched_model(model: nn.Module) -> nn.Module:
     """The module a Lens watches (``torch.compile(model)``: the module itself), checked: an
-    extended, unsharded model not watched by another open Lens."""
+    extended model, with no DTensor parameter that FSDP2 does not manage, not watched by another
+    open Lens."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
     model = compiled_original(model)  # torch.compile(model): watch the module itself
