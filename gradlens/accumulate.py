@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from gradlens import compat
+from gradlens.fsdp import check_fold as check_fsdp_fold
 
 __all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
@@ -747,6 +748,7 @@ class GradientAccumulateOptimizer(Optimizer):
                 "of every micro-step must be unscaled before they are summed)."
             )
         self._check_fresh()
+        check_fsdp_fold(self._params())
         st.weighted = weighted
         st.via_scaler = via_scaler
         w = weight if weighted else 1.0

@@ -32,6 +32,7 @@ __all__ = [
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
+    "fsdp_params", "fsdp_unsharded_param", "fsdp_param_slots",
 ]
 
 # ---------------------------------------------------------------------------- modules
@@ -261,3 +262,39 @@ def optimizer_grad_scale(optimizer: Any) -> Tensor | None:
     that declares ``_step_supports_amp_scaling = True`` for the duration of its ``step``
     (its gradients are still scaled by it), else None."""
     return getattr(optimizer, "grad_scale", None)
+
+
+# ---------------------------------------------------------------------------- FSDP2 (fully_shard)
+
+
+def fsdp_params(model: nn.Module) -> dict[int, Any]:
+    """``id(sharded parameter) -> FSDPParam`` of every ``fully_shard``-ed module of ``model``
+    (``FSDPModule._get_fsdp_state()._fsdp_param_groups[*].fsdp_params``; ``FSDPParam.
+    sharded_param`` is the DTensor parameter that ``model.named_parameters()`` returns outside a
+    forward). Empty when nothing is sharded. Checked on torch 2.6-2.13."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return {}
+    out: dict[int, Any] = {}
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            for group in mod._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = fp
+    return out
+
+
+def fsdp_unsharded_param(fp: Any) -> nn.Parameter | None:
+    """The unsharded parameter of an ``FSDPParam`` (``fp._unsharded_param``: a plain
+    ``nn.Parameter`` of the full shape in the policy's ``param_dtype``, created at the module's
+    first all-gather and kept, its storage freed and refilled, for the module's lifetime; the
+    module holds it during its forward and backward), or None before the first all-gather."""
+    return getattr(fp, "_unsharded_param", None)
+
+
+def fsdp_param_slots(fp: Any) -> list[tuple[nn.Module, str]]:
+    """Every ``(module, attribute)`` that holds an ``FSDPParam``'s parameter (``fp._module_info``:
+    its module and name, then the modules that share it, e.g. a tied embedding)."""
+    info = fp._module_info
+    return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]

@@ -242,21 +242,20 @@ def is_writer(group: Any) -> bool:
 
 
 def check_not_sharded(model: torch.nn.Module, who: str = "Lens") -> None:
-    """Refuse models whose parameters are sharded ``DTensor``s (FSDP2 ``fully_shard``, tensor
-    parallelism): the per-sample capture and the parameter-shaped sums assume every rank holds
-    whole parameters."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch without DTensor
-        return
-    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    """Refuse models with ``DTensor`` parameters that FSDP2 (``fully_shard``) does not manage
+    (tensor parallelism, a hand-made ``distribute_tensor``): the per-sample capture needs each
+    use's full-shaped parameter, which FSDP2 provides during a module's forward and backward
+    (gradlens/fsdp.py) and tensor parallelism never does."""
+    from gradlens.fsdp import unmanaged_dtensors
+
+    sharded = unmanaged_dtensors(model)
     if sharded:
         shown = ", ".join(sharded[:3]) + (", ..." if len(sharded) > 3 else "")
         raise RuntimeError(
-            f"{who}: parameters {shown} are sharded DTensors (FSDP2 torch.distributed.fsdp."
-            "fully_shard or tensor parallelism); gradlens needs whole parameters on every rank: "
-            "wrap the model in DistributedDataParallel instead, or exclude the sharded modules "
-            "from the Lens"
+            f"{who}: parameters {shown} are DTensors that FSDP2 does not manage (tensor "
+            "parallelism or distribute_tensor); gradlens needs each parameter whole during its "
+            "module's forward and backward: shard the model with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard) or wrap it in DistributedDataParallel"
         )
 
 

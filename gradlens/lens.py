@@ -44,6 +44,8 @@ from gradlens.distributed import (
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
 from gradlens.instruments.curvature import WindowGraph
 from gradlens.groups import check_groups
+from gradlens.fsdp import ShardedView, presenting
+from gradlens.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.measure import Meter, Plan
@@ -276,11 +278,17 @@ class Lens:
         params = tracked_parameters(model, self._exclude)
         if not params:
             raise ValueError("the model has no trainable parameters left to track after exclusions")
+        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (gradlens/fsdp.py)
+        self._sharded = ShardedView.of(model)
+        if self._sharded is not None:
+            check_sharded_instruments(instruments)
+            params = self._sharded.unsharded(params)
         _check_not_meta(params)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
-        self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
-                            undefined=undefined)
+        with presenting(self._sharded):
+            self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
+                                undefined=undefined)
         self._tap = self._meter.tap
         for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
             inst.attach(lambda: self._tap.params, optimizer)
@@ -373,8 +381,11 @@ class Lens:
                 self._meter.graph = self._graph
                 for i in self._graph_insts:
                     i.bind_graph(self._states[id(i)], self._graph)
+            if self._sharded is not None:  # GradHist2d's parameter axis: the gathered values
+                self._sharded.bin_values(self.instruments, self._states, self._tap.params)
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
-            self._meter.install()
+            with presenting(self._sharded):
+                self._meter.install()
             self._probes.install()
             if self._ddp_route is not None:
                 self._ddp_route.reset()
@@ -433,7 +444,10 @@ class Lens:
     def _refresh_params(self) -> None:
         """Follow parameters frozen, unfrozen or added since the last tracked window."""
         params, total = trainable_split(self.model, self._exclude)  # names checked at build
-        self._meter.follow(params)
+        if self._sharded is not None:
+            params = self._sharded.unsharded(params)
+        with presenting(self._sharded):
+            self._meter.follow(params)
         self._window_coverage = sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _on_pre_step(self, optimizer, args, kwargs):
@@ -444,11 +458,15 @@ class Lens:
     def _before_update(self) -> None:
         if self._window is not None:
             self._merge_ranks()
+            if self._sharded is not None:  # Alpha's theta_t: the gathered values
+                self._sharded.present_values(self.instruments, self._states, self._tap.params)
             for i in self.instruments:
                 i.before_update(self._states[id(i)])
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
+            if self._sharded is not None:  # Alpha's theta_{t+1}: the gathered values
+                self._sharded.present_values(self.instruments, self._states, self._tap.params)
             for i in self.instruments:
                 i.after_update(self._states[id(i)])
         self._close_window()
@@ -727,6 +745,8 @@ class Lens:
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)
+        if self._sharded is not None and self._window is not None:  # GradHist2d: bins of the window
+            self._sharded.bin_values(self.instruments, self._states, self._tap.params)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
@@ -799,7 +819,8 @@ def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None])
 # ---------------------------------------------------------------------- arguments
 def _watched_model(model: nn.Module) -> nn.Module:
     """The module a Lens watches (``torch.compile(model)``: the module itself), checked: an
-    extended, unsharded model not watched by another open Lens."""
+    extended model, with no DTensor parameter that FSDP2 does not manage, not watched by another
+    open Lens."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
     model = compiled_original(model)  # torch.compile(model): watch the module itself

@@ -390,3 +390,41 @@ def test_optimizer_grad_scale():
     _check("optimizer_grad_scale", len(opt.seen) == 1 and isinstance(opt.seen[0], torch.Tensor) and float(opt.seen[0]) == 4.0,
            f"GradScaler.step gave a _step_supports_amp_scaling optimizer the scale {opt.seen}")
     _check("optimizer_grad_scale", outside is None, f"outside step it gave {outside!r}")
+
+
+# ---------------------------------------------------------------------------- FSDP2
+
+
+def test_fsdp_params_unsharded_param_and_slots(group):
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    fsdp.fully_shard(model[0])
+    fsdp.fully_shard(model)
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(m._parameters["weight"]))
+    with _entry("fsdp_params"):
+        fps = compat.fsdp_params(model)
+        names = dict(model.named_parameters())
+    _check("fsdp_params", set(fps) == {id(p) for p in names.values()}, "not keyed by every sharded parameter")
+    _check("fsdp_params", all(isinstance(p, DTensor) for p in names.values()), "parameters are not DTensors")
+    _check("fsdp_params", compat.fsdp_params(nn.Linear(2, 2)) == {}, "not empty for a plain module")
+    fp = fps[id(names["0.weight"])]
+    with _entry("fsdp_unsharded_param"):
+        before = compat.fsdp_unsharded_param(fp)
+        model(torch.randn(2, 3)).sum().backward()
+        full = compat.fsdp_unsharded_param(fp)
+        model(torch.randn(2, 3)).sum().backward()
+        again = compat.fsdp_unsharded_param(fp)
+    _check("fsdp_unsharded_param", before is None, "exists before the first all-gather")
+    _check("fsdp_unsharded_param", isinstance(full, nn.Parameter) and not isinstance(full, DTensor)
+           and tuple(full.shape) == (4, 3), "not a plain full-shape Parameter")
+    _check("fsdp_unsharded_param", again is full, "a new object at the next all-gather")
+    _check("fsdp_unsharded_param", seen == [full, full], "not what the module holds during its forward")
+    with _entry("fsdp_param_slots"):
+        slots = compat.fsdp_param_slots(fp)
+    _check("fsdp_param_slots", slots == [(model[0], "weight")], f"gave {slots}")
+    _check("fsdp_param_slots", model[0]._parameters["weight"] is names["0.weight"], "slot not the sharded parameter outside forward")
+    del model, fps, fp, names, full, again, seen

@@ -2,7 +2,7 @@
 samples (float64 torch.func oracle on the rank-major concatenated batch), for every instrument;
 rank 0 writes the log once; one all_reduce per tracked window (plus one all_gather when
 per-sample vectors are kept and their shapes differ from the last window's), nothing on
-untracked windows; FSDP2 models are refused."""
+untracked windows. (FSDP2 models: tests/test_fsdp.py.)"""
 
 from __future__ import annotations
 
@@ -489,35 +489,6 @@ def test_one_collective_per_tracked_window_and_none_untracked():
     names = [nm for nm, _ in model0.named_parameters()]
     for nm, g in zip(names, G2.split([p.numel() for p in model0.parameters()], dim=1)):
         _close(out["f32"]["sum_grad_squared"][nm].flatten(), g.square().sum(0), rtol=1e-4)
-
-
-# ------------------------------------------------------------------- FSDP2
-def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    _init(rank, world, port)
-    try:
-        from torch.distributed.fsdp import fully_shard
-
-        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        fully_shard(model)
-        model = gradlens.extend(model)
-        try:
-            Lens(model, [GradNorm()])
-            msg = "no error"
-        except RuntimeError as err:
-            msg = str(err)
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(msg)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp2_sharded_model_is_refused():
-    pytest.importorskip("torch.distributed.fsdp")
-    with tempfile.TemporaryDirectory() as out_dir:
-        _spawn(_fsdp_worker, 2, out_dir)
-        msgs = [open(os.path.join(out_dir, f"rank{r}.txt")).read() for r in range(2)]
-    for msg in msgs:
-        assert "FSDP2" in msg and "DistributedDataParallel" in msg, msg
 
 
 def test_process_group_argument_checked():

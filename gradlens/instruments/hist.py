@@ -524,6 +524,13 @@ class GradHist2d(_GroupedHist):
         state.strata = window_state.strata  # sampled mode: one table per parameter and window
         return state
 
+    def bin_param(self, state: _Hist2dState, name: str, values: Tensor) -> None:
+        """Bin parameter ``name``'s values ``[*param]`` for this window now (the window state's
+        cache, which its micro-steps share), instead of at its first measurement: under FSDP2
+        (gradlens/fsdp.py) the values are the gathered full parameter, since the unsharded one
+        is freed outside its module's backward."""
+        self._theta(state, name, values)
+
     def _theta(self, state: _Hist2dState, name: str, param: Tensor, binned: bool = True) -> _Theta:
         """Theta's window facts; ``binned=False`` (sampled mode) skips the per-entry bins."""
         got = state.cache.get(name)

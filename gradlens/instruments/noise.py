@@ -54,6 +54,7 @@ from torch import Tensor
 
 from gradlens import compat
 from gradlens.accumulate import GradientAccumulateOptimizer
+from gradlens.fsdp import check_monitor as check_fsdp_monitor
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
 from gradlens.state_checks import FLOAT, check_state
@@ -232,6 +233,7 @@ class NoiseScaleMonitor:
             )
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"ranks must be an int >= 1 (data-parallel ranks), got {ranks!r}")
+        check_fsdp_monitor([p for g in optimizer.param_groups for p in g["params"]], "NoiseScaleMonitor")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable(values) or None, got {type(callback).__name__}")
         self.optimizer = optimizer
@@ -388,6 +390,8 @@ class NoiseScaleDDP:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        if isinstance(ddp, torch.nn.Module) and not isinstance(ddp, DistributedDataParallel):
+            check_fsdp_monitor(list(ddp.parameters()), "NoiseScaleDDP")
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(
                 "NoiseScaleDDP(ddp, ...) needs the torch.nn.parallel.DistributedDataParallel module "
