@@ -30,6 +30,7 @@ light hooks for tracked windows only.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -39,7 +40,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradlens import compat, ops
 from gradlens.kernels import Kernel, LinearKernel, OpLinear
@@ -356,6 +356,67 @@ def _hints(model: nn.Module) -> dict[int, int]:
     return out
 
 
+class _MarkRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+class _TensorMarks:
+    """Tensor -> value for live tensors, keyed by identity; an entry goes when its tensor is
+    freed. What ``torch.utils.weak.WeakIdKeyDictionary`` does, at a fraction of its per-lookup
+    Python cost (the forward's mode looks up every tensor argument of every torch call)."""
+
+    __slots__ = ("_d", "_gone")
+
+    def __init__(self):
+        d: dict[int, tuple[_MarkRef, Any]] = {}
+
+        def gone(ref: _MarkRef) -> None:  # the tensor was freed: drop its entry, not a newer one
+            e = d.get(ref.key)
+            if e is not None and e[0] is ref:
+                del d[ref.key]
+
+        self._d, self._gone = d, gone
+
+    def get(self, x: Tensor, default: Any = None) -> Any:
+        e = self._d.get(id(x))
+        return e[1] if e is not None and e[0]() is x else default
+
+    def __contains__(self, x: Tensor) -> bool:
+        e = self._d.get(id(x))
+        return e is not None and e[0]() is x
+
+    def __getitem__(self, x: Tensor) -> Any:
+        e = self._d.get(id(x))
+        if e is None or e[0]() is not x:
+            raise KeyError(id(x))
+        return e[1]
+
+    def __setitem__(self, x: Tensor, value: Any) -> None:
+        key = id(x)
+        e = self._d.get(key)
+        if e is not None and e[0]() is x:
+            self._d[key] = (e[0], value)
+            return
+        ref = _MarkRef(x, self._gone)
+        ref.key = key
+        self._d[key] = (ref, value)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+#: torch calls that only read a tensor's metadata (they return no tensor): the mode passes
+#: them through before any lookup (about a third of the calls in a transformer's forward)
+_METADATA = frozenset(
+    [getattr(torch.Tensor, n).__get__ for n in (
+        "shape", "dtype", "device", "requires_grad", "ndim", "is_cuda", "layout", "is_sparse",
+        "is_leaf", "grad_fn", "is_meta", "is_quantized")]
+    + [getattr(torch.Tensor, n) for n in (
+        "dim", "size", "numel", "nelement", "ndimension", "stride", "is_floating_point", "is_complex",
+        "is_contiguous", "element_size", "get_device", "data_ptr", "__len__")]
+)
+
+
 class _UseMode(TorchFunctionMode):
     """Sees every torch call of a tracked forward (outside closed-form sites)."""
 
@@ -366,7 +427,7 @@ class _UseMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tap = self.tap
-        if tap._skip:
+        if tap._skip or func in _METADATA:
             return func(*args, **kwargs)
         if func is F.linear and kwargs:
             full = list(args) + [None] * (3 - len(args))
@@ -474,8 +535,8 @@ class Tap:
         self._skip = 0
         self._stack: list[int] = [0]
         self._batch: int | None = None
-        self._data = WeakIdKeyDictionary()
-        self._derived = WeakIdKeyDictionary()
+        self._data = _TensorMarks()
+        self._derived = _TensorMarks()
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
@@ -697,9 +758,11 @@ class Tap:
                 def fused_hook(g):
                     wg.value = on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid, fused=True)
 
-                output.register_hook(fused_hook)
+                with compat.no_torch_function():  # bookkeeping, not a call of the forward
+                    output.register_hook(fused_hook)
                 return None
-            output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
+            with compat.no_torch_function():
+                output.register_hook(lambda g: on_use(site, a_b, g.movedim(ax, 0) if ax else g, via, batch, fid))
             return None
 
         return post

@@ -400,37 +400,46 @@ class Meter:
         micro = self._begin_use(site.name, batch, forward)
         if micro is None:
             return None
-        tap = self.tap
-        names = {attr: q for attr, q in site.params.items() if q in tap.params}
+        tap_params, uses = self.tap.params, self.tap.uses
+        names = {attr: q for attr, q in site.params.items() if q in tap_params}
         if not names:
             return None
         # the hand-off slot for the fused call's dL/dW: kernels (LinearKernel.reduce) and
         # instruments (BatchDot.update_layer) fill ``slot.value``; it never leaves the Meter
         slot = WeightGrad() if fused else None
-        with torch.no_grad():
-            dtype = self._dtype(g)
-            raw = g.detach().to(dtype)
+        grad_mode = torch.is_grad_enabled()  # off in a plain backward: no context to enter
+        if grad_mode:
+            torch.set_grad_enabled(False)
+        try:
+            dtype = g.dtype if g.dtype in _MEASURED else torch.float32
+            raw = g.detach()
+            if raw.dtype != dtype:
+                raw = raw.to(dtype)
             scale = micro.scale()
             a = a.detach()
-            if a.is_floating_point():
+            if a.dtype != dtype and a.is_floating_point():
                 a = a.to(dtype)
             micro.seen.update(names.values())
-            single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
-            shared = set(names) - single
+            single = [attr for attr, q in names.items() if uses[q] <= 1]
+            shared = [attr for attr in names if attr not in single]
             # per-sample units; kept unscaled (with the scale) where only BatchDot reads it
             delta = raw * scale if shared or not self.plan.carry_scale else None
             if single:
+                part = site if len(single) == len(site.params) else site.only(single)
                 wg = (slot, scale) if slot is not None and "weight" in single else None
                 if delta is None:
-                    self._measure(site.only(single), a, raw, micro, False, wg, scale=scale)
+                    self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
-                    self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
+                    self._measure(part, a, delta, micro, weight_via_node and "weight" in single, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
                     micro.linear_uses.append((part, a, delta))
                 else:
                     self._add_shared(micro, part, a, delta)
+        finally:
+            if grad_mode:
+                torch.set_grad_enabled(True)
         return None if slot is None else slot.value
 
     def _add_shared(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
@@ -629,6 +638,10 @@ class Meter:
     def _add_l2(micro: MicroStep, l2: Tensor) -> None:
         l2 = l2.double()
         micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
+
+
+#: dtypes measured as given (lower precisions are measured in float32)
+_MEASURED = (torch.float32, torch.float64)
 
 
 def _shares_storage(t: Tensor, other: Tensor) -> bool:
