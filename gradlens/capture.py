@@ -703,6 +703,7 @@ class Tap:
     def _site_post(self, mod: nn.Module, site: Site | None):
         hint = self._hint.get(id(mod), 0)
         linear = isinstance(mod, nn.Linear) and site is not None and "weight" in site.params
+        routed = site is not None and _routes_param_grads(mod, site.kernel)
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
 
         def post(module, args, output):
@@ -745,13 +746,11 @@ class Tap:
             for q in site.params.values():
                 self.uses[q] += 1
             a_b = a.movedim(ax, 0) if ax else a
-            node = None
-            if linear and self.on_weight_grad is not None:
-                node = _weight_grad_node(output, module.weight)
-                if node is not None:
-                    on_wg = self.on_weight_grad
-                    node.register_hook(lambda grad_in, grad_out: on_wg(site, grad_in[0]))
-            on_use, via, fid = self.on_use, node is not None, self.forward_id
+            via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
+            if routed and self.on_weight_grad is not None:
+                with compat.no_torch_function():
+                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
+            on_use, fid = self.on_use, self.forward_id
             wg = getattr(output, "_gradlens_weight_grad", None)
             if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
@@ -1081,6 +1080,61 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
         out._gradlens_weight_grad = holder
         return out
     return F.linear(x, module.weight, module.bias)
+
+
+#: autograd nodes of one-call layer forwards whose inputs include the layer's parameters
+#: directly (``F.linear``/``Conv1D``'s addmm or mm, ``F.layer_norm``, ``F.embedding``)
+_ROUTED_NODES = ("AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0", "EmbeddingBackward0")
+
+
+def _routes_param_grads(module: nn.Module, kernel: Kernel) -> bool:
+    """Whether the autograd node of ``module``'s call sees exactly that call's dL/dp of its
+    parameters: torch's own Linear, LayerNorm and (dense, without ``max_norm``) Embedding, and
+    transformers' ``Conv1D``: each forward is one torch call of its input and parameters."""
+    from gradlens.kernels import EmbeddingKernel, LayerNormKernel, TransposedLinearKernel
+
+    kind = type(kernel)
+    if type(module) is nn.Linear or (kind is TransposedLinearKernel and type(module).__name__ == "Conv1D"):
+        return kind in (LinearKernel, TransposedLinearKernel)
+    if type(module) is nn.LayerNorm:
+        return kind is LayerNormKernel
+    if type(module) is nn.Embedding:
+        return kind is EmbeddingKernel and not module.sparse and module.max_norm is None
+    return False
+
+
+def _hook_param_grads(output: Tensor, module: nn.Module, site: Site, on_grad) -> frozenset:
+    """Hook the autograd node(s) of one layer call (``output`` its result) so that
+    ``on_grad(site, dL/dp of this call, attr)`` receives each tracked parameter's gradient from
+    this call alone (before other uses, regularisers or DDP add to it): a parameter that is a
+    direct input of the call's node (:data:`_ROUTED_NODES`; ``weight.t()`` of ``F.linear``
+    through its transpose node). Returns the attributes so hooked."""
+    fn = output.grad_fn
+    if compat.node_name(fn) in ("ViewBackward0", "UnsafeViewBackward0"):
+        fn = fn.next_functions[0][0]  # a [B, T, d] input: the 2-D product under a view
+    if compat.node_name(fn) not in _ROUTED_NODES:
+        return frozenset()
+    ids = {id(getattr(module, attr)): attr for attr in site.params}
+    direct, hooked = [], []
+    for i, (nxt, _) in enumerate(fn.next_functions):
+        if nxt is None:
+            continue
+        attr = ids.get(id(getattr(nxt, "variable", None)))
+        if attr is not None:
+            direct.append((i, attr))
+        elif compat.node_name(nxt) == "TBackward0" and nxt.next_functions:
+            attr = ids.get(id(getattr(nxt.next_functions[0][0], "variable", None)))
+            if attr is not None:
+                nxt.register_hook(lambda gi, go, attr=attr: on_grad(site, gi[0], attr))
+                hooked.append(attr)
+    if direct:
+
+        def hook(gi, go):  # returns None: the gradients flow on unchanged
+            for i, attr in direct:
+                on_grad(site, gi[i], attr)
+
+        fn.register_hook(hook)
+    return frozenset(hooked) | frozenset(attr for _, attr in direct)
 
 
 def _weight_grad_node(output: Tensor, weight: Tensor):

@@ -178,7 +178,7 @@ class Kernel:
         is wanted. Only parameters in ``names`` count; ``(quantity, attr)`` pairs in ``skip``
         are delivered by someone else (the weight gradient autograd computes anyway)."""
         for q in ("sum_grad_squared", "grad_sum"):
-            if q in want:
+            if q in want and any((q, attr) not in skip for attr in names):  # else all delivered
                 for attr, v in getattr(self, q)(module, a, delta).items():
                     if attr in names and (q, attr) not in skip:
                         add_into(acc[q], names[attr], v)
@@ -523,7 +523,7 @@ class _LinearSums(Kernel):
         if "grad_sum" in want:
             if w and ("grad_sum", "weight") not in skip:
                 _addmm_into(acc["grad_sum"], w, delta.t(), a)
-            if b:
+            if b and ("grad_sum", "bias") not in skip:
                 add_into(acc["grad_sum"], b, delta.sum(0))
         if "batch_l2" not in want:
             return []
@@ -594,7 +594,7 @@ class _LinearSums(Kernel):
             db = d.sum(1)  # [B, O]: the bias gradient of each sample
             if "sum_grad_squared" in want:
                 add_into(acc["sum_grad_squared"], b, db.square().sum(0))
-            if "grad_sum" in want:
+            if "grad_sum" in want and ("grad_sum", "bias") not in skip:
                 add_into(acc["grad_sum"], b, db.sum(0))
             if "batch_l2" in want:
                 out.append(db.square().sum(1))

@@ -133,6 +133,8 @@ class Meter:
             from gradlens.instruments.noise import ParamGradSquares
 
             self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
+        #: the sums the uses' measurement computes (decided once, not per use)
+        self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
 
     # ------------------------------------------------------------------ hooks and parameters
     def install(self) -> None:
@@ -221,6 +223,12 @@ class Meter:
         else:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
             s.loss_unknown = 1  # the record says "unknown", not "non-finite"
+        if micro.l2_parts:  # one sum per micro-step, not one add per use
+            parts = micro.l2_parts
+            if len({p.dtype for p in parts}) > 1:
+                parts = [p.double() for p in parts]
+            micro.batch_l2 = torch.stack(parts).sum(0, dtype=torch.float64)
+            micro.l2_parts = []
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
         if micro.grad_sq is not None:  # ||s_k||^2 = (per-sample scale)^2 ||dL/dtheta||^2
@@ -276,13 +284,14 @@ class Meter:
         if micro is not None:
             micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
 
-    def on_weight_grad(self, w: Site, grad: Tensor | None) -> None:
-        """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
-        sum_n g_n of the weight is that times the per-sample scale; no extra matmul."""
+    def on_weight_grad(self, w: Site, grad: Tensor | None, attr: str = "weight") -> None:
+        """Autograd's dL/dp of parameter ``attr`` of one layer call (Linear, Conv1D, LayerNorm,
+        Embedding; see :func:`gradlens.capture._hook_param_grads`): sum_n g_n of it is that
+        times the per-sample scale; no extra matmul or materialised sum."""
         micro = self.micro
         if micro is None or grad is None or self.window is None:
             return
-        key = w.params.get("weight")
+        key = w.params.get(attr)
         if key is None or key not in self.tap.params or self.tap.uses[key] > 1:
             return
         self._add_grad_sum(key, grad, micro.scale())
@@ -387,7 +396,7 @@ class Meter:
         """The dtype of measurement: float32 or float64 as given, float32 for lower precisions."""
         return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
 
-    def on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int,
+    def on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: frozenset, batch: int, forward: int,
                fused: bool = False) -> Tensor | None:
         """Backward reached a closed-form use (``a`` its input, ``g`` its output gradient, both
         batch-first): measure it, or keep it if its parameters are shared (their g_n is the sum
@@ -430,7 +439,8 @@ class Meter:
                 if delta is None:
                     self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
-                    self._measure(part, a, delta, micro, weight_via_node and "weight" in single, wg)
+                    via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
+                    self._measure(part, a, delta, micro, via, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
@@ -533,7 +543,7 @@ class Meter:
             )
 
     def _measure(
-        self, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, weight_via_node: bool = False,
+        self, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, weight_via_node=(),
         weight_grad=None, scale=None,
     ) -> None:
         """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
@@ -559,19 +569,18 @@ class Meter:
         per_sample = bool(self.plan.per_sample)
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
         # per-sample pass when one runs anyway, else from the kernel's own reduction.
-        from_chunks = set()
+        from_chunks = frozenset()
         if not getattr(kernel, "factored", False):  # one materialising pass serves them all
-            from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
-        want = (needs & {"batch_l2", "sum_grad_squared", "grad_sum"}) - from_chunks
+            from_chunks = self.use_sums
+        want = self.use_sums - from_chunks
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
             acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
             if weight_grad is not None:
                 acc["weight_grad"] = weight_grad
-            skip = {("grad_sum", "weight")} if weight_via_node else ()
+            skip = {("grad_sum", attr) for attr in weight_via_node}
             l2 = kernel.reduce(module, a, delta, want, w.params, acc, skip)
-            if l2:
-                self._add_l2(micro, sum(l2))
+            micro.l2_parts.extend(l2)
         for inst in self.plan.layer:
             if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
                 inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
@@ -624,20 +633,15 @@ class Meter:
                     l2 = l2 + sq.flatten(1).sum(1)
                 if "sum_grad_squared" in from_chunks:
                     add_into(window.sum_grad_squared, qname, sq.sum(0))
-                if "grad_sum" in from_chunks:
+                if "grad_sum" in from_chunks and attr not in weight_via_node:  # else from autograd
                     add_into(window.grad_sum, qname, gb.sum(0))
             if "batch_l2" in from_chunks:
                 l2_parts.append(l2)
         if l2_parts:
-            self._add_l2(micro, torch.cat(l2_parts))
+            micro.l2_parts.append(torch.cat(l2_parts) if len(l2_parts) > 1 else l2_parts[0])
         if wsum is not None:
             holder, scale = weight_grad
             holder.value = (wsum / scale).to(module.weight.dtype)
-
-    @staticmethod
-    def _add_l2(micro: MicroStep, l2: Tensor) -> None:
-        l2 = l2.double()
-        micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
 
 
 #: dtypes measured as given (lower precisions are measured in float32)
