@@ -1125,16 +1125,22 @@ def _hook_param_grads(output: Tensor, module: nn.Module, site: Site, on_grad) ->
         elif compat.node_name(nxt) == "TBackward0" and nxt.next_functions:
             attr = ids.get(id(getattr(nxt.next_functions[0][0], "variable", None)))
             if attr is not None:
-                nxt.register_hook(lambda gi, go, attr=attr: on_grad(site, gi[0], attr))
                 hooked.append(attr)
+                nxt.register_hook(_node_hook(on_grad, site, ((0, attr),)))
     if direct:
-
-        def hook(gi, go):  # returns None: the gradients flow on unchanged
-            for i, attr in direct:
-                on_grad(site, gi[i], attr)
-
-        fn.register_hook(hook)
+        fn.register_hook(_node_hook(on_grad, site, tuple(direct)))
     return frozenset(hooked) | frozenset(attr for _, attr in direct)
+
+
+def _node_hook(on_grad, site: Site, slots: tuple):
+    """A node hook giving ``on_grad(site, grad_inputs[i], attr)`` for each ``(i, attr)`` of
+    ``slots``; it returns None, so the gradients flow on unchanged."""
+
+    def hook(grad_inputs, grad_outputs) -> None:
+        for i, attr in slots:
+            on_grad(site, grad_inputs[i], attr)
+
+    return hook
 
 
 def _weight_grad_node(output: Tensor, weight: Tensor):
