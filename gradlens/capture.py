@@ -1089,7 +1089,8 @@ _ROUTED_NODES = ("AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0", "E
 
 def _routes_param_grads(module: nn.Module, kernel: Kernel) -> bool:
     """Whether the autograd node of ``module``'s call sees exactly that call's dL/dp of its
-    parameters: torch's own Linear, LayerNorm and (dense, without ``max_norm``) Embedding, and
+    parameters: torch's own Linear, LayerNorm and (dense, without ``max_norm`` or
+    ``scale_grad_by_freq``) Embedding, and
     transformers' ``Conv1D``: each forward is one torch call of its input and parameters."""
     from gradlens.kernels import EmbeddingKernel, LayerNormKernel, TransposedLinearKernel
 
@@ -1099,7 +1100,8 @@ def _routes_param_grads(module: nn.Module, kernel: Kernel) -> bool:
     if type(module) is nn.LayerNorm:
         return kind is LayerNormKernel
     if type(module) is nn.Embedding:
-        return kind is EmbeddingKernel and not module.sparse and module.max_norm is None
+        return (kind is EmbeddingKernel and not module.sparse and module.max_norm is None
+                and not module.scale_grad_by_freq)
     return False
 
 
