@@ -272,7 +272,8 @@ class Site:
 
 
 #: Called in backward (:meth:`gradlens.measure.Meter.on_use`): (site, input a [B, ...], output
-#: gradient [B, ...], weight grad comes via autograd's node, micro-batch size seen in forward, id
+#: gradient [B, ...], the attributes whose dL/dp comes via the call's autograd node (a frozenset;
+#: see _hook_param_grads), micro-batch size seen in forward, id
 #: of that forward pass; keyword ``fused=True`` for a fused Linear call), returning that call's
 #: dL/dW when the measurement formed it (else None)
 OnUse = Callable[..., "Tensor | None"]

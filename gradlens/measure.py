@@ -402,6 +402,8 @@ class Meter:
         batch-first): measure it, or keep it if its parameters are shared (their g_n is the sum
         over uses, measured when the micro-step ends).
 
+        ``weight_via_node``: the attributes whose dL/dp of this call a hook on its autograd node
+        delivers (:meth:`on_weight_grad`); their grad_sum is not computed here.
         ``fused``: the use is a fused Linear call (:class:`~gradlens.capture._FusedLinear`)
         whose backward has not formed dL/dW yet. Returns that call's dL/dW ``[*weight]`` when
         this measurement formed it anyway (the sum of the per-sample weight gradients it
