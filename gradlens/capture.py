@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradlens import axes, compat, ops
 from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
@@ -339,7 +338,8 @@ class Site:
 
 
 #: Called in backward (:meth:`gradlens.measure.Meter.on_use`): (site, input a [B, ...], output
-#: gradient [B, ...], weight grad comes via autograd's node, micro-batch size seen in forward, id
+#: gradient [B, ...], the attributes whose dL/dp comes via the call's autograd node (a frozenset;
+#: see _hook_param_grads), micro-batch size seen in forward, id
 #: of that forward pass; keyword ``fused=True`` for a fused Linear call), returning that call's
 #: dL/dW when the measurement formed it (else None)
 OnUse = Callable[..., "Tensor | None"]
@@ -447,6 +447,67 @@ def _hints(model: nn.Module) -> dict[int, int]:
     return out
 
 
+class _MarkRef(weakref.ref):
+    __slots__ = ("key",)
+
+
+class _TensorMarks:
+    """Tensor -> value for live tensors, keyed by identity; an entry goes when its tensor is
+    freed. What ``torch.utils.weak.WeakIdKeyDictionary`` does, at a fraction of its per-lookup
+    Python cost (the forward's mode looks up every tensor argument of every torch call)."""
+
+    __slots__ = ("_d", "_gone")
+
+    def __init__(self):
+        d: dict[int, tuple[_MarkRef, Any]] = {}
+
+        def gone(ref: _MarkRef) -> None:  # the tensor was freed: drop its entry, not a newer one
+            e = d.get(ref.key)
+            if e is not None and e[0] is ref:
+                del d[ref.key]
+
+        self._d, self._gone = d, gone
+
+    def get(self, x: Tensor, default: Any = None) -> Any:
+        e = self._d.get(id(x))
+        return e[1] if e is not None and e[0]() is x else default
+
+    def __contains__(self, x: Tensor) -> bool:
+        e = self._d.get(id(x))
+        return e is not None and e[0]() is x
+
+    def __getitem__(self, x: Tensor) -> Any:
+        e = self._d.get(id(x))
+        if e is None or e[0]() is not x:
+            raise KeyError(id(x))
+        return e[1]
+
+    def __setitem__(self, x: Tensor, value: Any) -> None:
+        key = id(x)
+        e = self._d.get(key)
+        if e is not None and e[0]() is x:
+            self._d[key] = (e[0], value)
+            return
+        ref = _MarkRef(x, self._gone)
+        ref.key = key
+        self._d[key] = (ref, value)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+#: torch calls that only read a tensor's metadata (they return no tensor): the mode passes
+#: them through before any lookup (about a third of the calls in a transformer's forward)
+_METADATA = frozenset(
+    [getattr(torch.Tensor, n).__get__ for n in (
+        "shape", "dtype", "device", "requires_grad", "ndim", "is_cuda", "layout", "is_sparse",
+        "is_leaf", "grad_fn", "is_meta", "is_quantized")]
+    + [getattr(torch.Tensor, n) for n in (
+        "dim", "size", "numel", "nelement", "ndimension", "stride", "is_floating_point", "is_complex",
+        "is_contiguous", "element_size", "get_device", "data_ptr", "__len__")]
+)
+
+
 class _UseMode(TorchFunctionMode):
     """Sees every torch call of a tracked forward (outside closed-form sites)."""
 
@@ -457,7 +518,7 @@ class _UseMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tap = self.tap
-        if tap._skip:
+        if tap._skip or func in _METADATA:
             return func(*args, **kwargs)
         if func is F.linear and kwargs:
             full = list(args) + [None] * (3 - len(args))
@@ -579,8 +640,8 @@ class Tap:
         #: last forward returned (until the capture ends)
         self.output_nodes: dict = {}
         #: data tensor -> its sample axis (see :mod:`gradlens.axes`)
-        self._data = WeakIdKeyDictionary()
-        self._derived = WeakIdKeyDictionary()
+        self._data = _TensorMarks()
+        self._derived = _TensorMarks()
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
@@ -821,7 +882,7 @@ class Tap:
         return x.requires_grad and x not in self._derived and id(x) not in self._pid
 
     def _site_post(self, mod: nn.Module, site: Site | None):
-        linear = isinstance(mod, nn.Linear) and site is not None and "weight" in site.params
+        routed = site is not None and _routes_param_grads(mod, site.kernel)
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
 
         def post(module, args, output):
@@ -863,22 +924,22 @@ class Tap:
             for q in site.params.values():
                 self.uses[q] += 1
             a_b = _batch_first(a, ax, factor, batch)
-            node = None
-            if linear and self.on_weight_grad is not None:
-                node = _weight_grad_node(output, module.weight)
-                if node is not None:
-                    on_wg = self.on_weight_grad
-                    node.register_hook(lambda grad_in, grad_out: on_wg(site, grad_in[0]))
-            on_use, via, fid = self.on_use, node is not None, self.forward_id
+            via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
+            if routed and self.on_weight_grad is not None:
+                with compat.no_torch_function():
+                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
+            on_use, fid = self.on_use, self.forward_id
             wg = getattr(output, "_gradlens_weight_grad", None)
             if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
                 def fused_hook(g):
                     wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
 
-                output.register_hook(fused_hook)
+                with compat.no_torch_function():  # bookkeeping, not a call of the forward
+                    output.register_hook(fused_hook)
                 return None
-            output.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid))
+            with compat.no_torch_function():
+                output.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid))
             return None
 
         return post
@@ -1193,20 +1254,64 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _weight_grad_node(output: Tensor, weight: Tensor):
-    """The autograd node through which this call's dL/dW reaches ``weight`` (a leaf), for
-    ``F.linear`` (``addmm``/``mm`` of ``input`` and ``weight.t()``, under a view for inputs
-    ``[B, T, d]``), else None.
-    A hook on it sees exactly the weight gradient of this call, before other uses of the
-    parameter (regularisers, reuse) are added to ``weight.grad``."""
+#: autograd nodes of one-call layer forwards whose inputs include the layer's parameters
+#: directly (``F.linear``/``Conv1D``'s addmm or mm, ``F.layer_norm``, ``F.embedding``)
+_ROUTED_NODES = ("AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0", "EmbeddingBackward0")
+
+
+def _routes_param_grads(module: nn.Module, kernel: Kernel) -> bool:
+    """Whether the autograd node of ``module``'s call sees exactly that call's dL/dp of its
+    parameters: torch's own Linear, LayerNorm and (dense, without ``max_norm`` or
+    ``scale_grad_by_freq``) Embedding, and
+    transformers' ``Conv1D``: each forward is one torch call of its input and parameters."""
+    from gradlens.kernels import EmbeddingKernel, LayerNormKernel, TransposedLinearKernel
+
+    kind = type(kernel)
+    if type(module) is nn.Linear or (kind is TransposedLinearKernel and type(module).__name__ == "Conv1D"):
+        return kind in (LinearKernel, TransposedLinearKernel)
+    if type(module) is nn.LayerNorm:
+        return kind is LayerNormKernel
+    if type(module) is nn.Embedding:
+        return (kind is EmbeddingKernel and not module.sparse and module.max_norm is None
+                and not module.scale_grad_by_freq)
+    return False
+
+
+def _hook_param_grads(output: Tensor, module: nn.Module, site: Site, on_grad) -> frozenset:
+    """Hook the autograd node(s) of one layer call (``output`` its result) so that
+    ``on_grad(site, dL/dp of this call, attr)`` receives each tracked parameter's gradient from
+    this call alone (before other uses, regularisers or DDP add to it): a parameter that is a
+    direct input of the call's node (:data:`_ROUTED_NODES`; ``weight.t()`` of ``F.linear``
+    through its transpose node). Returns the attributes so hooked."""
     fn = output.grad_fn
     if compat.node_name(fn) in ("ViewBackward0", "UnsafeViewBackward0"):
         fn = fn.next_functions[0][0]  # a [B, T, d] input: the 2-D product under a view
-    if compat.node_name(fn) not in ("AddmmBackward0", "MmBackward0"):
-        return None
-    for node, _ in fn.next_functions:
-        if compat.node_name(node) == "TBackward0":
-            leaf = node.next_functions[0][0] if node.next_functions else None
-            if getattr(leaf, "variable", None) is weight:
-                return node
-    return None
+    if compat.node_name(fn) not in _ROUTED_NODES:
+        return frozenset()
+    ids = {id(getattr(module, attr)): attr for attr in site.params}
+    direct, hooked = [], []
+    for i, (nxt, _) in enumerate(fn.next_functions):
+        if nxt is None:
+            continue
+        attr = ids.get(id(getattr(nxt, "variable", None)))
+        if attr is not None:
+            direct.append((i, attr))
+        elif compat.node_name(nxt) == "TBackward0" and nxt.next_functions:
+            attr = ids.get(id(getattr(nxt.next_functions[0][0], "variable", None)))
+            if attr is not None:
+                hooked.append(attr)
+                nxt.register_hook(_node_hook(on_grad, site, ((0, attr),)))
+    if direct:
+        fn.register_hook(_node_hook(on_grad, site, tuple(direct)))
+    return frozenset(hooked) | frozenset(attr for _, attr in direct)
+
+
+def _node_hook(on_grad, site: Site, slots: tuple):
+    """A node hook giving ``on_grad(site, grad_inputs[i], attr)`` for each ``(i, attr)`` of
+    ``slots``; it returns None, so the gradients flow on unchanged."""
+
+    def hook(grad_inputs, grad_outputs) -> None:
+        for i, attr in slots:
+            on_grad(site, grad_inputs[i], attr)
+
+    return hook

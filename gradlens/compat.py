@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
-    "in_functorch_transform", "storage_use_count", "queue_backward_callback", "tensor_version",
+    "in_functorch_transform", "no_torch_function", "storage_use_count", "queue_backward_callback", "tensor_version",
     "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
@@ -99,6 +99,12 @@ def in_functorch_transform() -> bool:
         return torch._C._functorch.maybe_current_level() is not None
     except AttributeError:  # pragma: no cover - guarded by tests/test_compat.py
         return False
+
+
+#: ``torch._C.DisableTorchFunction``: a context in which torch calls skip ``__torch_function__``
+#: (modes and subclasses), so a hook's own bookkeeping (``Tensor.register_hook``) inside a
+#: tracked forward does not go through gradlens' mode. Its absence fails at import here.
+no_torch_function = torch._C.DisableTorchFunction
 
 
 def storage_use_count(t: Tensor) -> int | None:

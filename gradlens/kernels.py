@@ -178,7 +178,7 @@ class Kernel:
         is wanted. Only parameters in ``names`` count; ``(quantity, attr)`` pairs in ``skip``
         are delivered by someone else (the weight gradient autograd computes anyway)."""
         for q in ("sum_grad_squared", "grad_sum"):
-            if q in want:
+            if q in want and any((q, attr) not in skip for attr in names):  # else all delivered
                 for attr, v in getattr(self, q)(module, a, delta).items():
                     if attr in names and (q, attr) not in skip:
                         add_into(acc[q], names[attr], v)
@@ -523,7 +523,7 @@ class _LinearSums(Kernel):
         if "grad_sum" in want:
             if w and ("grad_sum", "weight") not in skip:
                 _addmm_into(acc["grad_sum"], w, delta.t(), a)
-            if b:
+            if b and ("grad_sum", "bias") not in skip:
                 add_into(acc["grad_sum"], b, delta.sum(0))
         if "batch_l2" not in want:
             return []
@@ -535,18 +535,20 @@ class _LinearSums(Kernel):
             out.append(d2n)
         return out
 
-    def _reduce_seq(self, module, a, delta, want, names, acc, skip):
+    def _reduce_seq(self, module, a, delta, want, names, acc, skip, transposed: bool = False):
         """Inputs with a sequence axis ``[B, T, d]``. The sum of squares needs g_n itself: one
         materialising pass then gives the norms and the weight sum too. Each chunk of samples
         (:func:`sample_chunks`) is formed into one reused buffer and reduced in place, with no
         allocation per chunk: the norms as vector norms, the sums as ``1^T G`` products added
         into the window's accumulators, the squares in place. Without it, norms come from
-        T x T Gram products and the sum from one matmul."""
+        T x T Gram products and the sum from one matmul. ``transposed``: the weight is
+        ``[d_in, d_out]`` (transformers' ``Conv1D``), g_n = sum_t a_nt delta_nt^T is formed in
+        that layout."""
         w, b = names.get("weight"), names.get("bias")
         x, d = self._flat(module, a, delta)
         out = []
         if "sum_grad_squared" in want and w:
-            n, shape = d.shape[0], (module.out_features, module.in_features)
+            n, shape = d.shape[0], tuple(module.weight.shape)
             numel = shape[0] * shape[1]
             sgs = acc["sum_grad_squared"]
             gsum = "grad_sum" in want and ("grad_sum", "weight") not in skip
@@ -566,10 +568,10 @@ class _LinearSums(Kernel):
                 buf = d.new_empty(c, numel)
             ones = d.new_ones(1, c)
             l2w = d.new_empty(n) if "batch_l2" in want else None
-            dt = d.transpose(1, 2)  # [B, O, T]
+            left, right = (x.transpose(1, 2), d) if transposed else (d.transpose(1, 2), x)  # [B, *, T], [B, T, *]
             for s, e in chunks:
-                f = buf[: e - s]  # [b, O * I]
-                torch.bmm(dt[s:e], x[s:e], out=f.view(e - s, *shape))
+                f = buf[: e - s]  # [b, numel] in the weight's layout
+                torch.bmm(left[s:e], right[s:e], out=f.view(e - s, *shape))
                 if l2w is not None:  # (one pass over f; a batched dot through bmm is 4x slower)
                     torch.linalg.vector_norm(f, dim=1, out=l2w[s:e])
                 if wsum is not None:
@@ -594,7 +596,7 @@ class _LinearSums(Kernel):
             db = d.sum(1)  # [B, O]: the bias gradient of each sample
             if "sum_grad_squared" in want:
                 add_into(acc["sum_grad_squared"], b, db.square().sum(0))
-            if "grad_sum" in want:
+            if "grad_sum" in want and ("grad_sum", "bias") not in skip:
                 add_into(acc["grad_sum"], b, db.sum(0))
             if "batch_l2" in want:
                 out.append(db.square().sum(1))
@@ -1188,6 +1190,10 @@ class TransposedLinearKernel(_LinearSums):
         return {"weight": (a, delta)} if got else {}
 
     def reduce(self, module, a, delta, want, names, acc, skip=()):
+        if delta.dim() != 2 and "sum_grad_squared" in want and names.get("weight"):
+            # one materialising pass in W's [d_in, d_out] layout gives the sum of squares, the
+            # norms and the sums (as nn.Linear's), not a transposed slice per quantity
+            return self._reduce_seq(module, a, delta, want, names, acc, skip, transposed=True)
         return Kernel.reduce(self, module, a, delta, want, names, acc, skip)
 
     def batch_l2(self, module, a, delta):

@@ -145,6 +145,8 @@ class Meter:
             from gradlens.instruments.noise import ParamGradSquares
 
             self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
+        #: the sums the uses' measurement computes (decided once, not per use)
+        self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
 
     # ------------------------------------------------------------------ hooks and parameters
     def install(self) -> None:
@@ -242,6 +244,12 @@ class Meter:
         else:
             s.loss_sum = torch.tensor(float("nan"), dtype=torch.float64)
             s.loss_unknown = 1  # the record says "unknown", not "non-finite"
+        if micro.l2_parts:  # one sum per micro-step, not one add per use
+            parts = micro.l2_parts
+            if len({p.dtype for p in parts}) > 1:
+                parts = [p.double() for p in parts]
+            micro.batch_l2 = torch.stack(parts).sum(0, dtype=torch.float64)
+            micro.l2_parts = []
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
             if self.groups:  # a group no use reached this micro-step: zeros for its samples
@@ -307,13 +315,14 @@ class Meter:
         if micro is not None:
             micro.grad_sq = sq if micro.grad_sq is None else micro.grad_sq + sq
 
-    def on_weight_grad(self, w: Site, grad: Tensor | None) -> None:
-        """Autograd's dL/dW of a Linear call (see :func:`gradlens.capture._weight_grad_node`):
-        sum_n g_n of the weight is that times the per-sample scale; no extra matmul."""
+    def on_weight_grad(self, w: Site, grad: Tensor | None, attr: str = "weight") -> None:
+        """Autograd's dL/dp of parameter ``attr`` of one layer call (Linear, Conv1D, LayerNorm,
+        Embedding; see :func:`gradlens.capture._hook_param_grads`): sum_n g_n of it is that
+        times the per-sample scale; no extra matmul or materialised sum."""
         micro = self.micro
         if micro is None or grad is None or self.window is None:
             return
-        key = w.params.get("weight")
+        key = w.params.get(attr)
         if key is None or key not in self.tap.params or self.tap.uses[key] > 1:
             return
         self._add_grad_sum(key, grad, micro.scale())
@@ -432,12 +441,14 @@ class Meter:
         """The dtype of measurement: float32 or float64 as given, float32 for lower precisions."""
         return g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
 
-    def on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: bool, batch: int, forward: int,
+    def on_use(self, site: Site, a: Tensor, g: Tensor, weight_via_node: frozenset, batch: int, forward: int,
                fused: bool = False) -> Tensor | None:
         """Backward reached a closed-form use (``a`` its input, ``g`` its output gradient, both
         batch-first): measure it, or keep it if its parameters are shared (their g_n is the sum
         over uses, measured when the micro-step ends).
 
+        ``weight_via_node``: the attributes whose dL/dp of this call a hook on its autograd node
+        delivers (:meth:`on_weight_grad`); their grad_sum is not computed here.
         ``fused``: the use is a fused Linear call (:class:`~gradlens.capture._FusedLinear`)
         whose backward has not formed dL/dW yet. Returns that call's dL/dW ``[*weight]`` when
         this measurement formed it anyway (the sum of the per-sample weight gradients it
@@ -445,37 +456,47 @@ class Meter:
         micro = self._begin_use(site.name, batch, forward)
         if micro is None:
             return None
-        tap = self.tap
-        names = {attr: q for attr, q in site.params.items() if q in tap.params}
+        tap_params, uses = self.tap.params, self.tap.uses
+        names = {attr: q for attr, q in site.params.items() if q in tap_params}
         if not names:
             return None
         # the hand-off slot for the fused call's dL/dW: kernels (LinearKernel.reduce) and
         # instruments (BatchDot.update_layer) fill ``slot.value``; it never leaves the Meter
         slot = WeightGrad() if fused else None
-        with torch.no_grad():
-            dtype = self._dtype(g)
-            raw = g.detach().to(dtype)
+        grad_mode = torch.is_grad_enabled()  # off in a plain backward: no context to enter
+        if grad_mode:
+            torch.set_grad_enabled(False)
+        try:
+            dtype = g.dtype if g.dtype in _MEASURED else torch.float32
+            raw = g.detach()
+            if raw.dtype != dtype:
+                raw = raw.to(dtype)
             scale = micro.scale()
             a = a.detach()
-            if a.is_floating_point():
+            if a.dtype != dtype and a.is_floating_point():
                 a = a.to(dtype)
             micro.seen.update(names.values())
-            single = {attr for attr, q in names.items() if tap.uses[q] <= 1}
-            shared = set(names) - single
+            single = [attr for attr, q in names.items() if uses[q] <= 1]
+            shared = [attr for attr in names if attr not in single]
             # per-sample units; kept unscaled (with the scale) where only BatchDot reads it
             delta = raw * scale if shared or not self.plan.carry_scale else None
             if single:
+                part = site if len(single) == len(site.params) else site.only(single)
                 wg = (slot, scale) if slot is not None and "weight" in single else None
                 if delta is None:
-                    self._measure(site.only(single), a, raw, micro, False, wg, scale=scale)
+                    self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
-                    self._measure(site.only(single), a, delta, micro, weight_via_node and "weight" in single, wg)
+                    via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
+                    self._measure(part, a, delta, micro, via, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
                     micro.linear_uses.append((part, a, delta))
                 else:
                     self._add_shared(micro, part, a, delta)
+        finally:
+            if grad_mode:
+                torch.set_grad_enabled(True)
         return None if slot is None else slot.value
 
     def _add_shared(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
@@ -573,7 +594,7 @@ class Meter:
             )
 
     def _measure(
-        self, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, weight_via_node: bool = False,
+        self, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, weight_via_node=(),
         weight_grad=None, scale=None,
     ) -> None:
         """Measure one use: ``a`` the layer input, ``delta`` the output gradient in per-sample
@@ -599,16 +620,16 @@ class Meter:
         per_sample = bool(self.plan.per_sample)
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
         # per-sample pass when one runs anyway, else from the kernel's own reduction.
-        from_chunks = set()
+        from_chunks = frozenset()
         if not getattr(kernel, "factored", False):  # one materialising pass serves them all
-            from_chunks = needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
-        want = (needs & {"batch_l2", "sum_grad_squared", "grad_sum"}) - from_chunks
+            from_chunks = self.use_sums
+        want = self.use_sums - from_chunks
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
             acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
             if weight_grad is not None:
                 acc["weight_grad"] = weight_grad
-            skip = {("grad_sum", "weight")} if weight_via_node else ()
+            skip = {("grad_sum", attr) for attr in weight_via_node}
             for group, names in self._split(w.params, "batch_l2" in want):
                 l2 = kernel.reduce(module, a, delta, want, names, acc, skip)
                 if l2:
@@ -675,12 +696,12 @@ class Meter:
                             chunks.append(part)
                 if "sum_grad_squared" in from_chunks:
                     add_into(window.sum_grad_squared, qname, sq.sum(0))
-                if "grad_sum" in from_chunks:
+                if "grad_sum" in from_chunks and attr not in weight_via_node:  # else from autograd
                     add_into(window.grad_sum, qname, gb.sum(0))
             if "batch_l2" in from_chunks:
                 l2_parts.append(l2)
         if l2_parts:
-            self._add_l2(micro, torch.cat(l2_parts))
+            self._add_l2(micro, torch.cat(l2_parts) if len(l2_parts) > 1 else l2_parts[0])
             for group, chunks in group_parts.items():
                 self._add_group_l2(micro, torch.cat(chunks), group)
         if wsum is not None:
@@ -701,8 +722,9 @@ class Meter:
         return list(parts.items())
 
     def _add_l2(self, micro: MicroStep, l2: Tensor, group: str | None = None) -> None:
-        l2 = l2.double()
-        micro.batch_l2 = l2 if micro.batch_l2 is None else micro.batch_l2 + l2
+        """A use's ``[b]`` ||g_n||^2 part: kept in ``micro.l2_parts`` (summed once into
+        ``batch_l2`` at the fold), and added to its group's part."""
+        micro.l2_parts.append(l2)
         if group is not None:
             self._add_group_l2(micro, l2, group)
 
@@ -712,6 +734,9 @@ class Meter:
         got = micro.group_l2
         l2 = l2.double()
         got[group] = l2 if group not in got else got[group] + l2
+
+#: dtypes measured as given (lower precisions are measured in float32)
+_MEASURED = (torch.float32, torch.float64)
 
 
 def _shares_storage(t: Tensor, other: Tensor) -> bool:

@@ -41,6 +41,8 @@ class MicroStep:
     seen: set[str] = field(default_factory=set)
     batch_l2: Tensor | None = None
     group_l2: dict = field(default_factory=dict)  # group -> [B] part of batch_l2 (Lens(groups=...))
+    #: the uses' ``[B]`` ||g_n||^2 parts (any float dtype), summed once into ``batch_l2`` at the fold
+    l2_parts: list = field(default_factory=list)
     losses: Tensor | None = None
     #: shared parameters: qualified name -> [B, *param] per-sample gradients summed over uses
     shared: dict[str, Tensor] = field(default_factory=dict)

@@ -117,6 +117,24 @@ def test_in_functorch_transform():
     _check("in_functorch_transform", seen == [True, True], f"inside vmap and grad it gave {seen}")
 
 
+def test_no_torch_function():
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(2, requires_grad=True)
+    with Mode():
+        with _entry("no_torch_function"):
+            with compat.no_torch_function():
+                inside = (t * 2).sum()
+        outside = t * 2
+    _check("no_torch_function", len(seen) == 1, f"the mode saw {len(seen)} calls (expected only the one outside)")
+    _check("no_torch_function", inside.requires_grad and outside.requires_grad, "results lost their autograd graph")
+
+
 def test_storage_use_count():
     t = torch.empty(6)
     with _entry("storage_use_count"):

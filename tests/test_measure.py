@@ -134,3 +134,62 @@ def test_fused_weight_grad_is_what_the_meter_returns(split, reduction, divide, m
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     # the shared Linear's two calls: not measured per call, so autograd forms their dL/dW
     assert by_name.get("twice", []) and all(out is None for out in by_name["twice"])
+
+
+class _NormedSeq(nn.Module):
+    """Embedding -> LayerNorm -> Linear on [B, T, d] -> mean over T -> Linear: every layer one
+    torch call whose autograd node takes the parameters directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 5)
+        self.norm = nn.LayerNorm(5)
+        self.proj = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.proj(self.norm(self.emb(tokens)))).mean(1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_sum_of_one_call_layers_comes_from_their_autograd_node_and_excludes_a_regulariser(reduction):
+    """grad_sum of single-use Embedding, LayerNorm and Linear calls is autograd's dL/dp of that
+    call (node hooks; no kernel sum), so a regulariser added to the loss stays out of it: the
+    window gradient's norm equals the float64 oracle's over K = 3 unequal micro-steps."""
+    from oracle import per_sample
+
+    torch.manual_seed(0)
+    model = _NormedSeq().double()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    tokens, y = torch.randint(0, 10, (12, 7)), torch.randint(0, 4, (12,))
+    gs = per_sample(model, model.state_dict(),
+                    lambda out, yi: nn.functional.cross_entropy(out, yi), tokens, y)
+    G = torch.cat([g.flatten(1) for g in gs.values()], 1)
+    window = G.mean(0) if reduction == "mean" else G.sum(0)
+
+    tracked = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    lens = Lens(tracked, [BatchL2(), GradNorm()])
+    routed = []
+    on_wg = lens._meter.on_weight_grad
+
+    def on_weight_grad(site, g, attr="weight"):
+        routed.append(site.params[attr])
+        on_wg(site, g, attr)
+
+    lens._meter.on_weight_grad = on_weight_grad
+    lens._tap.on_weight_grad = lens._meter.on_weight_grad
+    for tb, yb in zip(tokens.split([5, 1, 6]), y.split([5, 1, 6])):
+        loss = loss_fn(tracked(tb), yb) + 0.3 * sum(p.square().sum() for p in tracked.parameters())
+        with lens.capture():
+            loss.backward()
+    rec = lens.flush()
+    assert sorted(set(routed)) == sorted(q for q, _ in model.named_parameters())
+    assert len(routed) == 3 * len(gs)  # every parameter, every micro-step, once
+    torch.testing.assert_close(torch.as_tensor(rec["grad_norm"], dtype=torch.float64), window.norm(),
+                               rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(torch.as_tensor(rec["batch_l2"], dtype=torch.float64), G.square().sum(1),
+                               rtol=1e-10, atol=1e-14)
+    lens.close()

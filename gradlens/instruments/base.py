@@ -44,6 +44,9 @@ QUANTITIES = frozenset(
 #: nothing else runs in light mode (:class:`gradlens.capture.ParamTap`), on any model
 LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq", "graph_grad"})
 
+#: parameters up to this many elements share one concatenated dot in the window's ||sum g_n||^2
+_SMALL_NUMEL = 1 << 16
+
 
 @dataclass
 class DistParts:
@@ -195,10 +198,28 @@ class WindowStats:
             return self.grad_sum_sq
         memo = self.__dict__.setdefault("_memo", {})
         if "grad_sum_sq" not in memo:
-            memo["grad_sum_sq"] = sum(
-                (torch.dot(s.reshape(-1), s.reshape(-1)).double() for s in self.grad_sum.values()),
-                torch.zeros((), dtype=torch.float64),
-            )
+            # small tensors of one dtype share one dot (a concatenation bounded in size), the
+            # others get their own: a few ops per window, not three per parameter
+            small: dict[torch.dtype, list[Tensor]] = {}
+            parts = [torch.zeros((), dtype=torch.float64)]
+
+            def dot(group: list[Tensor]) -> None:
+                flat = torch.cat(group) if len(group) > 1 else group[0]
+                parts.append(torch.dot(flat, flat).double())
+
+            for s in self.grad_sum.values():
+                if s.numel() > _SMALL_NUMEL:
+                    dot([s.reshape(-1)])
+                    continue
+                group = small.setdefault(s.dtype, [])
+                group.append(s.reshape(-1))
+                if len(group) >= 16:  # concatenations of at most 16 small tensors
+                    dot(group)
+                    small[s.dtype] = []
+            for group in small.values():
+                if group:
+                    dot(group)
+            memo["grad_sum_sq"] = torch.stack(parts).sum() if len(parts) > 1 else parts[0]
         return memo["grad_sum_sq"]
 
     def mean_grad_sq_norm(self) -> Tensor:
