@@ -721,11 +721,21 @@ class Tap:
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
         for q, p in self.params.items():
             self._handles.append(p.register_post_accumulate_grad_hook(self._received(q)))
-        # a tracked forward follows every operation in Python: under torch.compile it runs
-        # eagerly (no graph break, no recompile; the compiled graphs serve the untracked windows)
-        if self.run_eager and compat.compile_stance() == "default":
+        self._apply_stance()
+
+    def _apply_stance(self) -> None:
+        """A tracked forward follows every operation in Python: under torch.compile it runs
+        eagerly while the Tap is installed (no graph break, no recompile; the compiled graphs
+        serve the untracked windows)."""
+        if self.run_eager and self._handles and self._eager is None and compat.compile_stance() == "default":
             compat.set_compile_stance("force_eager")
             self._eager = weakref.finalize(self, compat.set_compile_stance, "default")
+
+    def eager_from_now(self) -> None:
+        """The model turned out to run compiled (a Lens given the plain module): the next
+        tracked forwards run eagerly, also while the Tap stays installed across windows."""
+        self.run_eager = True
+        self._apply_stance()
 
     def remove(self) -> None:
         if self._eager is not None:

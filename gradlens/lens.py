@@ -564,7 +564,7 @@ class Lens:
         if self._compiled_seen and not self._compile_warned:
             self._compile_warned = True
             traced = not self._tap.run_eager  # the Lens got the plain module: dynamo traced the hooks
-            self._tap.run_eager = True  # from the next tracked window on
+            self._tap.eager_from_now()  # from the next tracked forward on
             warnings.warn(_COMPILED + (_TRACED if traced else ""), RuntimeWarning, stacklevel=4)
 
     def _drop_window_skipped_by_scaler(self) -> None:
