@@ -16,6 +16,7 @@ from torch.nn.functional import mse_loss
 
 from gradlens import GradientAccumulateModel, GradientAccumulateOptimizer
 
+from test_distributed import _exit_after
 from oracle import OPTIMIZERS, assert_params_close, make_data, make_mlp
 
 WORLD = 2
@@ -93,8 +94,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_ddp_two_ranks_equal_one_process_full_batch():
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _worker, args=(_free_port(), out_dir), nprocs=WORLD, join=False, start_method="spawn"
+        context = mp.start_processes(  # _exit_after: no interpreter teardown (see there)
+            _exit_after, args=(_worker, _free_port(), out_dir), nprocs=WORLD, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + DEADLINE_S
         try:
