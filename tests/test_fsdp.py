@@ -40,7 +40,7 @@ from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sam
 from oracle_models import ViTBlock
 from test_distributed import RANK_SIZES, _close, _init, _oracle_two_batch, _spawn
 
-fsdp = pytest.importorskip("torch.distributed.fsdp")
+import torch.distributed.fsdp as fsdp  # noqa: E402 - FSDP2 support is gradlens' own: no skip
 fully_shard = fsdp.fully_shard
 
 LR = 0.3

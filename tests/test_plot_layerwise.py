@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("matplotlib")
-from matplotlib.collections import QuadMesh  # noqa: E402
-from matplotlib.colors import LogNorm, Normalize  # noqa: E402
+from matplotlib.collections import QuadMesh  # a gradlens dependency: no skip
+from matplotlib.colors import LogNorm, Normalize
 
 from gradlens.plot import dashboard, hist1d, layerwise  # noqa: E402
 from gradlens.records import Hist1d, Record  # noqa: E402
