@@ -140,6 +140,7 @@ def _child(folder, mode, total, kill_at):
     """A training process: resumes from the checkpoint if there is one, saves one after every
     micro-step (and writes log lines); ``mode`` "save"/"log" kills itself in the middle of its
     ``kill_at``-th checkpoint save / log write; "random" is killed by the parent."""
+    torch.set_num_threads(1)  # forked: the parent's OpenMP thread pool is not in this process
     log, ckpt = os.path.join(folder, "run.jsonl"), os.path.join(folder, "ckpt.pt")
     resume = os.path.exists(ckpt)
     model, loss_fn, opt, lens = _setup(log, seed=os.getpid() if resume else 0)

@@ -164,6 +164,7 @@ def test_a_line_cut_by_a_failed_write_is_ended_before_the_next(tmp_path):
 
 def _fsize_child(path, result):
     """In a forked process: a file-size limit cuts window 2's line, lifted at window 4."""
+    torch.set_num_threads(1)  # forked: the parent's OpenMP thread pool is not in this process
     import os
     import resource
     import signal
