@@ -206,6 +206,17 @@ def _check_after_kill(folder, ref_by_step):
     return done, back
 
 
+def _join_or_kill(child, timeout: float) -> bool:
+    """Join ``child``; kill it if it is still running after ``timeout`` s (a hung child must not
+    keep the test run from exiting). Returns whether it had to be killed."""
+    child.join(timeout)
+    if not child.is_alive():
+        return False
+    child.kill()
+    child.join()
+    return True
+
+
 def test_kill_9_during_log_writes_and_checkpoint_saves_then_resume(tmp_path):
     total = 64
     _, ref_log = _reference(tmp_path, total)
@@ -223,8 +234,8 @@ def test_kill_9_during_log_writes_and_checkpoint_saves_then_resume(tmp_path):
         if mode == "random":
             time.sleep(rng.uniform(0.05, 0.15))
             os.kill(child.pid, signal.SIGKILL)
-        child.join(60)
-        assert child.exitcode == -signal.SIGKILL, (mode, child.exitcode)
+        hung = _join_or_kill(child, 60)
+        assert not hung and child.exitcode == -signal.SIGKILL, (mode, hung, child.exitcode)
         done, back = _check_after_kill(folder, ref_by_step)
         if mode == "save":  # killed in its kill_at-th save: the previous checkpoint is intact
             assert done == before + kill_at - 1
@@ -235,8 +246,8 @@ def test_kill_9_during_log_writes_and_checkpoint_saves_then_resume(tmp_path):
     assert progress == sorted(progress) and progress[-1] < total
     child = ctx.Process(target=_child, args=(str(folder), "none", total, None))
     child.start()
-    child.join(60)
-    assert child.exitcode == 0
+    hung = _join_or_kill(child, 60)
+    assert child.exitcode == 0 and not hung
     done, back = _check_after_kill(folder, ref_by_step)
     assert done == total and back == ref_log  # the resumed run continued: every record, once
     assert time.monotonic() - t0 < 20
