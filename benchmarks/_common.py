@@ -40,7 +40,8 @@ def device_sync(device) -> Callable[[], None]:
 
 
 def interleaved_ms(
-    steps: dict, rounds: int, warmup: int = 3, sync: Callable[[], None] | None = None, block: int = 1
+    steps: dict, rounds: int, warmup: int = 3, sync: Callable[[], None] | None = None, block: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict:
     """Median ms per call of each step function, timed in interleaved rounds (``block``
     consecutive calls of every configuration per round) so that drift and load from other
@@ -54,7 +55,11 @@ def interleaved_ms(
 
     ``sync`` (e.g. :func:`device_sync`) runs before the timer starts and before it stops, so that
     on a GPU each time is the step's device work, not its launch; warm-up calls are synchronised
-    too (one-time CUDA / cuBLAS initialisation stays out of the timed rounds)."""
+    too (one-time CUDA / cuBLAS initialisation stays out of the timed rounds).
+
+    ``clock``: ``time.perf_counter`` (wall time, default) or ``time.process_time`` (this
+    process's CPU time: on a machine shared with other jobs it moves less than wall time; with
+    one torch thread it is the step's own work)."""
     sync = sync or (lambda: None)
     for st in steps.values():
         for _ in range(warmup):
@@ -65,10 +70,10 @@ def interleaved_ms(
         for k, st in steps.items():
             for _ in range(block):
                 sync()
-                t0 = time.perf_counter()
+                t0 = clock()
                 st()
                 sync()
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(clock() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 

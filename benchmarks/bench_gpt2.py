@@ -1,6 +1,7 @@
 """Per-use cost on Hugging Face GPT-2: windows of K small micro-batches, ratio to a plain window.
 
-Run:  python benchmarks/bench_gpt2.py [--rounds 7] [--sizes 1,3,2] [--model both|256|32]
+Run:  python benchmarks/bench_gpt2.py [--rounds 7] [--sizes 1,3,2] [--model both|256|32] [--threads 2]
+      [--clock wall|cpu]
 (needs ``transformers``: the ``models`` extra, in the environment of the ``frameworks`` tests)
 
 How accumulation is used in practice: micro-batches small enough to fit. Each window is K = 3
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 import warnings
 
 import torch
@@ -55,7 +57,7 @@ def per_sequence_losses(logits, ids):
     return F.cross_entropy(lg.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
-def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds):
+def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds, clock):
     import gradlens
     from gradlens import Lens
     from gradlens.instruments import Alpha, BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
@@ -106,12 +108,12 @@ def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds):
     steps = {"plain": plain(), "plain (again)": plain()}
     for name, make in configs.items():
         steps[name] = tracked(make)
-    ms = interleaved_ms(steps, rounds=rounds, warmup=2)
+    ms = interleaved_ms(steps, rounds=rounds, warmup=2, clock=clock)
     ref = (ms["plain"] + ms["plain (again)"]) / 2
     return ref, {k: v / ref for k, v in ms.items()}
 
 
-def narrow_hist_rows(rounds):
+def narrow_hist_rows(rounds, clock):
     import gradlens
     from gradlens import Lens
     from gradlens.instruments import GradHist1d, GradHist2d
@@ -152,7 +154,7 @@ def narrow_hist_rows(rounds):
             lambda: [GradHist2d(bins=(40, 64), range=((-0.2, 0.2), (-0.1, 0.1)))]
         ),
     }
-    ms = interleaved_ms(steps, rounds=rounds, warmup=2)
+    ms = interleaved_ms(steps, rounds=rounds, warmup=2, clock=clock)
     ref = (ms["plain"] + ms["plain (again)"]) / 2
     return ref, {k: v / ref for k, v in ms.items()}
 
@@ -163,16 +165,20 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,3,2", help="micro-batch sizes of a window (sequences)")
     ap.add_argument("--model", choices=("both", "256", "32"), default="both")
     ap.add_argument("--skip-mlp", action="store_true", help="leave out the narrow-range histogram table")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (at most the machine's)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this process's CPU time (steadier on a shared machine; use --threads 1)")
     args = ap.parse_args()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(min(args.threads, torch.get_num_threads()))
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; windows of micro-batches {sizes}; "
-          f"median of {args.rounds} interleaved rounds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} time; windows of "
+          f"micro-batches {sizes}; median of {args.rounds} interleaved rounds")
     shapes = {"256": (256, 4, 4, 64, 512), "32": (32, 2, 2, 12, 128)}
     chosen = ["256", "32"] if args.model == "both" else [args.model]
     results = {}
     for key in chosen:
-        results[key] = gpt2_rows(*shapes[key], sizes, args.rounds)
+        results[key] = gpt2_rows(*shapes[key], sizes, args.rounds, clock)
     names = [k for k in next(iter(results.values()))[1] if not k.startswith("plain")]
     head = " | ".join(f"d_model {k} (plain window {results[k][0]:.1f} ms)" for k in chosen)
     print(f"\n| GPT2LMHeadModel, ratio to a plain window | {head} |")
@@ -183,7 +189,7 @@ def main() -> None:
         r = results[k][1]
         print(f"GradNorm adds {r['BatchL2 + GradNorm'] - r['BatchL2']:+.2f}x to BatchL2 at d_model {k}")
     if not args.skip_mlp:
-        ref, r = narrow_hist_rows(args.rounds)
+        ref, r = narrow_hist_rows(args.rounds, clock)
         print(f"\n| GELU MLP 256-512-512-10, 128 = 4 x 32 (plain window {ref:.1f} ms) | ratio |")
         print("|---|---|")
         for name, v in r.items():
