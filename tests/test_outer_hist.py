@@ -1,10 +1,12 @@
 """The sorted-factor histogram equals binning the materialised products, element for element."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradlens.instruments.outer_hist import bin_of, outer_hist1d
+from gradlens.instruments.binning import bin_of
+from gradlens.instruments.outer_hist import outer_hist1d
 
 
 @settings(max_examples=60, deadline=None)
@@ -103,3 +105,62 @@ def test_dense_histograms_equal_oracle_inside_and_outside_the_range(n, bins, lo,
     h2.update(s2, "p", param, x.view(1, -1))
     assert torch.equal(s2.counts.reshape(-1).to(torch.int64), want)
     assert int(s2.clamped_grad) == low + high
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 3), i=st.integers(1, 60), bins=st.integers(2, 40),
+    lo=st.sampled_from([-1.0, -0.1, -0.37, 0.0, 0.2]), width=st.sampled_from([0.05, 0.3, 1.0, 2.5]),
+    seed=st.integers(0, 10_000), guess=st.sampled_from(["zero", "all", "random"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_outer_hist_exact_whatever_the_search_guesses(b, i, bins, lo, width, seed, guess, dtype):
+    """The positions read by searchsorted are only a first guess: with a wrong guess (every
+    position 0, every position I, random) the checks and the binary search still give the
+    materialised counts element for element."""
+    import math
+    import gradlens.instruments.outer_hist as oh
+
+    o = 2 * max(1, math.ceil(math.log2(i + 1))) + 3
+    gen = torch.Generator().manual_seed(seed)
+    delta = torch.randn(b, o, generator=gen, dtype=dtype) * (torch.rand(b, o, generator=gen) > 0.2) * 0.3
+    a = torch.randn(b, i, generator=gen, dtype=dtype)
+    if seed % 2:
+        a = a.round()  # runs of equal inputs
+    hi = lo + width
+
+    def wrong(asc, sample, t):
+        w = asc.shape[1]
+        if guess == "zero":
+            return torch.zeros_like(sample)
+        if guess == "all":
+            return torch.full_like(sample, w)
+        return torch.randint(0, w + 1, sample.shape, generator=torch.Generator().manual_seed(seed))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(oh, "_below", wrong)
+        counts, low, high = oh.outer_hist1d(delta, a, lo, hi, bins, max_cost=1e9)
+    g = torch.einsum("no,ni->noi", delta, a).flatten()
+    assert torch.equal(counts, torch.bincount(bin_of(g, lo, hi, bins), minlength=bins))
+    assert int(low) == int((g < lo).sum())
+    assert int(high) == int((g > hi).sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bins=st.integers(1, 300), lo=st.floats(-3.0, 1.0), width=st.floats(1e-3, 10.0),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_bin_thresholds_are_the_first_value_of_each_bin(bins, lo, width, dtype):
+    """``x < T[k]`` exactly when ``bin_of(x) < k``: at T[k] itself and at the value just below."""
+    from gradlens.instruments.outer_hist import bin_thresholds
+
+    hi = lo + width
+    t = bin_thresholds(lo, hi, bins, dtype, torch.device("cpu"))
+    assert t is not None and t.dtype == dtype
+    k = torch.arange(1, bins)
+    inner = t[1:bins]
+    below = inner.nextafter(torch.tensor(-float("inf"), dtype=dtype))
+    assert (bin_of(inner, lo, hi, bins) >= k).all()
+    assert (bin_of(below, lo, hi, bins) < k).all()
+    assert t[0] == -float("inf") and t[bins] == float("inf")

@@ -5,7 +5,7 @@ Binning (both axes): element x falls in bin ``floor((x - lo) * bins / (hi - lo))
 last, and the number clamped is recorded. When 0 is an edge (a symmetric range with an even
 number of bins) the sign decides exactly: ``0`` and positive values fall in the bin right of
 zero, ``[0, w)``, negative ones left of it, however small (see
-:func:`~gradlens.instruments.outer_hist.bin_of`). Non-finite values count as out of range (-inf
+:func:`~gradlens.instruments.binning.bin_of`). Non-finite values count as out of range (-inf
 low; +inf and NaN high).
 
 Cost: one vectorised pass per layer over slices of samples (bin index, then one ``bincount``;
@@ -34,7 +34,8 @@ from torch import Tensor
 
 from gradlens.instruments.base import DistParts, Instrument, WindowStats
 from gradlens.instruments.crosssample import _human
-from gradlens.instruments.outer_hist import _affine, bin_of, extremes_inside, outer_hist1d, row_extremes, tally
+from gradlens.instruments.binning import _affine, bin_of, count_1d, count_2d, tally
+from gradlens.instruments.outer_hist import outer_hist1d, row_extremes
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
 from gradlens.records import Hist1d, Hist2d
@@ -303,17 +304,25 @@ class GradHist1d(_GroupedHist):
         dst = self._dst(state, name)
         dst.to(x.device)
         lo, hi = state.lo, state.hi
-        inside = extremes_inside(x, lo, hi)
-        if inside is not None:  # nothing clamped, no NaN: the bins alone
-            tally(dst.counts, bin_of(x, lo, hi, self.bins, torch.int32, finite=True))
+        if device_paths(x):
+            dst.counts += count_1d(x, lo, hi, self.bins)
+            dst.low += torch.count_nonzero(x < lo)
+            dst.high += torch.count_nonzero(x > hi) + torch.count_nonzero(x.isnan())
             if self.adapt is not None:
-                self._extremes(state, torch.stack(inside))
+                self._extremes(state, x)
             return
-        tally(dst.counts, bin_of(x, lo, hi, self.bins, torch.int32))
-        dst.low += torch.count_nonzero(x < lo)  # (faster than a bool sum)
-        dst.high += torch.count_nonzero(x > hi) + torch.count_nonzero(x.isnan())
-        if self.adapt is not None:
-            self._extremes(state, x)
+        mn, mx = torch.aminmax(x) if x.numel() else (None, None)
+        if mn is None or (bool(mn >= lo) and bool(mx <= hi)):  # nothing clamped, no NaN: the bins alone
+            dst.counts += count_1d(x, lo, hi, self.bins, inside=True)
+        else:  # (count_nonzero: faster than a bool sum; only the sides exceeded)
+            dst.counts += count_1d(x, lo, hi, self.bins)
+            nan = bool(mn.isnan())
+            if nan or not bool(mn >= lo):
+                dst.low += torch.count_nonzero(x < lo)
+            if nan or not bool(mx <= hi):
+                dst.high += torch.count_nonzero(x > hi) + (torch.count_nonzero(x.isnan()) if nan else 0)
+        if self.adapt is not None and mn is not None:
+            self._extremes(state, torch.stack([mn, mx]))  # (NaN if x has one, as aminmax(x))
 
     def update_outer(self, state: _Hist1dState, name, param, delta, a) -> bool:
         """Rank-one layers (g_n = delta_n a_n^T, ``delta [B, O]``, ``a [B, I]``): exact counts
@@ -433,6 +442,15 @@ class _Theta:
     mn: Tensor  # 0-d: extremes of theta (for adapt)
     mx: Tensor
     rows: Tensor | None = None  # [O, P] parameter-bin counts per row (2-D parameters, CPU)
+    dense: dict = field(default_factory=dict)  # dtype -> [*param] param_bin * (G + 2) (count_2d)
+
+    def dense_offsets(self, dtype: torch.dtype, gbins: int) -> Tensor:
+        """``[*param]`` ``param_bin * (gbins + 2)`` in ``dtype`` (for :func:`count_2d`), once
+        per window."""
+        got = self.dense.get(dtype)
+        if got is None:
+            got = self.dense[dtype] = (self.offsets // gbins * (gbins + 2)).to(dtype)
+        return got
 
 
 @dataclass
@@ -552,19 +570,29 @@ class GradHist2d(_GroupedHist):
         state.to(x.device)
         dst = self._dst(state, name)
         dst.to(x.device)
-        off = self._theta(state, name, param).offsets
+        theta = self._theta(state, name, param)
         lo, hi = state.grange
-        inside = extremes_inside(x, lo, hi)
-        if inside is not None:  # nothing clamped, no NaN: the bins alone
-            tally(dst.counts, bin_of(x, lo, hi, self.bins[1], torch.int32, finite=True).add_(off))
+        if device_paths(x):
+            tally(dst.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(theta.offsets))
+            dst.clamped_grad += (torch.count_nonzero(x < lo) + torch.count_nonzero(x > hi)
+                                 + torch.count_nonzero(x.isnan()))
             if self.adapt is not None:
-                self._grad_extremes(state, *inside)
+                self._grad_extremes(state, *torch.aminmax(x))
             return
-        tally(dst.counts, bin_of(x, lo, hi, self.bins[1], torch.int32).add_(off))
-        dst.clamped_grad += (torch.count_nonzero(x < lo) + torch.count_nonzero(x > hi)
-                               + torch.count_nonzero(x.isnan()))
+        if not x.numel():
+            return
+        mn, mx = torch.aminmax(x)
+        inside = bool(mn >= lo) and bool(mx <= hi)  # nothing clamped, no NaN: the bins alone
+        dst.counts += count_2d(x, theta.dense_offsets(x.dtype, self.bins[1]), lo, hi, self.bins[1], self.bins[0],
+                               inside=inside).view(-1)
+        if not inside:  # (count_nonzero: faster than a bool sum; only the sides exceeded)
+            nan = bool(mn.isnan())
+            if nan or not bool(mn >= lo):
+                dst.clamped_grad += torch.count_nonzero(x < lo)
+            if nan or not bool(mx <= hi):
+                dst.clamped_grad += torch.count_nonzero(x > hi) + (torch.count_nonzero(x.isnan()) if nan else 0)
         if self.adapt is not None:
-            self._grad_extremes(state, *torch.aminmax(x))
+            self._grad_extremes(state, mn, mx)
 
     def update_sampled(self, state: _Hist2dState, name, param, entries, batch: int) -> None:
         """Sampled mode: as :meth:`GradHist1d.update_sampled`; coordinate j's entries go to

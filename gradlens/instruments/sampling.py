@@ -37,7 +37,7 @@ import math
 import torch
 from torch import Tensor
 
-from gradlens.instruments.outer_hist import _affine, tally
+from gradlens.instruments.binning import _affine, tally
 from gradlens.kernels import CHUNK_ELEMENTS
 
 __all__ = ["GROUPS", "check_sample", "Draws", "Stratum", "estimate", "merge_strata"]
