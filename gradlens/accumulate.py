@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradlens import compat
 from gradlens.fsdp import check_fold as check_fsdp_fold
-from gradlens.window import WindowCounter
+from gradlens.window import WindowCounter, counter_property
 
 __all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
@@ -90,11 +90,6 @@ def _grads_finite(params: Sequence[Tensor]) -> bool:
     return bool(torch.stack(flags).all()) if flags else True
 
 
-def _counter_alias(name: str, doc: str) -> property:
-    """An attribute of :class:`AccumulationState` kept in its :class:`~gradlens.window.WindowCounter`."""
-    return property(lambda st: getattr(st.counter, name), lambda st, v: setattr(st.counter, name, v), doc=doc)
-
-
 @dataclass
 class AccumulationState:
     """Everything a :class:`GradientAccumulateOptimizer` knows about its current window and
@@ -138,11 +133,11 @@ class AccumulationState:
     folded: dict = field(default_factory=dict)
     noted_samples: int | None = None
 
-    micro_step = _counter_alias("micro_steps", "micro-steps folded into the open window")
-    iterations = _counter_alias("updates", "real updates so far")
-    skipped_windows = _counter_alias("skipped", "windows dropped (inf/nan under a GradScaler, or reset())")
-    has_updated = _counter_alias("has_updated", "whether the last step()/flush() made a real update")
-    weight = _counter_alias("samples", "sum of the window's micro-step weights (num_samples, or 1 each)")
+    micro_step = counter_property("micro_steps", "micro-steps folded into the open window", "counter")
+    iterations = counter_property("updates", "real updates so far", "counter")
+    skipped_windows = counter_property("skipped", "windows dropped (inf/nan under a GradScaler, or reset())", "counter")
+    has_updated = counter_property("has_updated", "whether the last step()/flush() made a real update", "counter")
+    weight = counter_property("samples", "sum of the window's micro-step weights (num_samples, or 1 each)", "counter")
 
     def reset_window(self) -> None:
         self.counter.clear()

@@ -54,6 +54,8 @@ LENS_STATE_VERSION = 2
 __all__ = ["LENS_STATE_VERSION", "StateDictError", "check_state", "lens_state_dict", "load_lens_state_dict"]
 
 _FORMAT = "gradlens.Lens"
+#: the header's keys of the Lens' window counters (:class:`~gradlens.window.WindowCounter`)
+_COUNTERS = {"updates": "step", "skipped": "skipped_windows"}
 _HEADER = {
     "format", "version", "step", "skipped_windows", "empty_micro_steps", "instruments",
     "parameters", "undefined", "window", "pending", "blob",
@@ -158,8 +160,7 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
     return {
         "format": _FORMAT,
         "version": _version(),
-        "step": int(lens.step),
-        "skipped_windows": int(lens.skipped_windows),
+        **lens._counter.state_dict(_COUNTERS),
         "empty_micro_steps": int(lens._empty_micro_steps),
         "instruments": instruments,
         "parameters": _parameters(lens),
@@ -353,8 +354,7 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
     except BaseException:
         _restore(lens, before)
         raise
-    lens.step = state["step"]
-    lens.skipped_windows = state["skipped_windows"]
+    lens._counter.load_state_dict(state, _COUNTERS, where="the Lens state_dict")  # checked above
     lens._open_window()
     if state["window"]:
         lens._window = payload["window"]

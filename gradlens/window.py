@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from gradlens.state_checks import StateDictError, is_count, is_float
 
-__all__ = ["WindowCounter"]
+__all__ = ["WindowCounter", "counter_property"]
 
 #: counter -> (check, what it must be, in words)
 _CHECKS = {
@@ -121,3 +121,11 @@ class WindowCounter:
             values[field] = float(value) if field == "samples" else value
         for field, value in values.items():
             setattr(self, field, value)
+
+
+def counter_property(field: str, doc: str, holder: str = "_counter") -> property:
+    """An attribute of a component that is one of its :class:`WindowCounter`'s counters under the
+    component's own name (``Lens.step`` is ``updates``, ``AccumulationState.micro_step`` is
+    ``micro_steps``); ``holder`` names the attribute that holds the counter."""
+    return property(lambda obj: getattr(getattr(obj, holder), field),
+                    lambda obj, value: setattr(getattr(obj, holder), field, value), doc=doc)
