@@ -19,20 +19,17 @@ import torch
 from torch import Tensor, nn
 
 from gradlens.amp import ScalerSkips, warn_nonfinite
-from gradlens.capture import Site, take_loss_calls, model_exclusions, tracked_parameters, trainable_split
+from gradlens.capture import Site, take_loss_calls, model_exclusions, trainable_split
 from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.compiled import CompileNotice
-from gradlens.distributed import (
-    DEFAULT_TIMEOUT_S, DDPGradRoute, check_ranks_agree, is_writer, lens_fingerprint, resolve_group,
-)
+from gradlens.curvature_graph import CurvatureGraph
+from gradlens.distributed import DEFAULT_TIMEOUT_S, DDPGradRoute, is_writer, resolve_group
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
-from gradlens.instruments.curvature import WindowGraph
 from gradlens.groups import check_groups
-from gradlens.fsdp import ShardedView, presenting
-from gradlens.fsdp import check_instruments as check_sharded_instruments
+from gradlens.fsdp import presenting
 from gradlens.instruments.base import Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS
-from gradlens.lens_checks import check_instruments, check_not_meta, check_options, check_sinks, watched_model
+from gradlens.lens_checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure import Meter, Plan
 from gradlens.rank_merge import RankMerge
 from gradlens.records import Record
@@ -40,7 +37,7 @@ from gradlens.sinks import JsonlSink, SinkSet
 from gradlens.state import lens_state_dict, load_lens_state_dict
 from gradlens.units import check_multiplier
 from gradlens.window import WindowCounter, counter_property
-from gradlens.window_record import keep_record, window_record
+from gradlens.window_record import PendingRecord, end_window, keep_record, window_record
 
 __all__ = ["Lens"]
 
@@ -48,11 +45,13 @@ __all__ = ["Lens"]
 class _ForwardProbes:
     """Forward pre-hooks of tracked windows on the model: one notes a compiled forward
     (:meth:`gradlens.compiled.CompileNotice.probe`); under torch.distributed one notes the DDP
-    module that runs the forward (see :class:`gradlens.distributed.DDPGradRoute`).
-    ``install()`` / ``remove()`` are idempotent."""
+    module that runs the forward (see :class:`gradlens.distributed.DDPGradRoute`); the one-shot
+    :func:`_params_probe` of a window (:meth:`arm`). ``install()`` / ``remove()`` (all three) and
+    ``disarm()`` are idempotent."""
 
     def __init__(self, model: nn.Module, notice: CompileNotice, route: DDPGradRoute | None):
         self.model, self.route, self.handles = model, route, []
+        self.refresh = None  # the handle of the window's _params_probe, while armed
         self.probes = [notice.probe()]
         if route is not None:
             self.probes.append(lambda module, args: route.on_forward())
@@ -61,10 +60,24 @@ class _ForwardProbes:
         if not self.handles:
             self.handles = [self.model.register_forward_pre_hook(p) for p in self.probes]
 
+    def arm(self, lens: "Lens") -> None:
+        """A tracked window opens in the optimizer's step post-hook, before the training loop
+        can freeze or unfreeze a parameter: its first forward with gradients refreshes the
+        tracked parameters again (registered first, so that the Tap's hooks of that forward see
+        the new set)."""
+        if self.refresh is None:
+            self.refresh = self.model.register_forward_pre_hook(_params_probe(lens), prepend=True, with_kwargs=True)
+
+    def disarm(self) -> None:
+        if self.refresh is not None:
+            self.refresh.remove()
+            self.refresh = None
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.disarm()
 
 
 def _params_probe(lens: "Lens"):
@@ -77,7 +90,7 @@ def _params_probe(lens: "Lens"):
         owner = ref()
         if owner is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        owner._remove_params_probe()
+        owner._probes.disarm()
         if owner._window is not None and not owner._window.micro_steps and owner._meter.micro is None:
             before = dict(module._forward_pre_hooks)
             owner._refresh_params()
@@ -238,15 +251,8 @@ class Lens:
         self._counter = WindowCounter()  # step (windows closed) and skipped_windows
 
         self._exclude = model_exclusions(model) + tuple(exclude)
-        params = tracked_parameters(model, self._exclude)
-        if not params:
-            raise ValueError("the model has no trainable parameters left to track after exclusions")
-        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (gradlens/fsdp.py)
-        self._sharded = ShardedView.of(model)
-        if self._sharded is not None:
-            check_sharded_instruments(instruments)
-            params = self._sharded.unsharded(params)
-        check_not_meta(params)
+        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/fsdp.py)
+        params, self._sharded = tracked_at_build(model, self._exclude, instruments)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
         with presenting(self._sharded):
@@ -258,46 +264,30 @@ class Lens:
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
         self._group = resolve_group(process_group)
-        self._ranks = RankMerge(self._group, merge, timeout, instruments, plan.light)  # sync / deferred
-        # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
-        self._ddp_route = (
-            DDPGradRoute(self._group, light=plan.light)
-            if self._group is not None and "grad_sum" in plan.needs else None
-        )
+        self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
+        self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 
         # under torch.distributed: rank 0 writes; a sink that fails is reported and retried,
         # never raised here; a new segment of the log starts at the first record (a fresh Lens
         # starts a new run, a Lens loaded from a checkpoint replaces the records after it)
         self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group))
-        if self._group is not None:  # once: every rank has the same instruments and schedule
-            try:
-                fingerprint = lens_fingerprint(instruments, every, self.step, merge, params)
-                if groups is not None:  # the parameters' grouping fixes the per-group layout
-                    fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
-                check_ranks_agree(self._group, fingerprint, self.timeout)
-            except BaseException:
-                self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)
-                raise
+        try:  # once, under torch.distributed: every rank has the same instruments and schedule
+            self._ranks.check_agree(instruments, every, self.step, params, groups)
+        except BaseException:
+            self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)
+            raise
         self._sinks.extend(extra_sinks)
 
-        self._hooks = []
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._on_pre_step))
-            self._hooks.append(optimizer.register_step_post_hook(self._on_step))
-            if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
-                self._hooks.append(optimizer.register_window_end_hook(self._on_window_end))
+        self._hooks = _optimizer_hooks(optimizer, self)  # its real updates close the windows
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._empty_micro_steps = 0
-        self._pending: tuple[Record, dict[int, Any]] | None = None
+        self._pending = PendingRecord()  # a record waiting for the next window (Alpha)
         self._compiled = CompileNotice(compiled_wrapper)  # torch.compile: warned once
         self._probes = _ForwardProbes(model, self._compiled, self._ddp_route)  # tracked windows only
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
-        # curvature (HessMaxEV, ...): the micro-steps' gradients with their graphs
-        self._graph_insts = [i for i in instruments if "graph_grad" in i.needs]
-        self._graph = None
-        self._params_probe = None  # see _params_probe (tracked windows only)
+        self._curvature = CurvatureGraph(instruments)  # HessMaxEV, ...: the gradients with their graphs
         model.__dict__["_gradlens_lens"] = weakref.ref(self)  # plain attribute, not a submodule
         self._open_window()
 
@@ -316,16 +306,11 @@ class Lens:
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
     def _open_window(self) -> None:
-        self._release_graph()  # the previous window's graphs go
+        self._curvature.release(self._meter)  # the previous window's graphs go
         self._ranks.drop_issued()  # issued for a window dropped since: every rank waits
         if self.is_tracked():
             self._refresh_params()
-            if self._params_probe is None:
-                # the window opens in the optimizer's step post-hook, before the training loop can
-                # freeze or unfreeze a parameter: its first forward with gradients refreshes again
-                # (registered first, so that the Tap's hooks of that forward see the new set)
-                self._params_probe = self.model.register_forward_pre_hook(
-                    _params_probe(self), prepend=True, with_kwargs=True)
+            self._probes.arm(self)  # the window's first forward refreshes them again
             self._window = WindowStats(
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
@@ -333,12 +318,7 @@ class Lens:
             for i in self.instruments:  # parameter -> group (Lens(groups=...)), before the states
                 i.bind_groups(self._meter.group_of)
             self._states = {id(i): i.start_window() for i in self.instruments}
-            if self._graph_insts:  # curvature: the micro-steps' gradients with their graphs
-                self._graph = WindowGraph(self._tap.params, self._group, self.model)
-                self._graph.install()
-                self._meter.graph = self._graph
-                for i in self._graph_insts:
-                    i.bind_graph(self._states[id(i)], self._graph)
+            self._curvature.open(self._tap.params, self._group, self.model, self._meter, self._states)
             if self._sharded is not None:  # GradHist2d's parameter axis: the gathered values
                 self._sharded.bin_values(self.instruments, self._states, self._tap.params)
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
@@ -349,11 +329,10 @@ class Lens:
                 self._ddp_route.reset()
             self._amp.window_opened()
         else:
-            self._remove_params_probe()
             self._window = None
             self._states = {}
             self._meter.remove()
-            self._probes.remove()
+            self._probes.remove()  # and the params probe
         self._ranks.done = False
 
     def _merge_ranks(self, defer_off: bool = False) -> None:
@@ -366,11 +345,9 @@ class Lens:
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
         ctx = ranks.context(dict(self._tap.params), sites, self._meter.plan.needs, self._ddp_route, self.step,
                             tuple(self._meter.groups))
-        if ranks.mode == "deferred" and not defer_off:
-            self._finish_inflight()  # the previous window's collective came first: finish it first
-            ranks.issue(self._window, self.instruments, self._states, ctx)
-        else:
-            self._window, self._states = ranks.merge_now(self._window, self.instruments, self._states, ctx)
+        # merge="deferred" (not defer_off): the previous window's collective came first, it finishes first
+        self._window, self._states = ranks.merge(self._window, self.instruments, self._states, ctx,
+                                                 defer=not defer_off, first=self._finish_inflight)
 
     # ------------------------------------------------------------------ coverage
     #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
@@ -455,20 +432,16 @@ class Lens:
         if self._sinks.first_window is None:  # where this Lens's log segment starts
             self._sinks.first_window = step
         captured = window is not None and bool(window.micro_steps)
-        self._settle_pending(
-            None if captured else f"window {step} (the next one) was not tracked or captured nothing",
-            states,
-        )
+        reason = None if captured else f"window {step} (the next one) was not tracked or captured nothing"
+        self._pending.settle(self.instruments, reason, states, self._sinks.write)
         if captured:
             record = window_record(step, window, states, self.instruments, self._window_coverage, empty,
                                    self._meter.groups)
             warn_nonfinite(record, self.optimizer, self.grad_scaler)
-            deferring = {id(i): states[id(i)] for i in self.instruments if i.defers(states[id(i)])}
-            for i in self.instruments:
-                i.end_window(states[id(i)])
+            deferring = end_window(states, self.instruments)
             keep_record(self.records, record, self.keep_records)
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
-                self._pending = (record, deferring)
+                self._pending.held = (record, deferring)
             else:
                 self._sinks.write(record)  # failures warn; the window still closes
         return record
@@ -489,34 +462,13 @@ class Lens:
             self._counter.close(updated=False)
             self._open_window()
 
-    def _release_graph(self) -> None:
-        if self._graph is not None:
-            self._graph.release()
-            self._graph = self._meter.graph = None
-
     @property
     def create_graph(self) -> bool:
         """True on tracked windows of a Lens with a curvature instrument (HessMaxEV, HessTrace,
         TICDiag, TICTrace): pass it to the micro-steps' ``loss.backward(create_graph=lens.create_graph)``."""
-        return self._window is not None and bool(self._graph_insts)
+        return self._window is not None and bool(self._curvature.instruments)
 
-    def _remove_params_probe(self) -> None:
-        if self._params_probe is not None:
-            self._params_probe.remove()
-            self._params_probe = None
-
-    def _settle_pending(self, reason: str | None, closing: dict[int, Any] | None = None) -> None:
-        """Complete the pending record from the window now closing (its states ``closing``,
-        used when ``reason is None``) or mark what it lacks, then write it to the sinks."""
-        if self._pending is None:
-            return
-        record, states = self._pending
-        self._pending = None
-        closing = self._states if closing is None else closing
-        for i in self.instruments:
-            if id(i) in states:
-                i.settle(record, states[id(i)], None if reason else closing[id(i)], reason)
-        self._sinks.write(record)
+    _graph = property(lambda self: self._curvature.graph)  # the window's WindowGraph, or None
 
     # ------------------------------------------------------------------ capture
     @contextmanager
@@ -615,12 +567,7 @@ class Lens:
                 "scaled and then backpropagated), or state multiplier= instead"
             )
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
-            micro.resolve()
-            try:
-                self._graph.end_micro(micro.scale(), micro.batch_size, micro.reduction)
-            except RuntimeError:  # no graph (create_graph=False): the window is dropped
-                self._open_window()
-                raise
+            self._curvature.end_micro(micro, drop=self._open_window)
         self._window = meter.fold(micro, self._window, self._states)
         note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
         if note is not None:
@@ -663,8 +610,6 @@ class Lens:
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)
-        if self._sharded is not None and self._window is not None:  # GradHist2d: bins of the window
-            self._sharded.bin_values(self.instruments, self._states, self._tap.params)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
@@ -681,15 +626,15 @@ class Lens:
             return
         self._finish_inflight()
         if write_pending:
-            self._settle_pending("the Lens was closed before the next window closed")
-        self._pending = None
+            self._pending.settle(self.instruments, "the Lens was closed before the next window closed", self._states,
+                                 self._sinks.write)
+        self._pending.held = None
         self._closed = True
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
         self._meter.remove()
-        self._probes.remove()
-        self._remove_params_probe()
-        self._release_graph()
+        self._probes.remove()  # and the params probe
+        self._curvature.release(self._meter)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -710,6 +655,18 @@ class Lens:
 
 
 # ---------------------------------------------------------------------- optimizer hooks
+def _optimizer_hooks(optimizer: torch.optim.Optimizer | None, lens: Lens) -> list:
+    """The hooks through which ``optimizer`` (None: none) drives the windows of ``lens``: its
+    step pre-hook (the update is next), post-hook (closes the window) and, on a
+    :class:`~gradlens.GradientAccumulateOptimizer`, the end of every window (skipped ones too)."""
+    if optimizer is None:
+        return []
+    hooks = [optimizer.register_step_pre_hook(lens._on_pre_step), optimizer.register_step_post_hook(lens._on_step)]
+    if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
+        hooks.append(optimizer.register_window_end_hook(lens._on_window_end))
+    return hooks
+
+
 def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None]):
     """A step pre-hook's result that runs ``before_update`` just before the optimizer's update:
     now (None: arguments unchanged), or, for ``optimizer.step(closure)`` (PyTorch Lightning),

@@ -9,13 +9,15 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradlens.capture import is_extended
+from gradlens.capture import is_extended, tracked_parameters
 from gradlens.compat import compiled_original
 from gradlens.distributed import check_not_sharded
+from gradlens.fsdp import ShardedView
+from gradlens.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.window_record import RESERVED_KEYS
 
-__all__ = ["check_instruments", "check_not_meta", "check_options", "check_sinks", "watched_model"]
+__all__ = ["check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build", "watched_model"]
 
 
 def watched_model(model: nn.Module) -> nn.Module:
@@ -40,6 +42,23 @@ def watched_model(model: nn.Module) -> nn.Module:
             "instruments"
         )
     return model
+
+
+def tracked_at_build(model: nn.Module, exclude: tuple[str, ...],
+                     instruments: Sequence[Instrument]) -> tuple[dict[str, Tensor], ShardedView | None]:
+    """The parameters a new Lens tracks (qualified name -> parameter) and, on a ``fully_shard``-ed
+    model, its :class:`~gradlens.fsdp.ShardedView` (the Lens then tracks the unsharded
+    parameters; None otherwise), checked: some are left after ``exclude``, the instruments are
+    allowed under FSDP2, none is on the meta device."""
+    params = tracked_parameters(model, exclude)
+    if not params:
+        raise ValueError("the model has no trainable parameters left to track after exclusions")
+    sharded = ShardedView.of(model)  # FSDP2 (fully_shard): gradlens/fsdp.py
+    if sharded is not None:
+        check_sharded_instruments(instruments)
+        params = sharded.unsharded(params)
+    check_not_meta(params)
+    return params, sharded
 
 
 def check_instruments(instruments: Sequence[Instrument]) -> list[Instrument]:

@@ -12,9 +12,12 @@ gradient only, whose next window does not depend on the merged one.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from gradlens.distributed import MergeContext, Pending, check_timeout, merge_window, merge_window_start
+from gradlens.distributed import (
+    DDPGradRoute, MergeContext, Pending, check_ranks_agree, check_timeout, lens_fingerprint, merge_window,
+    merge_window_start,
+)
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 
 __all__ = ["RankMerge", "check_merge"]
@@ -40,9 +43,14 @@ class RankMerge:
         group: the process group (None: one process, nothing is merged).
         merge: ``"sync"`` or ``"deferred"`` (checked with :func:`check_merge`).
         timeout: seconds each collective waits (checked: :func:`gradlens.distributed.check_timeout`).
-        instruments, light: the Lens' instruments; whether they read the window gradient only.
+        instruments: the Lens' instruments.
+        plan: their :class:`~gradlens.measure.Plan` (``light``: they read the window gradient
+            only; ``needs``: the quantities they need).
 
     Attributes:
+        route: under DDP, when the instruments need ``grad_sum``: the
+            :class:`~gradlens.distributed.DDPGradRoute` that reads the global sum from DDP's
+            all-reduced ``p.grad`` when that is exact; else None.
         done: the current window was merged (or its collective issued): once per window.
         issued: ``merge="deferred"``: the current window's collective, issued and not finished.
         inflight: ``(step, window, states, empty micro-steps, issued)`` of a closed window whose
@@ -50,15 +58,30 @@ class RankMerge:
         memo: the gathered shapes of the last merge (:func:`gradlens.distributed.exchange`).
     """
 
-    def __init__(self, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument], light: bool):
-        check_merge(merge, instruments, light)
+    def __init__(self, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument], plan: Any):
+        check_merge(merge, instruments, plan.light)
         self.group = group
         self.mode = merge
         self.timeout = check_timeout(timeout)
+        self.route = (
+            DDPGradRoute(group, light=plan.light) if group is not None and "grad_sum" in plan.needs else None
+        )
         self.done = False
         self.issued: Pending | None = None
         self.inflight: tuple | None = None
         self.memo: dict = {}
+
+    def check_agree(self, instruments: Sequence[Instrument], every: Any, step: int, params: dict,
+                    groups: Any) -> None:
+        """Once, when the Lens is built under torch.distributed: every rank has the same
+        instruments and settings, schedule, merge mode, grouping and tracked parameters (one
+        small all_reduce; :func:`gradlens.distributed.check_ranks_agree`). Nothing otherwise."""
+        if self.group is None:
+            return
+        fingerprint = lens_fingerprint(instruments, every, step, self.mode, params)
+        if groups is not None:  # the parameters' grouping fixes the per-group layout
+            fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
+        check_ranks_agree(self.group, fingerprint, self.timeout)
 
     def due(self, window: WindowStats | None) -> bool:
         """Whether ``window`` (None: untracked) is still to be merged."""
@@ -70,15 +93,17 @@ class RankMerge:
         return MergeContext(params, sites, needs, route=route, memo=self.memo, timeout=self.timeout,
                             step=step, groups=groups)
 
-    def issue(self, window: WindowStats, instruments: Sequence[Instrument], states: dict[int, Any],
-              ctx: MergeContext) -> None:
-        """``merge="deferred"``: issue the window's collective; finish it with :meth:`finish_inflight`."""
-        self.issued = merge_window_start(window, instruments, states, self.group, ctx)
-        self.done = True
-
-    def merge_now(self, window: WindowStats, instruments: Sequence[Instrument], states: dict[int, Any],
-                  ctx: MergeContext) -> tuple[WindowStats, dict[int, Any]]:
-        """Merge the window and wait for it: ``(window, states)`` of all ranks."""
+    def merge(self, window: WindowStats, instruments: Sequence[Instrument], states: dict[int, Any],
+              ctx: MergeContext, defer: bool, first: Callable[[], Any]) -> tuple[WindowStats, dict[int, Any]]:
+        """Merge the window: ``(window, states)`` of all ranks. With ``merge="deferred"`` and
+        ``defer``, ``first()`` (the window in flight finishes first: collectives of a group run
+        in the order they were issued), then the window's collective is issued and ``(window,
+        states)`` come back unchanged; :meth:`hold` and :meth:`finish_inflight` do the rest."""
+        if self.mode == "deferred" and defer:
+            first()
+            self.issued = merge_window_start(window, instruments, states, self.group, ctx)
+            self.done = True
+            return window, states
         self.done = True
         return merge_window(window, instruments, states, self.group, ctx)
 

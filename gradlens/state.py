@@ -141,8 +141,8 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
         payload["states"] = [lens._states.get(id(i)) for i in lens.instruments]
         payload["sites"] = dict(lens._window_sites)  # the uses measured so far (rank merging)
     pending_step = None
-    if lens._pending is not None:
-        record, states = lens._pending
+    if lens._pending.held is not None:
+        record, states = lens._pending.held
         pending_step = int(record.step)
         payload["pending"] = (
             record,
@@ -360,13 +360,14 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
         lens._window = payload["window"]
         lens._states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
         lens._window_sites.update(payload["sites"])
-        for i in lens._graph_insts:  # curvature: bind the window states to this Lens' graph
-            i.bind_graph(lens._states[id(i)], lens._graph)
+        lens._curvature.bind(lens._states)  # curvature: bind the window states to this Lens' graph
     lens._empty_micro_steps = state["empty_micro_steps"]
-    lens._pending = None
+    lens._pending.held = None
     if state["pending"] is not None:
         record, states = payload["pending"]
-        lens._pending = (record, {id(lens.instruments[n]): st for n, st in states.items()})
+        lens._pending.held = (record, {id(lens.instruments[n]): st for n, st in states.items()})
+    if lens._sharded is not None and lens._window is not None:  # GradHist2d: bins of the window (FSDP2)
+        lens._sharded.bin_values(lens.instruments, lens._states, lens._tap.params)
 
 
 def _check_payload(payload: Any, state: dict, lens: "Lens") -> None:

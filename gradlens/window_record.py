@@ -3,7 +3,8 @@
 :func:`window_record` turns a window's merged statistics (:class:`~gradlens.instruments.base.WindowStats`)
 and the instruments' window states into one :class:`~gradlens.records.Record`: each instrument's
 finalized value under its key (per group too, ``record.groups``), the window's mean loss and the
-meta data; :func:`keep_record` keeps it as ``Lens(keep_records=...)`` says.
+meta data; :func:`keep_record` keeps it as ``Lens(keep_records=...)`` says; :class:`PendingRecord` holds one
+that waits for the next window (Alpha) until that window completes it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.records import Record
 
-__all__ = ["RESERVED_KEYS", "keep_record", "window_record"]
+__all__ = ["RESERVED_KEYS", "PendingRecord", "end_window", "keep_record", "window_record"]
 
 #: record keys the Lens writes itself (:func:`window_record`); no instrument may take them
 RESERVED_KEYS = ("loss",)
@@ -58,9 +59,46 @@ def window_record(step: int, window: WindowStats, states: dict[int, Any], instru
     return record
 
 
+def end_window(states: dict[int, Any], instruments: Sequence[Instrument]) -> dict[int, Any]:
+    """The instruments end the window whose record was just made (:meth:`Instrument.end_window`:
+    adaptive ranges move on, ...). Returns the window states of those that defer the record
+    (:meth:`Instrument.defers`, e.g. Alpha: the next window completes it), ``{}`` if none."""
+    deferring = {id(i): states[id(i)] for i in instruments if i.defers(states[id(i)])}
+    for i in instruments:
+        i.end_window(states[id(i)])
+    return deferring
+
+
 def keep_record(records: list[Record], record: Record, keep: bool | int) -> None:
     """Append ``record`` to ``records`` as ``Lens(keep_records=...)`` says: all, none, the last n."""
     if keep is True or keep > 0:
         records.append(record)
         if keep is not True and len(records) > keep:
             del records[: len(records) - keep]
+
+
+class PendingRecord:
+    """The record of a window that waits for the next one (an instrument whose
+    :meth:`~gradlens.instruments.Instrument.defers` is true, e.g. Alpha, completes it from the
+    next window's states). It is in :attr:`Lens.records <gradlens.Lens.records>` at once, and
+    written to the sinks when :meth:`settle` completes it or marks what it lacks.
+
+    Attributes:
+        held: ``(record, {id(instrument): window state})`` of the deferring instruments, or None.
+    """
+
+    def __init__(self) -> None:
+        self.held: tuple[Record, dict[int, Any]] | None = None
+
+    def settle(self, instruments: Sequence[Instrument], reason: str | None, closing: dict[int, Any],
+               write: Any) -> None:
+        """Complete the held record from the window now closing (its states ``closing``, used
+        when ``reason is None``) or mark what it lacks (``reason``), then ``write(record)``."""
+        if self.held is None:
+            return
+        record, states = self.held
+        self.held = None
+        for i in instruments:
+            if id(i) in states:
+                i.settle(record, states[id(i)], None if reason else closing[id(i)], reason)
+        write(record)
