@@ -5,6 +5,14 @@ for the instruments), and keeps and streams one record per tracked window.
 A window is one real optimizer update (docs/design.md). With an ``optimizer``, the window closes in
 the optimizer's step post-hook (with :class:`~gradlens.GradientAccumulateOptimizer` that hook
 fires on real updates only); without one, call :meth:`Lens.flush` at the end of each window.
+
+The Lens keeps the windows, their schedule, the optimizer hooks, the glue of rank merging, the
+sinks and the lifecycle; the rest are modules it calls: :mod:`gradlens.lens_checks` (its
+arguments), :mod:`gradlens.window` (the window counters), :mod:`gradlens.window_record` (a closed
+window's record, the pending record), :mod:`gradlens.rank_merge` (sync / deferred merging),
+:mod:`gradlens.amp` (windows a GradScaler skipped), :mod:`gradlens.compiled` (torch.compile),
+:mod:`gradlens.curvature_graph` (the curvature instruments' graph), :mod:`gradlens.state`
+(checkpoints).
 """
 
 from __future__ import annotations
@@ -104,6 +112,13 @@ def _params_probe(lens: "Lens"):
                         hook(module, args)
 
     return probe
+
+
+def _setting(holder: str, name: str, doc: str) -> property:
+    """A setting of the Lens kept by one of its parts: ``lens.<attr>`` reads and sets
+    ``lens.<holder>.<name>``."""
+    return property(lambda lens: getattr(getattr(lens, holder), name),
+                    lambda lens, value: setattr(getattr(lens, holder), name, value), doc=doc)
 
 
 class Lens:
@@ -295,9 +310,9 @@ class Lens:
     step = counter_property("updates", "index of the current window (windows closed so far)")
     skipped_windows = counter_property("skipped", "windows ended without an update (no record)")
     #: ``Lens(merge=..., timeout=..., grad_scaler=...)`` as the Lens applies them
-    merge = property(lambda self: self._ranks.mode)
-    timeout = property(lambda self: self._ranks.timeout)
-    grad_scaler = property(lambda self: self._amp.scaler)
+    merge = _setting("_ranks", "mode", "Lens(merge=...): 'sync' or 'deferred'")
+    timeout = _setting("_ranks", "timeout", "Lens(timeout=...): seconds each collective waits")
+    grad_scaler = _setting("_amp", "scaler", "the GradScaler whose skipped steps drop windows")
 
     # ------------------------------------------------------------------ schedule and windows
     def is_tracked(self, step: int | None = None) -> bool:
@@ -351,9 +366,8 @@ class Lens:
 
     # ------------------------------------------------------------------ coverage
     #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
-    chunk_elements = property(lambda self: self._meter.chunk_elements,
-                              lambda self, v: setattr(self._meter, "chunk_elements", v))
-    undefined = property(lambda self: self._meter.undefined, lambda self, v: setattr(self._meter, "undefined", v))
+    chunk_elements = _setting("_meter", "chunk_elements", "Lens(chunk_elements=...)")
+    undefined = _setting("_meter", "undefined", "Lens(undefined=...): 'error' or 'exclude'")
 
     @property
     def tracked(self) -> list[str]:

@@ -102,10 +102,10 @@ class RankMerge:
         if self.mode == "deferred" and defer:
             first()
             self.issued = merge_window_start(window, instruments, states, self.group, ctx)
-            self.done = True
-            return window, states
+        else:
+            window, states = merge_window(window, instruments, states, self.group, ctx)
         self.done = True
-        return merge_window(window, instruments, states, self.group, ctx)
+        return window, states
 
     def hold(self, step: int, window: WindowStats | None, states: dict[int, Any], empty: int) -> bool:
         """At the window's close: if its collective was issued, keep the window in flight (True);

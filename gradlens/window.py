@@ -126,6 +126,6 @@ class WindowCounter:
 def counter_property(field: str, doc: str, holder: str = "_counter") -> property:
     """An attribute of a component that is one of its :class:`WindowCounter`'s counters under the
     component's own name (``Lens.step`` is ``updates``, ``AccumulationState.micro_step`` is
-    ``micro_steps``); ``holder`` names the attribute that holds the counter."""
+    ``micro_steps``), read and set; ``holder`` names the attribute that holds the counter."""
     return property(lambda obj: getattr(getattr(obj, holder), field),
                     lambda obj, value: setattr(getattr(obj, holder), field, value), doc=doc)
