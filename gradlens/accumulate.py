@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradlens import compat
 from gradlens.fsdp import check_fold as check_fsdp_fold
+from gradlens.window import WindowCounter, counter_property
 
 __all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
@@ -42,6 +43,9 @@ _STATE_KEY = "gradlens_accumulate"
 _STATE_VERSION = 2  # 2: accumulators as kept (running means) + last_weight; 1: sums
 _READS_VERSIONS = (1, 2)
 _REDUCTIONS = ("mean", "sum")
+#: the section's keys of the window counters (:class:`~gradlens.window.WindowCounter`), in order
+_SECTION_COUNTERS = {"micro_steps": "micro_step", "updates": "iterations", "skipped": "skipped_windows",
+                     "has_updated": "has_updated", "samples": "weight"}
 
 ClipFn = Callable[[list[Tensor]], Any]
 """``clip(params)``: called once per window with the parameters whose ``.grad`` holds the
@@ -92,6 +96,9 @@ class AccumulationState:
     its history (optax ``MultiStepsState`` in spirit).
 
     Attributes:
+        counter: the window lifecycle (:class:`~gradlens.window.WindowCounter`): micro-steps and
+            their weight in the open window, real updates, skipped windows, ``has_updated``;
+            the five attributes below are its counters under the wrapper's names.
         micro_step: micro-steps folded into the open window.
         iterations: real updates so far.
         skipped_windows: windows dropped (inf/nan under a GradScaler, or :meth:`reset`).
@@ -115,11 +122,7 @@ class AccumulationState:
         noted_samples: the micro-batch size a Lens reported for the coming ``step()``.
     """
 
-    micro_step: int = 0
-    iterations: int = 0
-    skipped_windows: int = 0
-    has_updated: bool = False
-    weight: float = 0.0
+    counter: WindowCounter = field(default_factory=WindowCounter)
     weighted: bool | None = None
     via_scaler: bool | None = None
     accumulators: dict = field(default_factory=dict)
@@ -130,15 +133,21 @@ class AccumulationState:
     folded: dict = field(default_factory=dict)
     noted_samples: int | None = None
 
+    micro_step = counter_property("micro_steps", "micro-steps folded into the open window", "counter")
+    iterations = counter_property("updates", "real updates so far", "counter")
+    skipped_windows = counter_property("skipped", "windows dropped (inf/nan under a GradScaler, or reset())", "counter")
+    has_updated = counter_property("has_updated", "whether the last step()/flush() made a real update", "counter")
+    weight = counter_property("samples", "sum of the window's micro-step weights (num_samples, or 1 each)", "counter")
+
     def reset_window(self) -> None:
-        self.micro_step, self.weight, self.weighted, self.via_scaler = 0, 0.0, None, None
+        self.counter.clear()
+        self.weighted, self.via_scaler = None, None
         self.accumulators, self.last_weight, self.versions, self.fused = {}, {}, {}, set()
 
     def skip(self) -> None:
         """End the window without an update: its gradients are dropped and it is counted."""
         self.reset_window()
-        self.has_updated = False
-        self.skipped_windows += 1
+        self.counter.close(updated=False)
 
     def finite(self) -> bool:
         """Whether every accumulator is finite (one device sync per window, scaler only)."""
@@ -166,11 +175,7 @@ class AccumulationState:
             "version": _STATE_VERSION,
             "accum_steps": accum_steps,
             "reduction": reduction,
-            "micro_step": self.micro_step,
-            "iterations": self.iterations,
-            "skipped_windows": self.skipped_windows,
-            "has_updated": self.has_updated,
-            "weight": self.weight,
+            **self.counter.state_dict(_SECTION_COUNTERS),
             "weighted": self.weighted,
             "via_scaler": self.via_scaler,
             "accumulators": {  # as kept (copies): running means under "mean", sums under "sum"
@@ -203,6 +208,9 @@ class AccumulationState:
                 f"optimizer has reduction={reduction!r}; construct it with the same "
                 f"reduction."
             )
+        st = cls()
+        st.counter.load_state_dict(section, _SECTION_COUNTERS, where=f"state_dict['{_STATE_KEY}']",
+                                   defaults={"skipped_windows": 0})  # checked, as the rest, before anything changes
         if section["micro_step"] >= accum_steps:
             raise ValueError(
                 f"the state_dict was saved at micro_step={section['micro_step']} (accum_steps="
@@ -220,8 +228,6 @@ class AccumulationState:
             p = params[index]
             dtype = torch.promote_types(accum_dtype, p.dtype)
             accumulators[p] = acc.detach().to(device=p.device, dtype=dtype, copy=True)
-        st = cls()
-        st.weight = float(section["weight"])
         saved_weight = section.get("last_weight", {})
         index = {p: i for i, p in enumerate(params)}
         for p, acc in accumulators.items():
@@ -233,11 +239,6 @@ class AccumulationState:
                 st.last_weight[p] = float(saved_weight[index[p]])
             st.versions[p] = compat.tensor_version(acc)
         st.accumulators = accumulators
-        st.micro_step = int(section["micro_step"])
-        st.iterations = int(section["iterations"])
-        st.skipped_windows = int(section.get("skipped_windows", 0))
-        st.has_updated = bool(section["has_updated"])
-        st.weight = float(section["weight"])
         st.weighted = section["weighted"]
         st.via_scaler = section.get("via_scaler")
         return st
@@ -558,9 +559,9 @@ class GradientAccumulateOptimizer(Optimizer):
     def reset(self) -> None:
         """Drop the current window (accumulators and micro-step count) without updating."""
         st = self.accum_state
-        had_window = st.micro_step > 0
+        had_window = st.counter.is_open
         st.reset_window()
-        st.has_updated = False
+        st.counter.reset()
         if had_window:
             self._fire_window_end(False)
 
@@ -690,8 +691,7 @@ class GradientAccumulateOptimizer(Optimizer):
         for pre_hook in list(self._hooks["step_pre"].values()):
             pre_hook(self, (self,), {})
         self.optimizer.step()
-        st.iterations += 1
-        st.has_updated = True
+        st.counter.close(updated=True)
         for post_hook in list(self._hooks["step_post"].values()):
             post_hook(self, (self,), {})
         self._fire_window_end(True)
@@ -756,8 +756,7 @@ class GradientAccumulateOptimizer(Optimizer):
             hook(self, num_samples)  # p.grad: this micro-step's gradient, not yet folded
         self.accum_state.fold(self._params(), w, grad_scale, mean=self.reduction == "mean",
                               accum_steps=self.accum_steps, accum_dtype=self.accum_dtype)
-        st.weight += w
-        st.micro_step += 1
+        st.counter.note_micro(w)
         if st.micro_step >= self.accum_steps:
             self._close_window()
         else:

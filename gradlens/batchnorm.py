@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from gradlens.accumulate import check_accum_steps
 from gradlens.compat import BatchNormBase as _BatchNorm
+from gradlens.window import WindowCounter
 
 __all__ = [
     "AccumBatchNorm1d",
@@ -74,7 +75,9 @@ class _AccumBatchNormMixin:
         window_count: ``[]`` int64, values per channel folded in so far (samples x spatial size).
         window_steps: ``[]`` int64, training forwards folded in so far.
     They are saved in the state dict; loading a plain ``nn.BatchNorm`` state dict (without them)
-    starts an empty window.
+    starts an empty window. Their Python mirror (no device sync per forward) is the window's
+    :class:`~gradlens.window.WindowCounter`: micro-steps = training forwards, samples = values
+    per channel.
     """
 
     accum_steps: int
@@ -97,8 +100,7 @@ class _AccumBatchNormMixin:
     def _init_window(self, accum_steps: int) -> None:
         self.accum_steps = _check_accum_steps(accum_steps)
         self.follows_optimizer = False  # set by follow_optimizer: windows end with the optimizer
-        self._count = 0  # Python mirrors of window_count / window_steps: no device sync per step
-        self._steps = 0
+        self._counter = WindowCounter()  # mirrors window_steps / window_count: no device sync per step
         if self.track_running_stats:
             rm = self.running_mean
             self.register_buffer("window_mean", torch.zeros_like(rm))
@@ -112,7 +114,7 @@ class _AccumBatchNormMixin:
     @property
     def window_open(self) -> bool:
         """Whether training forwards have been folded into a window not yet applied."""
-        return self._steps > 0
+        return self._counter.is_open
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """``[B, C, *spatial]`` -> same shape. Training: micro-batch statistics (over the
@@ -137,7 +139,7 @@ class _AccumBatchNormMixin:
             input, batch_mean, batch_var, self.weight, self.bias, True, 1.0, self.eps
         )
         self._fold(batch_mean, batch_var, count)
-        if self._steps >= self.accum_steps and not self.follows_optimizer:
+        if self._counter.micro_steps >= self.accum_steps and not self.follows_optimizer:
             self.flush()
         return out
 
@@ -167,7 +169,7 @@ class _AccumBatchNormMixin:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         if self.track_running_stats:
             self._fold(mean.detach(), var.detach() * (count / (count - 1)), count)
-            if self._steps >= self.accum_steps and not self.follows_optimizer:
+            if self._counter.micro_steps >= self.accum_steps and not self.follows_optimizer:
                 self.flush()
         return out
 
@@ -177,7 +179,7 @@ class _AccumBatchNormMixin:
         work = torch.float64 if batch_mean.device.type != "mps" else torch.float32
         mean_b = batch_mean.to(work)
         var_b = batch_var_unbiased.to(work) * ((count - 1) / count)  # biased
-        n_a = self._count
+        n_a = int(self._counter.samples)  # values per channel so far (exact: integers below 2**53)
         if n_a == 0:
             self.window_mean.copy_(mean_b)
             self.window_var.copy_(var_b)
@@ -190,10 +192,9 @@ class _AccumBatchNormMixin:
             self.window_var.copy_(
                 var_a * (n_a / n) + var_b * (count / n) + delta.square() * (n_a * count / n / n)
             )
-        self._count += count
-        self._steps += 1
-        self.window_count.fill_(self._count)
-        self.window_steps.fill_(self._steps)
+        self._counter.note_micro(count)
+        self.window_count.fill_(n_a + count)
+        self.window_steps.fill_(self._counter.micro_steps)
 
     @torch.no_grad()
     def flush(self) -> bool:
@@ -206,9 +207,9 @@ class _AccumBatchNormMixin:
         Returns:
             Whether a window was open (and applied).
         """
-        if not self.track_running_stats or self._steps == 0:
+        if not self.track_running_stats or not self._counter.is_open:
             return False
-        n = self._count
+        n = int(self._counter.samples)
         work = torch.float64 if self.running_mean.device.type != "mps" else torch.float32
         mean = self.window_mean.to(work)
         var = self.window_var.to(work) * (n / (n - 1))
@@ -225,8 +226,7 @@ class _AccumBatchNormMixin:
     @torch.no_grad()
     def reset_window(self) -> None:
         """Drop the open window without touching the running statistics."""
-        self._count = 0
-        self._steps = 0
+        self._counter.reset()
         if self.track_running_stats:
             self.window_mean.zero_()
             self.window_var.zero_()
@@ -253,8 +253,8 @@ class _AccumBatchNormMixin:
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         if self.track_running_stats:
-            self._count = int(self.window_count)
-            self._steps = int(self.window_steps)
+            self._counter.micro_steps = int(self.window_steps)
+            self._counter.samples = float(int(self.window_count))
 
 
 class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):

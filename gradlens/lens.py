@@ -5,11 +5,18 @@ for the instruments), and keeps and streams one record per tracked window.
 A window is one real optimizer update (docs/design.md). With an ``optimizer``, the window closes in
 the optimizer's step post-hook (with :class:`~gradlens.GradientAccumulateOptimizer` that hook
 fires on real updates only); without one, call :meth:`Lens.flush` at the end of each window.
+
+The Lens keeps the windows, their schedule, the optimizer hooks, the glue of rank merging, the
+sinks and the lifecycle; the rest are modules it calls: :mod:`gradlens.lens_checks` (its
+arguments), :mod:`gradlens.window` (the window counters), :mod:`gradlens.window_record` (a closed
+window's record, the pending record), :mod:`gradlens.rank_merge` (sync / deferred merging),
+:mod:`gradlens.amp` (windows a GradScaler skipped), :mod:`gradlens.compiled` (torch.compile),
+:mod:`gradlens.curvature_graph` (the curvature instruments' graph), :mod:`gradlens.state`
+(checkpoints).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 import warnings
@@ -19,77 +26,41 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradlens.capture import (
-    Site,
-    is_extended,
-    take_loss_calls,
-    model_exclusions,
-    tracked_parameters,
-    trainable_split,
-)
+from gradlens.amp import ScalerSkips, warn_nonfinite
+from gradlens.capture import Site, take_loss_calls, model_exclusions, trainable_split
 from gradlens.compat import compiled_in_place, compiled_original
-from gradlens.distributed import (
-    DEFAULT_TIMEOUT_S,
-    DDPGradRoute,
-    MergeContext,
-    check_not_sharded,
-    check_ranks_agree,
-    check_timeout,
-    is_writer,
-    lens_fingerprint,
-    merge_window,
-    merge_window_start,
-    resolve_group,
-)
+from gradlens.compiled import CompileNotice
+from gradlens.curvature_graph import CurvatureGraph
+from gradlens.distributed import DEFAULT_TIMEOUT_S, DDPGradRoute, is_writer, resolve_group
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
-from gradlens.instruments.curvature import WindowGraph
 from gradlens.groups import check_groups
-from gradlens.fsdp import ShardedView, presenting
-from gradlens.fsdp import check_instruments as check_sharded_instruments
-from gradlens.instruments.base import LIGHT_QUANTITIES, Accumulators, Instrument, WindowStats, check_instrument
+from gradlens.fsdp import presenting
+from gradlens.instruments.base import Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS
+from gradlens.lens_checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure import Meter, Plan
+from gradlens.rank_merge import RankMerge
 from gradlens.records import Record
 from gradlens.sinks import JsonlSink, SinkSet
 from gradlens.state import lens_state_dict, load_lens_state_dict
 from gradlens.units import check_multiplier
+from gradlens.window import WindowCounter, counter_property
+from gradlens.window_record import PendingRecord, end_window, keep_record, window_record
 
 __all__ = ["Lens"]
 
-_COMPILED = (
-    "the model runs under torch.compile: gradlens follows every operation of a tracked "
-    "forward in Python, so tracked windows run the model eagerly (torch.compiler stance "
-    "'force_eager' while the window's hooks are installed: no graph break, no recompile); "
-    "untracked windows install no hook and run the compiled graphs. A tracked window costs "
-    "about an eager step plus gradlens' own cost: track fewer windows (Lens(..., every=k)) "
-    "to keep the cost small (docs/long_runs.md). (Said once per Lens.)"
-)
-
-_TRACED = (
-    " This Lens got the plain module while a compiled one ran the forward, so this window's "
-    "forward was traced with gradlens' hooks (graph breaks); from the next tracked window on "
-    "it runs eagerly. Give the Lens the compiled module (Lens(torch.compile(model), ...)) or "
-    "compile in place (model.compile()) to avoid that."
-)
-
 
 class _ForwardProbes:
-    """Forward pre-hooks of tracked windows on the model: one notes a compiled forward (sets
-    the Lens' ``_compiled_seen``, through a weak reference: deep-copying the model copies no
-    Lens); under torch.distributed one notes the DDP module that runs the forward (see
-    :class:`gradlens.distributed.DDPGradRoute`). ``install()`` / ``remove()`` are idempotent."""
+    """Forward pre-hooks of tracked windows on the model: one notes a compiled forward
+    (:meth:`gradlens.compiled.CompileNotice.probe`); under torch.distributed one notes the DDP
+    module that runs the forward (see :class:`gradlens.distributed.DDPGradRoute`); the one-shot
+    :func:`_params_probe` of a window (:meth:`arm`). ``install()`` / ``remove()`` (all three) and
+    ``disarm()`` are idempotent."""
 
-    def __init__(self, model: nn.Module, lens: "Lens", route: DDPGradRoute | None):
+    def __init__(self, model: nn.Module, notice: CompileNotice, route: DDPGradRoute | None):
         self.model, self.route, self.handles = model, route, []
-        ref = weakref.ref(lens)
-
-        def compiled(module, args) -> None:
-            if torch.compiler.is_compiling():
-                owner = ref()
-                if owner is not None:
-                    owner._compiled_seen = True  # an attribute write: traced without a graph break
-
-        self.probes = [compiled]
+        self.refresh = None  # the handle of the window's _params_probe, while armed
+        self.probes = [notice.probe()]
         if route is not None:
             self.probes.append(lambda module, args: route.on_forward())
 
@@ -97,10 +68,24 @@ class _ForwardProbes:
         if not self.handles:
             self.handles = [self.model.register_forward_pre_hook(p) for p in self.probes]
 
+    def arm(self, lens: "Lens") -> None:
+        """A tracked window opens in the optimizer's step post-hook, before the training loop
+        can freeze or unfreeze a parameter: its first forward with gradients refreshes the
+        tracked parameters again (registered first, so that the Tap's hooks of that forward see
+        the new set)."""
+        if self.refresh is None:
+            self.refresh = self.model.register_forward_pre_hook(_params_probe(lens), prepend=True, with_kwargs=True)
+
+    def disarm(self) -> None:
+        if self.refresh is not None:
+            self.refresh.remove()
+            self.refresh = None
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.disarm()
 
 
 def _params_probe(lens: "Lens"):
@@ -113,7 +98,7 @@ def _params_probe(lens: "Lens"):
         owner = ref()
         if owner is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        owner._remove_params_probe()
+        owner._probes.disarm()
         if owner._window is not None and not owner._window.micro_steps and owner._meter.micro is None:
             before = dict(module._forward_pre_hooks)
             owner._refresh_params()
@@ -127,6 +112,13 @@ def _params_probe(lens: "Lens"):
                         hook(module, args)
 
     return probe
+
+
+def _setting(holder: str, name: str, doc: str) -> property:
+    """A setting of the Lens kept by one of its parts: ``lens.<attr>`` reads and sets
+    ``lens.<holder>.<name>``."""
+    return property(lambda lens: getattr(getattr(lens, holder), name),
+                    lambda lens, value: setattr(getattr(lens, holder), name, value), doc=doc)
 
 
 class Lens:
@@ -255,99 +247,72 @@ class Lens:
     ):
         # torch.compile(model) or model.compile(): tracked windows run the model eagerly
         compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
-        model = _watched_model(model)
-        instruments = _check_instruments(instruments)
+        model = watched_model(model)
+        instruments = check_instruments(instruments)
         optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
         if grad_scaler is None:
             grad_scaler = wrapped_scaler
         groups = check_groups(groups)
-        _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
-        extra_sinks = _check_sinks(sinks)
-        self.grad_scaler = None if hasattr(optimizer, "register_window_end_hook") else grad_scaler
-        self._scale_at_open: float | None = None
+        check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
+        extra_sinks = check_sinks(sinks)
+        # a GradientAccumulateOptimizer reports skipped windows itself; else the scale tells
+        self._amp = ScalerSkips(None if hasattr(optimizer, "register_window_end_hook") else grad_scaler)
         self.model = model
         self.instruments = instruments
         self.optimizer = optimizer
         self.every = every
         self.keep_records = keep_records
         self.records: list[Record] = []
-        self.step = 0
-        self.skipped_windows = 0
+        self._counter = WindowCounter()  # step (windows closed) and skipped_windows
 
         self._exclude = model_exclusions(model) + tuple(exclude)
-        params = tracked_parameters(model, self._exclude)
-        if not params:
-            raise ValueError("the model has no trainable parameters left to track after exclusions")
-        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (gradlens/fsdp.py)
-        self._sharded = ShardedView.of(model)
-        if self._sharded is not None:
-            check_sharded_instruments(instruments)
-            params = self._sharded.unsharded(params)
-        _check_not_meta(params)
+        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/fsdp.py)
+        params, self._sharded = tracked_at_build(model, self._exclude, instruments)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
         with presenting(self._sharded):
             self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
                                 undefined=undefined)
         self._tap = self._meter.tap
-        for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
+        for inst in instruments:  # Instrument.attach (once): the tracked parameters and the optimizer
             inst.attach(lambda: self._tap.params, optimizer)
-
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
-
-        for inst in instruments:  # Instrument.attach: the tracked parameters and the optimizer
-            inst.attach(lambda: self._tap.params, optimizer)
         self._group = resolve_group(process_group)
-        self._merged = False
-        _check_merge(merge, instruments, plan.light)
-        self.merge = merge
-        self.timeout = check_timeout(timeout)
-        self._merge_pending = None  # the current window's collective, issued and not finished
-        self._inflight: tuple | None = None  # (step, window, states, empty micro-steps, merge)
-        # under DDP: the global grad_sum from the all-reduced p.grad when that is exact
-        self._ddp_route = (
-            DDPGradRoute(self._group, light=plan.light)
-            if self._group is not None and "grad_sum" in plan.needs else None
-        )
-        self._merge_memo: dict = {}  # gathered shapes of the last merge (inline gather)
+        self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
+        self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 
         # under torch.distributed: rank 0 writes; a sink that fails is reported and retried,
         # never raised here; a new segment of the log starts at the first record (a fresh Lens
         # starts a new run, a Lens loaded from a checkpoint replaces the records after it)
         self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group))
-        if self._group is not None:  # once: every rank has the same instruments and schedule
-            try:
-                fingerprint = lens_fingerprint(instruments, every, self.step, merge, params)
-                if groups is not None:  # the parameters' grouping fixes the per-group layout
-                    fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
-                check_ranks_agree(self._group, fingerprint, self.timeout)
-            except BaseException:
-                self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)
-                raise
+        try:  # once, under torch.distributed: every rank has the same instruments and schedule
+            self._ranks.check_agree(instruments, every, self.step, params, groups)
+        except BaseException:
+            self._sinks.close()  # the sinks this Lens opened (a JsonlSink's lock on the log)
+            raise
         self._sinks.extend(extra_sinks)
 
-        self._hooks = []
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._on_pre_step))
-            self._hooks.append(optimizer.register_step_post_hook(self._on_step))
-            if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
-                self._hooks.append(optimizer.register_window_end_hook(self._on_window_end))
+        self._hooks = _optimizer_hooks(optimizer, self)  # its real updates close the windows
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._empty_micro_steps = 0
-        self._pending: tuple[Record, dict[int, Any]] | None = None
-        self._probes = _ForwardProbes(model, self, self._ddp_route)  # tracked windows only
-        self._compiled_seen = compiled_wrapper
-        self._compile_warned = False
+        self._pending = PendingRecord()  # a record waiting for the next window (Alpha)
+        self._compiled = CompileNotice(compiled_wrapper)  # torch.compile: warned once
+        self._probes = _ForwardProbes(model, self._compiled, self._ddp_route)  # tracked windows only
         self._window: WindowStats | None = None
         self._states: dict[int, Any] = {}
         self._closed = False
-        # curvature (HessMaxEV, ...): the micro-steps' gradients with their graphs
-        self._graph_insts = [i for i in instruments if "graph_grad" in i.needs]
-        self._graph = None
-        self._params_probe = None  # see _params_probe (tracked windows only)
+        self._curvature = CurvatureGraph(instruments)  # HessMaxEV, ...: the gradients with their graphs
         model.__dict__["_gradlens_lens"] = weakref.ref(self)  # plain attribute, not a submodule
         self._open_window()
+
+    #: windows closed so far (the schedule's position) and windows ended without an update
+    step = counter_property("updates", "index of the current window (windows closed so far)")
+    skipped_windows = counter_property("skipped", "windows ended without an update (no record)")
+    #: ``Lens(merge=..., timeout=..., grad_scaler=...)`` as the Lens applies them
+    merge = _setting("_ranks", "mode", "Lens(merge=...): 'sync' or 'deferred'")
+    timeout = _setting("_ranks", "timeout", "Lens(timeout=...): seconds each collective waits")
+    grad_scaler = _setting("_amp", "scaler", "the GradScaler whose skipped steps drop windows")
 
     # ------------------------------------------------------------------ schedule and windows
     def is_tracked(self, step: int | None = None) -> bool:
@@ -356,18 +321,11 @@ class Lens:
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
     def _open_window(self) -> None:
-        self._release_graph()  # the previous window's graphs go
-        if self._merge_pending is not None:  # issued for a window dropped since: every rank waits
-            self._merge_pending.finish()
-            self._merge_pending = None
+        self._curvature.release(self._meter)  # the previous window's graphs go
+        self._ranks.drop_issued()  # issued for a window dropped since: every rank waits
         if self.is_tracked():
             self._refresh_params()
-            if self._params_probe is None:
-                # the window opens in the optimizer's step post-hook, before the training loop can
-                # freeze or unfreeze a parameter: its first forward with gradients refreshes again
-                # (registered first, so that the Tap's hooks of that forward see the new set)
-                self._params_probe = self.model.register_forward_pre_hook(
-                    _params_probe(self), prepend=True, with_kwargs=True)
+            self._probes.arm(self)  # the window's first forward refreshes them again
             self._window = WindowStats(
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
@@ -375,12 +333,7 @@ class Lens:
             for i in self.instruments:  # parameter -> group (Lens(groups=...)), before the states
                 i.bind_groups(self._meter.group_of)
             self._states = {id(i): i.start_window() for i in self.instruments}
-            if self._graph_insts:  # curvature: the micro-steps' gradients with their graphs
-                self._graph = WindowGraph(self._tap.params, self._group, self.model)
-                self._graph.install()
-                self._meter.graph = self._graph
-                for i in self._graph_insts:
-                    i.bind_graph(self._states[id(i)], self._graph)
+            self._curvature.open(self._tap.params, self._group, self.model, self._meter, self._states)
             if self._sharded is not None:  # GradHist2d's parameter axis: the gathered values
                 self._sharded.bin_values(self.instruments, self._states, self._tap.params)
             self._window_sites: dict[str, Site] = {}  # every use measured in this window
@@ -389,40 +342,32 @@ class Lens:
             self._probes.install()
             if self._ddp_route is not None:
                 self._ddp_route.reset()
-            if self.grad_scaler is not None:
-                self._scale_at_open = float(self.grad_scaler.get_scale())
+            self._amp.window_opened()
         else:
-            self._remove_params_probe()
             self._window = None
             self._states = {}
             self._meter.remove()
-            self._probes.remove()
-        self._merged = False
+            self._probes.remove()  # and the params probe
+        self._ranks.done = False
 
     def _merge_ranks(self, defer_off: bool = False) -> None:
         """Under torch.distributed: replace this rank's window statistics and instrument states
         by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
         kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
-        if self._group is None or self._window is None or self._merged:
+        ranks = self._ranks
+        if not ranks.due(self._window):
             return
         sites = [self._window_sites[n] for n in sorted(self._window_sites)]
-        ctx = MergeContext(dict(self._tap.params), sites, self._meter.plan.needs, route=self._ddp_route,
-                           memo=self._merge_memo, timeout=self.timeout, step=self.step,
-                           groups=tuple(self._meter.groups))
-        if self.merge == "deferred" and not defer_off:
-            self._finish_inflight()  # the previous window's collective came first: finish it first
-            self._merge_pending = merge_window_start(self._window, self.instruments, self._states, self._group, ctx)
-        else:
-            self._window, self._states = merge_window(
-                self._window, self.instruments, self._states, self._group, ctx
-            )
-        self._merged = True
+        ctx = ranks.context(dict(self._tap.params), sites, self._meter.plan.needs, self._ddp_route, self.step,
+                            tuple(self._meter.groups))
+        # merge="deferred" (not defer_off): the previous window's collective came first, it finishes first
+        self._window, self._states = ranks.merge(self._window, self.instruments, self._states, ctx,
+                                                 defer=not defer_off, first=self._finish_inflight)
 
     # ------------------------------------------------------------------ coverage
     #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
-    chunk_elements = property(lambda self: self._meter.chunk_elements,
-                              lambda self, v: setattr(self._meter, "chunk_elements", v))
-    undefined = property(lambda self: self._meter.undefined, lambda self, v: setattr(self._meter, "undefined", v))
+    chunk_elements = _setting("_meter", "chunk_elements", "Lens(chunk_elements=...)")
+    undefined = _setting("_meter", "undefined", "Lens(undefined=...): 'error' or 'exclude'")
 
     @property
     def tracked(self) -> list[str]:
@@ -481,25 +426,18 @@ class Lens:
         if sync:
             self._finish_inflight()
         self._merge_ranks(defer_off=sync)
-        record = None
-        if self._merge_pending is not None:  # merge="deferred": the record comes with the next window
-            self._inflight = (self.step, self._window, self._states, self._empty_micro_steps, self._merge_pending)
-            self._merge_pending = None
-        else:
+        record = None  # merge="deferred": the record comes with the next window
+        if not self._ranks.hold(self.step, self._window, self._states, self._empty_micro_steps):
             record = self._emit(self.step, self._window, self._states, self._empty_micro_steps)
-        self.step += 1
+        self._counter.close(updated=True)
         self._empty_micro_steps = 0
         self._open_window()
         return record
 
     def _finish_inflight(self) -> Record | None:
         """merge="deferred": wait for the previous window's collective and emit its record."""
-        if self._inflight is None:
-            return None
-        step, window, states, empty, pending = self._inflight
-        self._inflight = None
-        window, states = pending.finish()
-        return self._emit(step, window, states, empty)
+        done = self._ranks.finish_inflight()
+        return None if done is None else self._emit(*done)
 
     def _emit(self, step: int, window: WindowStats | None, states: dict[int, Any], empty: int) -> Record | None:
         """The record of a closed window (merged across ranks when distributed), to
@@ -508,20 +446,16 @@ class Lens:
         if self._sinks.first_window is None:  # where this Lens's log segment starts
             self._sinks.first_window = step
         captured = window is not None and bool(window.micro_steps)
-        self._settle_pending(
-            None if captured else f"window {step} (the next one) was not tracked or captured nothing",
-            states,
-        )
+        reason = None if captured else f"window {step} (the next one) was not tracked or captured nothing"
+        self._pending.settle(self.instruments, reason, states, self._sinks.write)
         if captured:
-            record = _window_record(step, window, states, self.instruments, self._window_coverage, empty,
-                                    self._meter.groups)
-            _warn_nonfinite(record, self.optimizer, self.grad_scaler)
-            deferring = {id(i): states[id(i)] for i in self.instruments if i.defers(states[id(i)])}
-            for i in self.instruments:
-                i.end_window(states[id(i)])
-            _keep(self.records, record, self.keep_records)
+            record = window_record(step, window, states, self.instruments, self._window_coverage, empty,
+                                   self._meter.groups)
+            warn_nonfinite(record, self.optimizer, self.grad_scaler)
+            deferring = end_window(states, self.instruments)
+            keep_record(self.records, record, self.keep_records)
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
-                self._pending = (record, deferring)
+                self._pending.held = (record, deferring)
             else:
                 self._sinks.write(record)  # failures warn; the window still closes
         return record
@@ -539,67 +473,16 @@ class Lens:
         statistics must not leak into the next window, and there is no record of it (the
         parameters did not move; the update index stays the same)."""
         if not updated:
-            self.skipped_windows += 1
+            self._counter.close(updated=False)
             self._open_window()
-
-    def _release_graph(self) -> None:
-        if self._graph is not None:
-            self._graph.release()
-            self._graph = self._meter.graph = None
 
     @property
     def create_graph(self) -> bool:
         """True on tracked windows of a Lens with a curvature instrument (HessMaxEV, HessTrace,
         TICDiag, TICTrace): pass it to the micro-steps' ``loss.backward(create_graph=lens.create_graph)``."""
-        return self._window is not None and bool(self._graph_insts)
+        return self._window is not None and bool(self._curvature.instruments)
 
-    def _remove_params_probe(self) -> None:
-        if self._params_probe is not None:
-            self._params_probe.remove()
-            self._params_probe = None
-
-    def _warn_compiled(self) -> None:
-        if self._meter.plan.light:  # parameter hooks only: no layer output is hooked, no graph break
-            return
-        if self._compiled_seen and not self._compile_warned:
-            self._compile_warned = True
-            traced = not self._tap.run_eager  # the Lens got the plain module: dynamo traced the hooks
-            self._tap.eager_from_now()  # from the next tracked forward on
-            warnings.warn(_COMPILED + (_TRACED if traced else ""), RuntimeWarning, stacklevel=4)
-
-    def _drop_window_skipped_by_scaler(self) -> None:
-        """With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's
-        step on inf/nan (no hook fires) and ``scaler.update()`` lowers the scale. Seen at the
-        next capture through the public ``get_scale()``: the scale fell since the window
-        opened, so that window was not applied. Drop it (no record, ``skipped_windows += 1``,
-        a warning) instead of merging it into the next."""
-        scaler = self.grad_scaler
-        if scaler is None or self._window is None or not self._window.micro_steps:
-            return
-        if self._scale_at_open is None or not float(scaler.get_scale()) < self._scale_at_open:
-            return
-        self.skipped_windows += 1
-        warnings.warn(
-            f"window {self.step} was dropped: the GradScaler skipped its optimizer step "
-            f"(inf/nan; the scale fell to {float(scaler.get_scale())}); no record, "
-            f"lens.skipped_windows={self.skipped_windows}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        self._open_window()  # as for a window a GradientAccumulateOptimizer skipped
-
-    def _settle_pending(self, reason: str | None, closing: dict[int, Any] | None = None) -> None:
-        """Complete the pending record from the window now closing (its states ``closing``,
-        used when ``reason is None``) or mark what it lacks, then write it to the sinks."""
-        if self._pending is None:
-            return
-        record, states = self._pending
-        self._pending = None
-        closing = self._states if closing is None else closing
-        for i in self.instruments:
-            if id(i) in states:
-                i.settle(record, states[id(i)], None if reason else closing[id(i)], reason)
-        self._sinks.write(record)
+    _graph = property(lambda self: self._curvature.graph)  # the window's WindowGraph, or None
 
     # ------------------------------------------------------------------ capture
     @contextmanager
@@ -650,8 +533,9 @@ class Lens:
         meter = self._meter
         if meter.micro is not None:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
-        self._drop_window_skipped_by_scaler()
-        self._warn_compiled()
+        if self._window.micro_steps and self._amp.drop_skipped(self.step, self._counter):
+            self._open_window()  # the GradScaler skipped the step that should have closed it
+        self._compiled.warn_once(self._tap, meter.plan.light)
         undefined = len(meter.undefined_params)
         try:
             micro = meter.begin(reduction, loss, multiplier, losses, calls, self._window, self._states,
@@ -697,12 +581,7 @@ class Lens:
                 "scaled and then backpropagated), or state multiplier= instead"
             )
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
-            micro.resolve()
-            try:
-                self._graph.end_micro(micro.scale(), micro.batch_size, micro.reduction)
-            except RuntimeError:  # no graph (create_graph=False): the window is dropped
-                self._open_window()
-                raise
+            self._curvature.end_micro(micro, drop=self._open_window)
         self._window = meter.fold(micro, self._window, self._states)
         note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
         if note is not None:
@@ -745,8 +624,6 @@ class Lens:
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)
-        if self._sharded is not None and self._window is not None:  # GradHist2d: bins of the window
-            self._sharded.bin_values(self.instruments, self._states, self._tap.params)
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
@@ -763,15 +640,15 @@ class Lens:
             return
         self._finish_inflight()
         if write_pending:
-            self._settle_pending("the Lens was closed before the next window closed")
-        self._pending = None
+            self._pending.settle(self.instruments, "the Lens was closed before the next window closed", self._states,
+                                 self._sinks.write)
+        self._pending.held = None
         self._closed = True
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
         self._meter.remove()
-        self._probes.remove()
-        self._remove_params_probe()
-        self._release_graph()
+        self._probes.remove()  # and the params probe
+        self._curvature.release(self._meter)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -792,6 +669,18 @@ class Lens:
 
 
 # ---------------------------------------------------------------------- optimizer hooks
+def _optimizer_hooks(optimizer: torch.optim.Optimizer | None, lens: Lens) -> list:
+    """The hooks through which ``optimizer`` (None: none) drives the windows of ``lens``: its
+    step pre-hook (the update is next), post-hook (closes the window) and, on a
+    :class:`~gradlens.GradientAccumulateOptimizer`, the end of every window (skipped ones too)."""
+    if optimizer is None:
+        return []
+    hooks = [optimizer.register_step_pre_hook(lens._on_pre_step), optimizer.register_step_post_hook(lens._on_step)]
+    if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
+        hooks.append(optimizer.register_window_end_hook(lens._on_window_end))
+    return hooks
+
+
 def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None]):
     """A step pre-hook's result that runs ``before_update`` just before the optimizer's update:
     now (None: arguments unchanged), or, for ``optimizer.step(closure)`` (PyTorch Lightning),
@@ -816,195 +705,7 @@ def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None])
     return (args[0], closure_then_snapshot, *args[2:]), kwargs
 
 
-# ---------------------------------------------------------------------- arguments
-def _watched_model(model: nn.Module) -> nn.Module:
-    """The module a Lens watches (``torch.compile(model)``: the module itself), checked: an
-    extended model, with no DTensor parameter that FSDP2 does not manage, not watched by another
-    open Lens."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
-    model = compiled_original(model)  # torch.compile(model): watch the module itself
-    if not is_extended(model):
-        raise RuntimeError(
-            f"the model ({type(model).__name__}) was not extended; call "
-            "model = gradlens.extend(model) before creating the Lens"
-        )
-    check_not_sharded(model)
-    other = getattr(model, "_gradlens_lens", None)
-    other = other() if other is not None else None
-    if other is not None and not other._closed:
-        raise RuntimeError(
-            f"{type(model).__name__} is already watched by an open Lens ({other!r}); close it "
-            "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
-            "instruments"
-        )
-    return model
-
-
-def _check_instruments(instruments: Sequence[Instrument]) -> list[Instrument]:
-    """``Lens(instruments=...)`` as a list of instrument instances that pass
-    :func:`~gradlens.instruments.base.check_instrument`, with distinct record keys none of which
-    the Lens writes itself."""
-    if isinstance(instruments, Instrument) or (isinstance(instruments, type) and issubclass(instruments, Instrument)):
-        name = instruments.__name__ if isinstance(instruments, type) else type(instruments).__name__
-        raise TypeError(
-            f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
-            f"list: Lens(model, [{name}()])"
-        )
-    if isinstance(instruments, (str, bytes)) or not isinstance(instruments, Iterable):
-        raise TypeError(
-            f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
-            "list, e.g. Lens(model, [BatchL2(), GradNorm()])"
-        )
-    instruments = list(instruments)
-    for inst in instruments:
-        if not isinstance(inst, Instrument):
-            raise TypeError(
-                f"instruments must be gradlens.instruments objects, got {inst!r}; "
-                "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
-            )
-    for inst in instruments:
-        check_instrument(inst)  # what it declares: key, needs, flags, the methods they call
-    keys = [i.key for i in instruments]
-    dupes = sorted({k for k in keys if keys.count(k) > 1})
-    if dupes:
-        raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
-    taken = [f"{type(i).__name__}.key={i.key!r}" for i in instruments if i.key in _RESERVED_KEYS]
-    if taken:
-        raise ValueError(
-            f"{', '.join(taken)} is a record key the Lens writes itself (reserved: "
-            f"{list(_RESERVED_KEYS)}); give the instrument another key, e.g. key = 'my_loss'"
-        )
-    return instruments
-
-
-#: record keys the Lens writes itself (:func:`_window_record`)
-_RESERVED_KEYS = ("loss",)
-
-
-def _check_not_meta(params: dict[str, Tensor]) -> None:
-    """A model on the meta device has shapes without values: refused, with the fix."""
-    on_meta = [n for n, p in params.items() if p.is_meta]
-    if on_meta:
-        shown = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
-        raise RuntimeError(
-            f"the model's parameters {shown} ({len(on_meta)} of {len(params)}) are on the meta "
-            "device (shapes without values); materialise them before building the Lens: "
-            "model.to_empty(device='cpu') then initialise them (e.g. each module's "
-            "reset_parameters()) or model.load_state_dict(weights)"
-        )
-
-
-def _check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined) -> None:
-    """The Lens' schedule, optimizer, record, GradScaler and ``undefined`` arguments."""
-    if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
-        raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if not isinstance(keep_records, (bool, int)) or (
-        not isinstance(keep_records, bool) and keep_records < 0
-    ):
-        raise ValueError(
-            f"keep_records must be True, False or an int >= 0 (keep the last n), got {keep_records!r}"
-        )
-    if log_mode not in ("resume", "append", "overwrite"):
-        raise ValueError(
-            f"log_mode must be 'resume', 'append' or 'overwrite', got {log_mode!r}"
-        )
-    if not isinstance(chunk_elements, int) or chunk_elements < 1:
-        raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
-    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-        raise TypeError(
-            f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
-        )
-    if undefined not in ("error", "exclude"):
-        raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
-
-
-def _check_merge(merge: str, instruments: list[Instrument], light: bool) -> None:
-    """``Lens(merge=...)``: "deferred" only for instruments of the window gradient (``light``)."""
-    if merge not in ("sync", "deferred"):
-        raise ValueError(f"merge must be 'sync' or 'deferred', got {merge!r}")
-    if merge == "deferred" and not light:
-        heavy = sorted({type(i).__name__ for i in instruments if set(i.needs) - LIGHT_QUANTITIES})
-        raise ValueError(
-            f"Lens(merge='deferred') is for instruments of the window gradient only (GradNorm, "
-            f"NoiseScaleTwoBatch); {heavy} need per-sample statistics whose next window depends "
-            "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
-        )
-
-
-# ---------------------------------------------------------------------- records and sinks
-def _warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
-    """A record with inf/nan gradients behind a real update: with a plain optimizer and a
-    GradScaler that the Lens does not know, an earlier skipped window was merged here."""
-    if optimizer is None or hasattr(optimizer, "register_window_end_hook"):
-        return
-    if grad_scaler is not None:
-        return
-    gn, l2 = record.get("grad_norm"), record.get("batch_l2")
-    bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
-        isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
-    )
-    if bad:
-        warnings.warn(
-            f"the record of window {record.step} holds inf/nan per-sample gradients although "
-            "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
-            "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
-            "dropped",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def _window_record(step: int, window: WindowStats, states: dict[int, Any], instruments: Sequence[Instrument],
-                   coverage: float, empty: int, groups: dict[str, tuple[str, ...]] | None = None) -> Record:
-    """The record of a captured window: each instrument's finalized value under its key, the
-    window's mean loss (None if unknown) and the meta data (coverage as of the window's opening,
-    units, empty micro-steps, what the instruments add)."""
-    values = {i.key: i.finalize(window, states[id(i)]) for i in instruments}
-    for i in instruments:
-        values.update(i.extra(states[id(i)]))  # values beside record[key], e.g. hess_trace_stderr
-    loss_value = window.window_loss()
-    unknown = window.loss_unknown > 0  # a micro-step had no loss to read (Meter.fold)
-    values["loss"] = None if unknown else loss_value
-    record = Record(step, window.num_samples, window.micro_steps, values)
-    record.meta["coverage"] = coverage  # as of the window's opening
-    if unknown:
-        record.meta["loss"] = (
-            "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"
-        )
-    elif not math.isfinite(loss_value):
-        record.meta["loss"] = (
-            f"non-finite: the window's loss is {loss_value} (a micro-step's loss was nan or "
-            "inf); the value is kept as it is"
-        )
-    if empty:
-        record.meta["empty_micro_steps"] = empty
-    record.meta["units"] = (
-        "g_n = B_k * d(micro-step objective)_n (mean objective)"
-        if window.reduction == "mean"
-        else "g_n = d(micro-step objective)_n (sum objective)"
-    )
-    for i in instruments:
-        record.meta.update(i.meta(states[id(i)]))
-    per_group = [i for i in instruments if i.per_group]
-    for group, names in (groups or {}).items():  # the window seen through each group
-        view = window.restrict(group, names)
-        record.groups[group] = {i.key: i.finalize_group(view, states[id(i)], names) for i in per_group}
-    return record
-
-
-def _keep(records: list[Record], record: Record, keep: bool | int) -> None:
-    """Append ``record`` to ``records`` as ``Lens(keep_records=...)`` says: all, none, the last n."""
-    if keep is True or keep > 0:
-        records.append(record)
-        if keep is not True and len(records) > keep:
-            del records[: len(records) - keep]
-
-
+# ---------------------------------------------------------------------- sinks
 def _open_sinks(log, log_mode: str, tensorboard: Any, writer: bool) -> SinkSet:
     """The sinks this Lens opens, in order: the JSONL log, TensorBoard (both on the writing rank
     only; ``Lens(sinks=...)`` are added after them)."""
@@ -1018,24 +719,3 @@ def _open_sinks(log, log_mode: str, tensorboard: Any, writer: bool) -> SinkSet:
 
         sinks.append(TensorBoardSink(tensorboard))
     return sinks
-
-
-def _check_sinks(sinks: Iterable[Any]) -> list[Any]:
-    """The ``sinks=`` argument of :class:`Lens` as a list; every entry must have callable
-    ``write(record)`` and ``close()`` (the sink protocol)."""
-    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
-        raise TypeError(
-            f"Lens(sinks=...) takes a list of sinks (objects with write(record) and close()), "
-            f"got {type(sinks).__name__} {sinks!r}"
-        )
-    out = list(sinks)
-    for sink in out:
-        missing = [m for m in ("write", "close") if not callable(getattr(sink, m, None))]
-        if missing:
-            raise TypeError(
-                f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(m + '()' for m in missing)}; "
-                "a sink is any object with write(record) and close() (see gradlens.sinks), e.g. "
-                "gradlens.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
-            )
-    return out
-

@@ -54,6 +54,8 @@ LENS_STATE_VERSION = 2
 __all__ = ["LENS_STATE_VERSION", "StateDictError", "check_state", "lens_state_dict", "load_lens_state_dict"]
 
 _FORMAT = "gradlens.Lens"
+#: the header's keys of the Lens' window counters (:class:`~gradlens.window.WindowCounter`)
+_COUNTERS = {"updates": "step", "skipped": "skipped_windows"}
 _HEADER = {
     "format", "version", "step", "skipped_windows", "empty_micro_steps", "instruments",
     "parameters", "undefined", "window", "pending", "blob",
@@ -139,8 +141,8 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
         payload["states"] = [lens._states.get(id(i)) for i in lens.instruments]
         payload["sites"] = dict(lens._window_sites)  # the uses measured so far (rank merging)
     pending_step = None
-    if lens._pending is not None:
-        record, states = lens._pending
+    if lens._pending.held is not None:
+        record, states = lens._pending.held
         pending_step = int(record.step)
         payload["pending"] = (
             record,
@@ -158,8 +160,7 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
     return {
         "format": _FORMAT,
         "version": _version(),
-        "step": int(lens.step),
-        "skipped_windows": int(lens.skipped_windows),
+        **lens._counter.state_dict(_COUNTERS),
         "empty_micro_steps": int(lens._empty_micro_steps),
         "instruments": instruments,
         "parameters": _parameters(lens),
@@ -353,20 +354,20 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
     except BaseException:
         _restore(lens, before)
         raise
-    lens.step = state["step"]
-    lens.skipped_windows = state["skipped_windows"]
+    lens._counter.load_state_dict(state, _COUNTERS, where="the Lens state_dict")  # checked above
     lens._open_window()
     if state["window"]:
         lens._window = payload["window"]
         lens._states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
         lens._window_sites.update(payload["sites"])
-        for i in lens._graph_insts:  # curvature: bind the window states to this Lens' graph
-            i.bind_graph(lens._states[id(i)], lens._graph)
+        lens._curvature.bind(lens._states)  # curvature: bind the window states to this Lens' graph
     lens._empty_micro_steps = state["empty_micro_steps"]
-    lens._pending = None
+    lens._pending.held = None
     if state["pending"] is not None:
         record, states = payload["pending"]
-        lens._pending = (record, {id(lens.instruments[n]): st for n, st in states.items()})
+        lens._pending.held = (record, {id(lens.instruments[n]): st for n, st in states.items()})
+    if lens._sharded is not None and lens._window is not None:  # GradHist2d: bins of the window (FSDP2)
+        lens._sharded.bin_values(lens.instruments, lens._states, lens._tap.params)
 
 
 def _check_payload(payload: Any, state: dict, lens: "Lens") -> None:

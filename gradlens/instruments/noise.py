@@ -58,6 +58,7 @@ from gradlens.fsdp import check_monitor as check_fsdp_monitor
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
 from gradlens.state_checks import FLOAT, check_state
+from gradlens.window import WindowCounter
 
 __all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
 
@@ -241,6 +242,7 @@ class NoiseScaleMonitor:
         self.callback = callback
         self._smoother = _Smoother(beta)
         self.values: list[dict[str, Any]] = []
+        self._counter = WindowCounter()  # the window's small batches: M micro-steps, N samples
         self._handles = [
             optimizer.register_micro_step_hook(self._on_micro_step),
             optimizer.register_window_grad_hook(self._on_window_grad),
@@ -252,8 +254,7 @@ class NoiseScaleMonitor:
         self._S: Tensor | None = None
         self._T: Tensor | None = None
         self._Q = 0.0
-        self._N = 0.0
-        self._M = 0
+        self._counter.clear()
 
     @torch.no_grad()
     def _on_micro_step(self, optimizer, num_samples: float | None) -> None:
@@ -274,8 +275,7 @@ class NoiseScaleMonitor:
         s_sq = sq * (f * f)
         self._S = s_sq if self._S is None else self._S + s_sq
         self._Q += b * b
-        self._N += b
-        self._M += 1
+        self._counter.note_micro(b)
 
     @torch.no_grad()
     def _on_window_grad(self, optimizer) -> None:
@@ -286,16 +286,18 @@ class NoiseScaleMonitor:
             return
         sq = _sum_sq([optimizer.window_grad(p) for group in optimizer.param_groups for p in group["params"]])
         if sq is not None:
-            f = self._N if optimizer.reduction == "mean" else float(self.ranks)
+            f = self._counter.samples if optimizer.reduction == "mean" else float(self.ranks)
             self._T = sq * (f * f)
 
     def _on_window_end(self, optimizer, updated: bool) -> None:
+        window = self._counter
         if updated and self._S is not None:
-            vals = _values(float(self._S), self._Q, float(self._T), self._N, self._M, self._smoother)
+            vals = _values(float(self._S), self._Q, float(self._T), window.samples, window.micro_steps, self._smoother)
             self.values.append(vals)
             if self.callback is not None:
                 self.callback(vals)
         self._reset()
+        window.close(updated)
 
     def remove(self) -> None:
         """Detach from the optimizer (idempotent)."""

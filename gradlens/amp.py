@@ -1,0 +1,82 @@
+"""Mixed precision and the Lens' windows: a window whose optimizer step a ``torch.amp.GradScaler``
+skipped (inf/nan gradients) has no update, so its statistics must be dropped, not merged into the
+next window.
+
+A :class:`~gradlens.GradientAccumulateOptimizer` reports such windows itself (its window-end
+hook). With a plain ``torch.optim`` optimizer, ``GradScaler.step`` skips the optimizer's step
+without any hook firing; :class:`ScalerSkips` sees it through the public ``get_scale()``: the scale
+fell since the window opened. :func:`warn_nonfinite` flags the record that an unknown GradScaler
+would leave behind.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradlens.records import Record
+from gradlens.window import WindowCounter
+
+__all__ = ["ScalerSkips", "warn_nonfinite"]
+
+
+class ScalerSkips:
+    """The windows a GradScaler skipped, seen with a plain ``torch.optim`` optimizer
+    (``Lens(grad_scaler=...)``): one ``get_scale()`` host read when a tracked window opens, one
+    at each capture of it."""
+
+    def __init__(self, scaler: Any):
+        self.scaler = scaler
+        self.scale_at_open: float | None = None
+
+    def window_opened(self) -> None:
+        """A tracked window opens: note the scale (nothing without a scaler)."""
+        if self.scaler is not None:
+            self.scale_at_open = float(self.scaler.get_scale())
+
+    def drop_skipped(self, step: int, counter: WindowCounter) -> bool:
+        """At a capture of a window that holds micro-steps: whether the scaler skipped the step
+        that should have closed it (``scaler.update()`` lowered the scale since the window
+        opened). If so the window is counted as skipped in ``counter`` and a warning names it;
+        the caller drops its statistics (no record), as for a window a
+        :class:`~gradlens.GradientAccumulateOptimizer` skipped."""
+        scaler = self.scaler
+        if scaler is None:
+            return False
+        if self.scale_at_open is None or not float(scaler.get_scale()) < self.scale_at_open:
+            return False
+        counter.close(updated=False)
+        warnings.warn(
+            f"window {step} was dropped: the GradScaler skipped its optimizer step "
+            f"(inf/nan; the scale fell to {float(scaler.get_scale())}); no record, "
+            f"lens.skipped_windows={counter.skipped}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return True
+
+
+def warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
+    """A record with inf/nan gradients behind a real update: with a plain optimizer and a
+    GradScaler that the Lens does not know, an earlier skipped window was merged here."""
+    if optimizer is None or hasattr(optimizer, "register_window_end_hook"):
+        return
+    if grad_scaler is not None:
+        return
+    gn, l2 = record.get("grad_norm"), record.get("batch_l2")
+    bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
+        isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
+    )
+    if bad:
+        warnings.warn(
+            f"the record of window {record.step} holds inf/nan per-sample gradients although "
+            "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
+            "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
+            "dropped",
+            RuntimeWarning,
+            stacklevel=3,
+        )

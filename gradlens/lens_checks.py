@@ -1,0 +1,159 @@
+"""The checks of :class:`~gradlens.Lens`' arguments: each bad value is refused when the Lens is
+built, with a ``TypeError`` / ``ValueError`` / ``RuntimeError`` that names the argument, what was
+received and the fix (never at the first capture)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gradlens.capture import is_extended, tracked_parameters
+from gradlens.compat import compiled_original
+from gradlens.distributed import check_not_sharded
+from gradlens.fsdp import ShardedView
+from gradlens.fsdp import check_instruments as check_sharded_instruments
+from gradlens.instruments.base import Instrument, check_instrument
+from gradlens.window_record import RESERVED_KEYS
+
+__all__ = ["check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build", "watched_model"]
+
+
+def watched_model(model: nn.Module) -> nn.Module:
+    """The module a Lens watches (``torch.compile(model)``: the module itself), checked: an
+    extended model, with no DTensor parameter that FSDP2 does not manage, not watched by another
+    open Lens."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Lens(model=...) takes an nn.Module, got {type(model).__name__}")
+    model = compiled_original(model)  # torch.compile(model): watch the module itself
+    if not is_extended(model):
+        raise RuntimeError(
+            f"the model ({type(model).__name__}) was not extended; call "
+            "model = gradlens.extend(model) before creating the Lens"
+        )
+    check_not_sharded(model)
+    other = getattr(model, "_gradlens_lens", None)
+    other = other() if other is not None else None
+    if other is not None and not other._closed:
+        raise RuntimeError(
+            f"{type(model).__name__} is already watched by an open Lens ({other!r}); close it "
+            "first (lens.close(), or use `with Lens(...) as lens:`), or give one Lens all the "
+            "instruments"
+        )
+    return model
+
+
+def tracked_at_build(model: nn.Module, exclude: tuple[str, ...],
+                     instruments: Sequence[Instrument]) -> tuple[dict[str, Tensor], ShardedView | None]:
+    """The parameters a new Lens tracks (qualified name -> parameter) and, on a ``fully_shard``-ed
+    model, its :class:`~gradlens.fsdp.ShardedView` (the Lens then tracks the unsharded
+    parameters; None otherwise), checked: some are left after ``exclude``, the instruments are
+    allowed under FSDP2, none is on the meta device."""
+    params = tracked_parameters(model, exclude)
+    if not params:
+        raise ValueError("the model has no trainable parameters left to track after exclusions")
+    sharded = ShardedView.of(model)  # FSDP2 (fully_shard): gradlens/fsdp.py
+    if sharded is not None:
+        check_sharded_instruments(instruments)
+        params = sharded.unsharded(params)
+    check_not_meta(params)
+    return params, sharded
+
+
+def check_instruments(instruments: Sequence[Instrument]) -> list[Instrument]:
+    """``Lens(instruments=...)`` as a list of instrument instances that pass
+    :func:`~gradlens.instruments.base.check_instrument`, with distinct record keys none of which
+    the Lens writes itself."""
+    if isinstance(instruments, Instrument) or (isinstance(instruments, type) and issubclass(instruments, Instrument)):
+        name = instruments.__name__ if isinstance(instruments, type) else type(instruments).__name__
+        raise TypeError(
+            f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
+            f"list: Lens(model, [{name}()])"
+        )
+    if isinstance(instruments, (str, bytes)) or not isinstance(instruments, Iterable):
+        raise TypeError(
+            f"Lens(instruments=...) takes a list of instruments, got {instruments!r}; pass a "
+            "list, e.g. Lens(model, [BatchL2(), GradNorm()])"
+        )
+    instruments = list(instruments)
+    for inst in instruments:
+        if not isinstance(inst, Instrument):
+            raise TypeError(
+                f"instruments must be gradlens.instruments objects, got {inst!r}; "
+                "did you pass the class instead of an instance, e.g. BatchL2 instead of BatchL2()?"
+            )
+    for inst in instruments:
+        check_instrument(inst)  # what it declares: key, needs, flags, the methods they call
+    keys = [i.key for i in instruments]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise ValueError(f"two instruments write the same record key(s) {dupes}; keep one of each")
+    taken = [f"{type(i).__name__}.key={i.key!r}" for i in instruments if i.key in RESERVED_KEYS]
+    if taken:
+        raise ValueError(
+            f"{', '.join(taken)} is a record key the Lens writes itself (reserved: "
+            f"{list(RESERVED_KEYS)}); give the instrument another key, e.g. key = 'my_loss'"
+        )
+    return instruments
+
+
+def check_not_meta(params: dict[str, Tensor]) -> None:
+    """A model on the meta device has shapes without values: refused, with the fix."""
+    on_meta = [n for n, p in params.items() if p.is_meta]
+    if on_meta:
+        shown = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+        raise RuntimeError(
+            f"the model's parameters {shown} ({len(on_meta)} of {len(params)}) are on the meta "
+            "device (shapes without values); materialise them before building the Lens: "
+            "model.to_empty(device='cpu') then initialise them (e.g. each module's "
+            "reset_parameters()) or model.load_state_dict(weights)"
+        )
+
+
+def check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined) -> None:
+    """The Lens' schedule, optimizer, record, GradScaler and ``undefined`` arguments."""
+    if isinstance(every, bool) or not (callable(every) or (isinstance(every, int) and every >= 1)):
+        raise ValueError(f"every must be an int >= 1 or a callable step -> bool, got {every!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not isinstance(keep_records, (bool, int)) or (
+        not isinstance(keep_records, bool) and keep_records < 0
+    ):
+        raise ValueError(
+            f"keep_records must be True, False or an int >= 0 (keep the last n), got {keep_records!r}"
+        )
+    if log_mode not in ("resume", "append", "overwrite"):
+        raise ValueError(
+            f"log_mode must be 'resume', 'append' or 'overwrite', got {log_mode!r}"
+        )
+    if not isinstance(chunk_elements, int) or chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
+    if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+        raise TypeError(
+            f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+        )
+    if undefined not in ("error", "exclude"):
+        raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
+
+
+def check_sinks(sinks: Iterable[Any]) -> list[Any]:
+    """The ``sinks=`` argument of :class:`~gradlens.Lens` as a list; every entry must have
+    callable ``write(record)`` and ``close()`` (the sink protocol)."""
+    if sinks is None or isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable):
+        raise TypeError(
+            f"Lens(sinks=...) takes a list of sinks (objects with write(record) and close()), "
+            f"got {type(sinks).__name__} {sinks!r}"
+        )
+    out = list(sinks)
+    for sink in out:
+        missing = [m for m in ("write", "close") if not callable(getattr(sink, m, None))]
+        if missing:
+            raise TypeError(
+                f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(m + '()' for m in missing)}; "
+                "a sink is any object with write(record) and close() (see gradlens.sinks), e.g. "
+                "gradlens.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
+            )
+    return out

@@ -1,0 +1,134 @@
+"""When a Lens' tracked window is merged across ranks: ``Lens(merge="sync" | "deferred")``.
+
+:mod:`gradlens.distributed` merges a window (one all_reduce, plus one all_gather); this module
+keeps the Lens' bookkeeping of *when*: once per tracked window, at the real update that closes it.
+``merge="sync"`` waits for the collective there, so the window's record is complete at once.
+``merge="deferred"`` issues it there (what depends on ``p.grad`` is read before the update) and
+lets it run during the next window: the closed window waits *in flight* (its step, statistics,
+states and empty micro-steps) and gets its record when the next window closes, or at
+``flush()`` / ``close()`` / ``state_dict()``. Deferred merging is for instruments of the window
+gradient only, whose next window does not depend on the merged one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from gradlens.distributed import (
+    DDPGradRoute, MergeContext, Pending, check_ranks_agree, check_timeout, lens_fingerprint, merge_window,
+    merge_window_start,
+)
+from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
+
+__all__ = ["RankMerge", "check_merge"]
+
+
+def check_merge(merge: str, instruments: Sequence[Instrument], light: bool) -> None:
+    """``Lens(merge=...)``: "deferred" only for instruments of the window gradient (``light``)."""
+    if merge not in ("sync", "deferred"):
+        raise ValueError(f"merge must be 'sync' or 'deferred', got {merge!r}")
+    if merge == "deferred" and not light:
+        heavy = sorted({type(i).__name__ for i in instruments if set(i.needs) - LIGHT_QUANTITIES})
+        raise ValueError(
+            f"Lens(merge='deferred') is for instruments of the window gradient only (GradNorm, "
+            f"NoiseScaleTwoBatch); {heavy} need per-sample statistics whose next window depends "
+            "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
+        )
+
+
+class RankMerge:
+    """The merge schedule of one Lens (module docstring).
+
+    Args:
+        group: the process group (None: one process, nothing is merged).
+        merge: ``"sync"`` or ``"deferred"`` (checked with :func:`check_merge`).
+        timeout: seconds each collective waits (checked: :func:`gradlens.distributed.check_timeout`).
+        instruments: the Lens' instruments.
+        plan: their :class:`~gradlens.measure.Plan` (``light``: they read the window gradient
+            only; ``needs``: the quantities they need).
+
+    Attributes:
+        route: under DDP, when the instruments need ``grad_sum``: the
+            :class:`~gradlens.distributed.DDPGradRoute` that reads the global sum from DDP's
+            all-reduced ``p.grad`` when that is exact; else None.
+        done: the current window was merged (or its collective issued): once per window.
+        issued: ``merge="deferred"``: the current window's collective, issued and not finished.
+        inflight: ``(step, window, states, empty micro-steps, issued)`` of a closed window whose
+            collective still runs.
+        memo: the gathered shapes of the last merge (:func:`gradlens.distributed.exchange`).
+    """
+
+    def __init__(self, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument], plan: Any):
+        check_merge(merge, instruments, plan.light)
+        self.group = group
+        self.mode = merge
+        self.timeout = check_timeout(timeout)
+        self.route = (
+            DDPGradRoute(group, light=plan.light) if group is not None and "grad_sum" in plan.needs else None
+        )
+        self.done = False
+        self.issued: Pending | None = None
+        self.inflight: tuple | None = None
+        self.memo: dict = {}
+
+    def check_agree(self, instruments: Sequence[Instrument], every: Any, step: int, params: dict,
+                    groups: Any) -> None:
+        """Once, when the Lens is built under torch.distributed: every rank has the same
+        instruments and settings, schedule, merge mode, grouping and tracked parameters (one
+        small all_reduce; :func:`gradlens.distributed.check_ranks_agree`). Nothing otherwise."""
+        if self.group is None:
+            return
+        fingerprint = lens_fingerprint(instruments, every, step, self.mode, params)
+        if groups is not None:  # the parameters' grouping fixes the per-group layout
+            fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
+        check_ranks_agree(self.group, fingerprint, self.timeout)
+
+    def due(self, window: WindowStats | None) -> bool:
+        """Whether ``window`` (None: untracked) is still to be merged."""
+        return self.group is not None and window is not None and not self.done
+
+    def context(self, params: dict, sites: list, needs: frozenset, route: Any, step: int,
+                groups: tuple) -> MergeContext:
+        """The :class:`~gradlens.distributed.MergeContext` of the window ``step``."""
+        return MergeContext(params, sites, needs, route=route, memo=self.memo, timeout=self.timeout,
+                            step=step, groups=groups)
+
+    def merge(self, window: WindowStats, instruments: Sequence[Instrument], states: dict[int, Any],
+              ctx: MergeContext, defer: bool, first: Callable[[], Any]) -> tuple[WindowStats, dict[int, Any]]:
+        """Merge the window: ``(window, states)`` of all ranks. With ``merge="deferred"`` and
+        ``defer``, ``first()`` (the window in flight finishes first: collectives of a group run
+        in the order they were issued), then the window's collective is issued and ``(window,
+        states)`` come back unchanged; :meth:`hold` and :meth:`finish_inflight` do the rest."""
+        if self.mode == "deferred" and defer:
+            first()
+            self.issued = merge_window_start(window, instruments, states, self.group, ctx)
+        else:
+            window, states = merge_window(window, instruments, states, self.group, ctx)
+        self.done = True
+        return window, states
+
+    def hold(self, step: int, window: WindowStats | None, states: dict[int, Any], empty: int) -> bool:
+        """At the window's close: if its collective was issued, keep the window in flight (True);
+        its record comes from :meth:`finish_inflight`."""
+        if self.issued is None:
+            return False
+        self.inflight = (step, window, states, empty, self.issued)
+        self.issued = None
+        return True
+
+    def finish_inflight(self) -> tuple[int, WindowStats, dict[int, Any], int] | None:
+        """Wait for the window in flight: ``(step, window, states, empty)`` merged, or None."""
+        if self.inflight is None:
+            return None
+        step, window, states, empty, issued = self.inflight
+        self.inflight = None
+        window, states = issued.finish()
+        return step, window, states, empty
+
+    def drop_issued(self) -> None:
+        """A new window opens: a collective issued for a window dropped since is finished (every
+        rank waits for it; its result is not used). The opener sets ``done = False`` once the
+        new window is set up."""
+        if self.issued is not None:
+            self.issued.finish()
+            self.issued = None
