@@ -123,7 +123,9 @@ class Kernel:
     #: statistics), ``"other"`` (materialised per-sample slices)
     kind: ClassVar[str] = "other"
     #: ``batch_l2`` / ``sum_grad_squared`` / ``grad_sum`` (and ``reduce``) come from the layer's
-    #: factors without a ``[B, *param]`` tensor, so the Lens runs no materialising pass for them
+    #: factors without a ``[B, *param]`` tensor (or, for the norms' ``[B, C]``, from per-sample
+    #: gradients no larger than one row of activations per sample), so the Lens runs no
+    #: materialising pass over chunks of samples for them
     factored: ClassVar[bool] = False
     #: the layer's output mixes samples (batch statistics): the per-sample gradients of every
     #: parameter before it are undefined (the capture marks them)
@@ -547,6 +549,7 @@ class _LinearSums(Kernel):
         w, b = names.get("weight"), names.get("bias")
         x, d = self._flat(module, a, delta)
         out = []
+        b_l2 = True  # the bias' ||g_n||^2 still to add (not in the weight's Gram sum)
         if "sum_grad_squared" in want and w:
             n, shape = d.shape[0], tuple(module.weight.shape)
             numel = shape[0] * shape[1]
@@ -589,16 +592,27 @@ class _LinearSums(Kernel):
                     add_into(acc["grad_sum"], w, wsum)
         else:
             if "grad_sum" in want and w and ("grad_sum", "weight") not in skip:
-                _addmm_into(acc["grad_sum"], w, d.reshape(-1, d.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+                xf, df = x.reshape(-1, x.shape[-1]), d.reshape(-1, d.shape[-1])
+                _addmm_into(acc["grad_sum"], w, *((xf.t(), df) if transposed else (df.t(), xf)))
             if "batch_l2" in want and w:
-                out.append(self.batch_l2(module, a, delta)["weight"])
+                t = d.shape[1]
+                if 2 * t * t <= x.shape[-1] * d.shape[-1]:  # T x T Grams: ||g_n||^2 = <A A^T, D D^T>
+                    gd = torch.bmm(d, d.transpose(1, 2))
+                    gx = torch.bmm(x, x.transpose(1, 2))
+                    if b:  # + the bias: ||sum_t d_nt||^2 = 1^T D D^T 1, in the same sum
+                        out.append(gx.add_(1).mul_(gd).sum((1, 2)))
+                        b_l2 = False
+                    else:
+                        out.append(gx.mul_(gd).sum((1, 2)))
+                else:
+                    out.append(self.batch_l2(module, a, delta)["weight"])
         if b:
             db = d.sum(1)  # [B, O]: the bias gradient of each sample
             if "sum_grad_squared" in want:
                 add_into(acc["sum_grad_squared"], b, db.square().sum(0))
             if "grad_sum" in want and ("grad_sum", "bias") not in skip:
                 add_into(acc["grad_sum"], b, db.sum(0))
-            if "batch_l2" in want:
+            if "batch_l2" in want and b_l2:
                 out.append(db.square().sum(1))
         return out if "batch_l2" in want else []
 
@@ -1058,7 +1072,32 @@ class _NormKernel(Kernel):
     """Normalisation layers with an elementwise affine map ``y = x_hat * weight + bias``:
     g_n(weight) = sum over the non-parameter axes of ``delta_n * x_hat_n``, g_n(bias) = sum of
     ``delta_n``. ``x_hat`` is recomputed from the layer input (subclasses define it and where the
-    parameter axes are)."""
+    parameter axes are). The per-sample gradients are as small as one sample's normalised
+    features (``[B, C]``): the sums and norms come from them in one call (``factored``: no
+    materialising pass over chunks of samples)."""
+
+    factored = True
+
+    def reduce(self, module, a, delta, want, names, acc, skip=()):
+        g = self.per_sample(module, a, delta, 0, delta.shape[0], attrs=list(names))
+        for q in ("sum_grad_squared", "grad_sum"):
+            if q in want:
+                for attr, key in names.items():
+                    if (q, attr) not in skip:
+                        add_into(acc[q], key, g[attr].square().sum(0) if q == "sum_grad_squared" else g[attr].sum(0))
+        if "batch_l2" not in want:
+            return []
+        flat = [g[attr].flatten(1) for attr in names]
+        return [(torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)]
+
+    def batch_l2(self, module, a, delta):
+        return {attr: g.flatten(1).square().sum(1) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}
+
+    def sum_grad_squared(self, module, a, delta):
+        return {attr: g.square().sum(0) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}
+
+    def grad_sum(self, module, a, delta):
+        return {attr: g.sum(0) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}
 
     def x_hat(self, module, a: Tensor) -> Tensor:
         raise NotImplementedError
@@ -1190,9 +1229,10 @@ class TransposedLinearKernel(_LinearSums):
         return {"weight": (a, delta)} if got else {}
 
     def reduce(self, module, a, delta, want, names, acc, skip=()):
-        if delta.dim() != 2 and "sum_grad_squared" in want and names.get("weight"):
-            # one materialising pass in W's [d_in, d_out] layout gives the sum of squares, the
-            # norms and the sums (as nn.Linear's), not a transposed slice per quantity
+        if delta.dim() != 2:
+            # in W's [d_in, d_out] layout, as nn.Linear's: one materialising pass gives the sum
+            # of squares, the norms and the sums, not a transposed slice per quantity; without
+            # the sum of squares the norms come from T x T Grams
             return self._reduce_seq(module, a, delta, want, names, acc, skip, transposed=True)
         return Kernel.reduce(self, module, a, delta, want, names, acc, skip)
 

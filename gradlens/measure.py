@@ -405,7 +405,16 @@ class Meter:
             raise err
 
     def _begin_use(self, what: str, batch: int, forward: int) -> MicroStep | None:
-        """Checks at each use reaching backward; None: nothing to measure (an empty batch)."""
+        """Checks at each use reaching backward; None: nothing to measure (an empty batch).
+        What depends on the forward pass alone (consumed, axes, undefined parameters, the
+        reduction) is checked at the first use of each forward in the micro-step."""
+        micro = self.micro
+        if micro is not None and forward in micro.forwards and micro.end_watched and not micro.backward_done:
+            if micro.empty:
+                return None
+            if batch != micro.batch_size:
+                self._batch_mismatch(micro, batch, what)
+            return micro
         micro = self._in_backward(what)
         if micro is None:
             return None
@@ -429,12 +438,16 @@ class Meter:
         if micro.batch_size is None:
             micro.batch_size = batch
         elif batch != micro.batch_size:
-            raise RuntimeError(
-                f"the loss saw a batch of {micro.batch_size} but the model's input had {batch} "
-                f"samples (at {what!r}); gradlens needs the first dimension of the loss input and "
-                "of the model's first input to be the sample dimension"
-            )
+            self._batch_mismatch(micro, batch, what)
         return micro
+
+    @staticmethod
+    def _batch_mismatch(micro: MicroStep, batch: int, what: str) -> None:
+        raise RuntimeError(
+            f"the loss saw a batch of {micro.batch_size} but the model's input had {batch} "
+            f"samples (at {what!r}); gradlens needs the first dimension of the loss input and "
+            "of the model's first input to be the sample dimension"
+        )
 
     @staticmethod
     def _dtype(g: Tensor) -> torch.dtype:
@@ -616,24 +629,21 @@ class Meter:
                                   scale=scale)
             return
         self.sites[w.name] = w
-        kernel, module, needs, window = w.kernel, w.module, self.plan.needs, self.window
+        kernel, module, window = w.kernel, w.module, self.window
         per_sample = bool(self.plan.per_sample)
         # Quantities with a factor formula (Linear) never materialise; the rest come from the
         # per-sample pass when one runs anyway, else from the kernel's own reduction.
-        from_chunks = frozenset()
-        if not getattr(kernel, "factored", False):  # one materialising pass serves them all
-            from_chunks = self.use_sums
+        from_chunks = frozenset() if kernel.factored else self.use_sums  # one pass serves them all
         want = self.use_sums - from_chunks
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
             acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
             if weight_grad is not None:
                 acc["weight_grad"] = weight_grad
-            skip = {("grad_sum", attr) for attr in weight_via_node}
+            skip = {("grad_sum", attr) for attr in weight_via_node} if weight_via_node else ()
             for group, names in self._split(w.params, "batch_l2" in want):
-                l2 = kernel.reduce(module, a, delta, want, names, acc, skip)
-                if l2:
-                    self._add_l2(micro, sum(l2), group)
+                for l2 in kernel.reduce(module, a, delta, want, names, acc, skip):
+                    self._add_l2(micro, l2, group)
         for inst in self.plan.layer:
             if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
                 inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
