@@ -156,6 +156,14 @@ class Kernel:
         ]
         return torch.cat(parts)
 
+    def stack_key(self, module, attrs: tuple[str, ...]):
+        """What this kernel's per-sample maths of ``module`` depend on besides the shapes of the
+        input and output gradient (hashable), if uses of several modules with equal keys and
+        shapes may be measured as one call on their concatenated samples
+        (:mod:`gradlens.deferred`); None: never stacked (the default: maths that read the
+        module's own statistics, parameters or buffers)."""
+        return None
+
     def outer_factors(self, module, a, delta) -> dict[str, tuple[Tensor, Tensor]]:
         """Parameters whose per-sample gradient is the outer product ``delta_n a_n^T``:
         attribute -> (``delta [B, O]``, ``a [B, I]``). Empty for layers without that form."""
@@ -461,6 +469,9 @@ class _LinearSums(Kernel):
     def _flat(module, a, delta):
         b = delta.shape[0]
         return a.reshape(b, -1, a.shape[-1]), delta.reshape(b, -1, delta.shape[-1])
+
+    def stack_key(self, module, attrs):
+        return ()  # the norms read the input and output gradient only
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         attrs = self.params(module) if attrs is None else attrs
@@ -1134,6 +1145,9 @@ class LayerNormKernel(_NormKernel):
         # faster on the CPU than var_mean and three elementwise passes)
         return F.layer_norm(a, module.normalized_shape, None, None, module.eps)
 
+    def stack_key(self, module, attrs):
+        return (tuple(module.normalized_shape), module.eps)
+
 
 class RMSNormKernel(LayerNormKernel):
     """``nn.RMSNorm``: ``x * rsqrt(mean(x^2) + eps)`` over ``normalized_shape``."""
@@ -1154,6 +1168,9 @@ class _ChannelNormKernel(_NormKernel):
 
 class GroupNormKernel(_ChannelNormKernel):
     """``nn.GroupNorm``: statistics of each sample over each group of channels."""
+
+    def stack_key(self, module, attrs):
+        return (module.num_groups, module.eps)
 
     def x_hat(self, module, a):
         b = a.shape[0]

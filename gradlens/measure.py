@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradlens import ops
+from gradlens import deferred, ops
 from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
 from gradlens.groups import group_params
 from gradlens.sq_norms import sq_norm
-from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, OpLinear, add_into, sample_chunks
+from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, add_into, sample_chunks
 from gradlens.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
 
 __all__ = ["Plan", "Meter"]
@@ -147,6 +147,9 @@ class Meter:
             self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
         #: the sums the uses' measurement computes (decided once, not per use)
         self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
+        #: small uses may be stacked (gradlens.deferred): the plan wants only their norms
+        self._stacks = (not plan.per_sample and not plan.layer and "batch_l2" in self.use_sums
+                        and "sum_grad_squared" not in self.use_sums)
 
     # ------------------------------------------------------------------ hooks and parameters
     def install(self) -> None:
@@ -500,27 +503,29 @@ class Meter:
                     self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
                     via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
-                    self._measure(part, a, delta, micro, via, wg)
+                    if not (self._stacks and wg is None and self._stack(micro, part, a, delta, via)):
+                        self._measure(part, a, delta, micro, via, wg)
             if shared:
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
                     micro.linear_uses.append((part, a, delta))
                 else:
-                    self._add_shared(micro, part, a, delta)
+                    deferred.add_shared(micro, part, a, delta)
         finally:
             if grad_mode:
                 torch.set_grad_enabled(True)
         return None if slot is None else slot.value
 
-    def _add_shared(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
-        pending = [attr for attr, q in site.params.items() if q not in micro.shared]
-        got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=pending) if pending else {}
-        for attr, q in site.params.items():
-            if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
-                site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
-            else:  # owned: later uses add into it, and a, delta may be kept by other measurements
-                g = got[attr]
-                micro.shared[q] = g.clone() if _shares_storage(g, a) or _shares_storage(g, delta) else g
+    def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via) -> bool:
+        """Keep a single use to be measured with others like it at the micro-step's end
+        (:func:`gradlens.deferred.stack`): only its norms are wanted (its window gradient, if
+        wanted, comes from autograd)."""
+        if "grad_sum" in self.use_sums and not set(site.params) <= set(via):
+            return False
+        if not deferred.stack(micro, site, a, delta, self._split(site.params, True)):
+            return False
+        self.sites[site.name] = site
+        return True
 
     def on_op_use(self, use: OpUse, g: Tensor) -> None:
         """Backward reached an operation where parameters meet the batch: per-sample gradients
@@ -568,31 +573,7 @@ class Meter:
         """After backward: measure the shared parameters (sum over their uses) and check that
         every tracked parameter that received a gradient was measured."""
         with torch.no_grad():
-            groups: dict[tuple, list] = {}
-            for site, a, delta in micro.linear_uses:
-                groups.setdefault(tuple(sorted(site.params.items())), []).append((site, a, delta))
-            owners: dict[str, int] = {}
-            for key in groups:
-                for _, q in key:
-                    owners[q] = owners.get(q, 0) + 1
-            for key, uses in groups.items():
-                mixed = any(owners[q] > 1 or q in micro.shared for _, q in key)
-                if mixed:
-                    for site, a, delta in uses:
-                        self._add_shared(micro, site, a, delta)
-                    continue
-                site0 = uses[0][0]
-                b = uses[0][2].shape[0]
-                a = torch.cat([u[1].reshape(b, -1, u[1].shape[-1]) for u in uses], dim=1)
-                d = torch.cat([u[2].reshape(b, -1, u[2].shape[-1]) for u in uses], dim=1)
-                m = site0.module
-                attrs = tuple(attr for attr, _ in key)
-                stand_in = OpLinear(m.weight, getattr(m, "bias", None), attrs)
-                name = "+".join(q for _, q in key) + "#uses"
-                self._measure(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
-            for q, g in micro.shared.items():
-                self._measure_materialised(f"{q}#uses", q, g, micro)
-        micro.linear_uses, micro.shared = [], {}
+            deferred.measure(self, micro)
         if self.plan.light:
             return
         tap = self.tap
@@ -747,9 +728,3 @@ class Meter:
 
 #: dtypes measured as given (lower precisions are measured in float32)
 _MEASURED = (torch.float32, torch.float64)
-
-
-def _shares_storage(t: Tensor, other: Tensor) -> bool:
-    """Whether ``t`` is a view into ``other``'s memory (e.g. a 2-D Linear's per-sample bias
-    gradient, which is its output gradient itself)."""
-    return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()

@@ -48,6 +48,10 @@ class MicroStep:
     shared: dict[str, Tensor] = field(default_factory=dict)
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
+    #: small single uses kept to be measured together (:func:`gradlens.deferred.stack`): stack
+    #: key -> [(site, a, delta, group)], and their elements
+    stacked: dict = field(default_factory=dict)
+    stacked_elements: int = 0
     grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
     forwards: set[int] = field(default_factory=set)  # forward passes this backward reached
     backward_done: bool = False

@@ -1,0 +1,115 @@
+"""Uses measured when a micro-step's backward ends, not when their output gradient arrives.
+
+* **Shared parameters** (a tied embedding, a module called twice): g_n is the sum over the
+  parameter's uses, so each use's contribution is kept (:func:`add_shared`; Linear-like uses as
+  their factors, concatenated along positions when their parameters are used together) and
+  measured once the backward has passed them all.
+* **Small single uses, stacked** (:func:`stack`): when the plan asks only for per-sample norms
+  of a use (``batch_l2``; the window gradient delivered by autograd), uses whose kernel maths
+  depend on nothing but their shapes (:meth:`gradlens.kernels.Kernel.stack_key`: Linear,
+  Conv1D, LayerNorm, ...) are kept and measured together: their inputs and output gradients
+  concatenated along the sample axis are one call of the kernel with ``k * B`` "samples" (the
+  samples of a layer are independent, so each use's norms are its rows). On a model of many
+  small layers this replaces ``k`` calls, each a dozen small tensor operations, by one; only
+  uses of at most :data:`SMALL_USE` elements are kept, at most :data:`STACK_BUDGET` in all.
+
+:func:`measure` runs both at the end of the micro-step (:meth:`gradlens.measure.Meter.finish`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gradlens.capture import Site
+from gradlens.kernels import OpLinear
+from gradlens.units import MicroStep
+
+__all__ = ["SMALL_USE", "STACK_BUDGET", "add_shared", "measure", "stack"]
+
+#: largest use (elements of its input and output gradient) kept for stacking
+SMALL_USE = 1 << 17
+#: most elements of the uses one micro-step keeps for stacking (beyond: measured at once)
+STACK_BUDGET = 1 << 22
+
+
+def add_shared(micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
+    """Add a use of shared parameters into ``micro.shared`` (qualified name -> ``[B, *param]``
+    per-sample gradients summed over the uses so far)."""
+    pending = [attr for attr, q in site.params.items() if q not in micro.shared]
+    got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=pending) if pending else {}
+    for attr, q in site.params.items():
+        if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
+            site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
+        else:  # owned: later uses add into it, and a, delta may be kept by other measurements
+            g = got[attr]
+            micro.shared[q] = g.clone() if _shares_storage(g, a) or _shares_storage(g, delta) else g
+
+
+def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, split: list) -> bool:
+    """Keep a single use for :func:`measure` (True), if its kernel can stack it with others of
+    the same shapes and it fits; False: measure it now. ``split``: ``[(group, {attr: name})]``,
+    the use's parameters by group (``Lens(groups=...)``; one entry ``(None, ...)`` without)."""
+    size = a.numel() + delta.numel()
+    if size > SMALL_USE or micro.stacked_elements + size > STACK_BUDGET:
+        return False
+    key = site.kernel.stack_key(site.module, tuple(site.params))
+    if key is None:
+        return False
+    parts = tuple(tuple(names) for _, names in split)
+    key = (type(site.kernel), key, parts, a.shape[1:], delta.shape[1:], a.dtype, delta.dtype)
+    micro.stacked.setdefault(key, []).append((site, a, delta, split))
+    micro.stacked_elements += size
+    return True
+
+
+def measure(meter, micro: MicroStep) -> None:
+    """Measure what the micro-step kept: the stacked small uses (their ``[B]`` norms), then the
+    shared parameters (each one's g_n summed over its uses), through ``meter`` (the
+    :class:`gradlens.measure.Meter` whose micro-step ends)."""
+    acc = {"sum_grad_squared": meter.window.sum_grad_squared, "grad_sum": meter.window.grad_sum}  # (untouched)
+    for uses in micro.stacked.values():
+        site0, _, _, split0 = uses[0]
+        b, k = uses[0][2].shape[0], len(uses)
+        a = torch.cat([u[1] for u in uses]) if k > 1 else uses[0][1]
+        d = torch.cat([u[2] for u in uses]) if k > 1 else uses[0][2]
+        for j, (_, names) in enumerate(split0):  # the same attributes per group in every use
+            groups = {u[3][j][0] for u in uses}
+            for part in site0.kernel.reduce(site0.module, a, d, {"batch_l2"}, names, acc, ()):
+                rows = part.view(k, b)
+                if len(groups) == 1:
+                    meter._add_l2(micro, rows.sum(0) if k > 1 else rows[0], next(iter(groups)))
+                else:
+                    for i, u in enumerate(uses):
+                        meter._add_l2(micro, rows[i], u[3][j][0])
+    micro.stacked, micro.stacked_elements = {}, 0
+    linear: dict[tuple, list] = {}
+    for site, a, delta in micro.linear_uses:
+        linear.setdefault(tuple(sorted(site.params.items())), []).append((site, a, delta))
+    owners: dict[str, int] = {}
+    for key in linear:
+        for _, q in key:
+            owners[q] = owners.get(q, 0) + 1
+    for key, uses in linear.items():
+        if any(owners[q] > 1 or q in micro.shared for _, q in key):
+            for site, a, delta in uses:
+                add_shared(micro, site, a, delta)
+            continue
+        site0 = uses[0][0]
+        b = uses[0][2].shape[0]
+        a = torch.cat([u[1].reshape(b, -1, u[1].shape[-1]) for u in uses], dim=1)
+        d = torch.cat([u[2].reshape(b, -1, u[2].shape[-1]) for u in uses], dim=1)
+        m = site0.module
+        attrs = tuple(attr for attr, _ in key)
+        stand_in = OpLinear(m.weight, getattr(m, "bias", None), attrs)
+        name = "+".join(q for _, q in key) + "#uses"
+        meter._measure(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
+    for q, g in micro.shared.items():
+        meter._measure_materialised(f"{q}#uses", q, g, micro)
+    micro.linear_uses, micro.shared = [], {}
+
+
+def _shares_storage(t: Tensor, other: Tensor) -> bool:
+    """Whether ``t`` is a view into ``other``'s memory (e.g. a 2-D Linear's per-sample bias
+    gradient, which is its output gradient itself)."""
+    return t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()

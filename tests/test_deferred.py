@@ -1,0 +1,99 @@
+"""Small uses stacked at the end of a micro-step (gradlens.deferred): a plan that asks only for
+per-sample norms measures same-shaped Linear / LayerNorm / GroupNorm uses in one call on their
+concatenated samples. Each window's records equal the float64 oracle, with K unequal
+micro-steps, mean and sum losses, groups, a tied parameter, and a budget that stacks only some."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gradlens
+from gradlens import Lens, deferred
+from gradlens.instruments import BatchL2, GradNorm, NormTest
+from oracle import close, flat, per_sample
+
+N = 12
+SPLIT = [5, 1, 6]
+
+
+class Blocks(nn.Module):
+    """Three same-shaped blocks on [B, T, 8] (Linear, LayerNorm, GroupNorm over channels), a
+    2-D head of two same-shaped Linears, and a tied projection (a shared parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.lin = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.ln = nn.ModuleList(nn.LayerNorm(8) for _ in range(3))
+        self.gn = nn.ModuleList(nn.GroupNorm(2, 8) for _ in range(2))
+        self.h1, self.h2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):  # x [B, T, 5]
+        h = self.inp(x)
+        for lin, ln in zip(self.lin, self.ln):
+            h = ln(torch.tanh(lin(h)) + h)
+        for gn in self.gn:
+            h = gn(h.transpose(1, 2)).transpose(1, 2)
+        z = h.mean(1)
+        z = torch.tanh(self.h1(z)) + torch.tanh(self.h2(z))
+        z = z + torch.nn.functional.linear(z, self.h2.weight)  # h2.weight used twice: shared
+        return self.out(z)
+
+
+def _oracle(model, x, y, reduction):
+    def loss_one(out, yi):
+        return nn.functional.cross_entropy(out, yi)  # one sample: mean and sum agree
+    gs = per_sample(model, model.state_dict(), loss_one, x, y)
+    return gs
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("make", [lambda: [BatchL2()], lambda: [BatchL2(), GradNorm()], lambda: [NormTest()]],
+                         ids=["BatchL2", "BatchL2+GradNorm", "NormTest"])
+@pytest.mark.parametrize("groups", [None, "param", "module"])
+@pytest.mark.parametrize("budget", ["all", "some"])
+def test_stacked_norms_equal_the_oracle(make, reduction, groups, budget, monkeypatch):
+    torch.manual_seed(0)
+    base = Blocks().double()
+    x = torch.randn(N, 4, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (N,))
+    if budget == "some":  # room for about two uses: the others are measured at once
+        monkeypatch.setattr(deferred, "STACK_BUDGET", 2 * 12 * 4 * 16)
+    kept = []
+    real = deferred.stack
+    monkeypatch.setattr(deferred, "stack", lambda *a: kept.append(real(*a)) or kept[-1])
+
+    model = gradlens.extend(copy.deepcopy(base))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, make(), optimizer=opt, groups=groups)
+    for xs, ys in zip(x.split(SPLIT), y.split(SPLIT)):
+        loss = loss_fn(model(xs), ys)
+        with lens.capture():
+            loss.backward()
+    opt.step()
+    rec = lens.records[-1]
+    assert any(kept) and (budget == "all" or not all(kept))  # stacked (some measured at once)
+    assert len(kept) >= 3 * 9  # every micro-step offered its single uses (9 at least: GradNorm reads
+    # GroupNorm's window gradient from its uses)
+
+    gs = _oracle(base, x, y, reduction)
+    G = flat(gs)
+    l2 = G.square().sum(1)
+    if "batch_l2" in rec:
+        close(rec["batch_l2"], l2)
+    if "grad_norm" in rec:
+        g = G.mean(0) if reduction == "mean" else G.sum(0)
+        close(rec["grad_norm"], g.norm())
+    if "norm_test" in rec:
+        mean = G.mean(0)
+        tr = (l2.sum() - N * mean.square().sum()) / (N - 1)
+        close(rec["norm_test"], (tr / N).sqrt() / mean.norm())
+    if groups is not None and "batch_l2" in rec:
+        names = lens.groups
+        for group, params in names.items():
+            want = sum(gs[q].flatten(1).square().sum(1) for q in params)
+            close(rec.groups[group]["batch_l2"], want)
