@@ -1220,6 +1220,9 @@ class TransposedLinearKernel(_LinearSums):
     factors; the cross-micro-step maths from materialised slices (``kind = "other"``)."""
 
     class _AsLinear:
+        """The module as the ``nn.Linear`` of W^T: ``in_features``, ``out_features``, its
+        parameters."""
+
         def __init__(self, module):
             self.in_features, self.out_features = module.weight.shape
             self._m = module
@@ -1244,6 +1247,24 @@ class TransposedLinearKernel(_LinearSums):
     def outer_factors(self, module, a, delta):
         got = super().outer_factors(module, a, delta)
         return {"weight": (a, delta)} if got else {}
+
+    # ---- cross-micro-step maths: nn.Linear's factor forms on W^T (g_n . g_m does not depend
+    # on the layout; a direction's weight is transposed). The sketch keeps the per-attribute
+    # blocks of materialised slices (no matrix_dims): its random blocks follow W's own layout.
+    def directional(self, module, a, delta, direction, attrs):
+        D = dict(direction)
+        if "weight" in D:
+            D["weight"] = D["weight"].t()
+        return _LINEAR.directional(self._AsLinear(module), a, delta, D, attrs)
+
+    def gram(self, module, pieces, attrs):
+        return _LINEAR.gram(self._AsLinear(module), pieces, attrs)
+
+    def gram_materialises(self, module, a, delta):
+        return False  # T x T blocks or bounded row blocks, as nn.Linear's
+
+    def mean_via_gram(self, module, a, delta, n):
+        return _LINEAR.mean_via_gram(self._AsLinear(module), a, delta, n)
 
     def reduce(self, module, a, delta, want, names, acc, skip=()):
         if delta.dim() != 2:
@@ -1270,6 +1291,10 @@ class TransposedLinearKernel(_LinearSums):
         d = delta.reshape(-1, delta.shape[-1])
         out = {"weight": x.t() @ d, "bias": d.sum(0)}
         return {n: out[n] for n in self.params(module)}
+
+
+#: nn.Linear's maths, for layers that present themselves as one (TransposedLinearKernel)
+_LINEAR = LinearKernel()
 
 
 class OpLinear:
