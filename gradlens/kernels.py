@@ -1231,9 +1231,13 @@ class TransposedLinearKernel(_LinearSums):
             return self._m.named_parameters(recurse=False)
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
-        out = super().per_sample(self._AsLinear(module), a, delta, start, stop, attrs)
-        if "weight" in out:
-            out["weight"] = out["weight"].transpose(-1, -2)
+        attrs = self.params(module) if attrs is None else attrs
+        out = {}
+        x, d = self._flat(module, a[start:stop], delta[start:stop])
+        if "weight" in attrs:  # [b, d_in, d_out], contiguous in W's layout
+            out["weight"] = torch.bmm(x.transpose(1, 2), d) if delta.dim() != 2 else torch.einsum("ni,no->nio", a[start:stop], delta[start:stop])
+        if "bias" in attrs:
+            out["bias"] = d.sum(1) if delta.dim() != 2 else delta[start:stop]
         return out
 
     def entries(self, module, a, delta, attr, j):

@@ -612,9 +612,12 @@ class Meter:
         self.sites[w.name] = w
         kernel, module, window = w.kernel, w.module, self.window
         per_sample = bool(self.plan.per_sample)
-        # Quantities with a factor formula (Linear) never materialise; the rest come from the
-        # per-sample pass when one runs anyway, else from the kernel's own reduction.
-        from_chunks = frozenset() if kernel.factored else self.use_sums  # one pass serves them all
+        # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
+        factors = kernel.outer_factors(module, a, delta) if self.plan.exact else {}
+        # Quantities with a factor formula (Linear) never materialise, unless the per-sample pass
+        # runs anyway (exact per-sample instruments, no rank-one factors: a sequence layer's
+        # histogram); the rest come from that pass too: one pass serves them all.
+        from_chunks = self.use_sums if not kernel.factored or (self.plan.exact and not factors) else frozenset()
         want = self.use_sums - from_chunks
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
@@ -640,8 +643,6 @@ class Meter:
                 inst.update_sampled(micro.states[id(inst)], qname, self.tap.params[qname], draw,
                                     delta.shape[0])
                 done.add((id(inst), attr))
-        # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
-        factors = kernel.outer_factors(module, a, delta) if self.plan.exact else {}
         for attr, (d2, a2) in factors.items():
             if attr in w.params:
                 qname = w.params[attr]
