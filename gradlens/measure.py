@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradlens import deferred, ops
+from gradlens import deferred, ops, slices
 from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
 from gradlens.groups import group_params
 from gradlens.sq_norms import sq_norm
-from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, add_into, sample_chunks
+from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, add_into
 from gradlens.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
 
 __all__ = ["Plan", "Meter"]
@@ -656,49 +656,7 @@ class Meter:
         ]
         if not attrs:
             return
-        numel = sum(getattr(module, attr).numel() for attr in attrs)
-        l2_parts = []
-        of = self.group_of
-        # per group (Lens(groups=...)): this use's chunks of ||g_n||^2 over the group's parameters
-        group_parts: dict[str, list] = {}
-        # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
-        fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
-        wsum = delta.new_zeros(module.weight.shape) if fill else None
-        for s, e in sample_chunks(numel, delta.shape[0], self.chunk_elements):
-            chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
-            l2 = 0
-            if wsum is not None:
-                wsum.view(1, -1).addmm_(delta.new_ones(1, e - s), chunk["weight"].reshape(e - s, -1))
-            for attr in attrs:
-                gb = chunk[attr]
-                qname = w.params[attr]
-                param = self.tap.params[qname]
-                for inst in self.plan.per_sample:
-                    if (id(inst), attr) not in done:
-                        inst.update(micro.states[id(inst)], qname, param, gb)
-                sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
-                if "batch_l2" in from_chunks:
-                    part = sq.flatten(1).sum(1)
-                    l2 = l2 + part
-                    if of:
-                        chunks = group_parts.setdefault(of[qname], [])
-                        if len(chunks) > len(l2_parts):  # a second parameter of the same group
-                            chunks[-1] = chunks[-1] + part
-                        else:
-                            chunks.append(part)
-                if "sum_grad_squared" in from_chunks:
-                    add_into(window.sum_grad_squared, qname, sq.sum(0))
-                if "grad_sum" in from_chunks and attr not in weight_via_node:  # else from autograd
-                    add_into(window.grad_sum, qname, gb.sum(0))
-            if "batch_l2" in from_chunks:
-                l2_parts.append(l2)
-        if l2_parts:
-            self._add_l2(micro, torch.cat(l2_parts) if len(l2_parts) > 1 else l2_parts[0])
-            for group, chunks in group_parts.items():
-                self._add_group_l2(micro, torch.cat(chunks), group)
-        if wsum is not None:
-            holder, scale = weight_grad
-            holder.value = (wsum / scale).to(module.weight.dtype)
+        slices.measure(self, w, a, delta, micro, attrs, done, from_chunks, weight_via_node, weight_grad)
 
     def _split(self, names: dict[str, str], by_group: bool) -> list[tuple[str | None, dict[str, str]]]:
         """``[(group, names)]``: a use's parameters (attribute -> qualified name) by group, when
