@@ -25,7 +25,7 @@ from gradlens.capture import Site
 from gradlens.kernels import OpLinear
 from gradlens.units import MicroStep
 
-__all__ = ["SMALL_USE", "STACK_BUDGET", "add_shared", "measure", "stack"]
+__all__ = ["SMALL_USE", "STACK_BUDGET", "add_shared", "measure", "stack", "stack_key"]
 
 #: largest use (elements of its input and output gradient) kept for stacking
 SMALL_USE = 1 << 17
@@ -46,19 +46,25 @@ def add_shared(micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
             micro.shared[q] = g.clone() if _shares_storage(g, a) or _shares_storage(g, delta) else g
 
 
-def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, split: list) -> bool:
-    """Keep a single use for :func:`measure` (True), if its kernel can stack it with others of
-    the same shapes and it fits; False: measure it now. ``split``: ``[(group, {attr: name})]``,
-    the use's parameters by group (``Lens(groups=...)``; one entry ``(None, ...)`` without)."""
+def stack_key(site: Site, split: list) -> tuple | None:
+    """What stacking a use of ``site`` depends on besides its shapes (None: never stacked):
+    its kernel, :meth:`~gradlens.kernels.Kernel.stack_key`, and its parameters by group
+    (``split``: ``[(group, {attr: name})]``, one entry ``(None, ...)`` without groups)."""
+    key = site.kernel.stack_key(site.module, tuple(site.params))
+    if key is None:
+        return None
+    return (type(site.kernel), key, tuple(tuple(names) for _, names in split)), split
+
+
+def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple) -> bool:
+    """Keep a single use for :func:`measure` (True) if it fits; False: measure it now.
+    ``static``: its :func:`stack_key`."""
     size = a.numel() + delta.numel()
     if size > SMALL_USE or micro.stacked_elements + size > STACK_BUDGET:
         return False
-    key = site.kernel.stack_key(site.module, tuple(site.params))
-    if key is None:
-        return False
-    parts = tuple(tuple(names) for _, names in split)
-    key = (type(site.kernel), key, parts, a.shape[1:], delta.shape[1:], a.dtype, delta.dtype)
-    micro.stacked.setdefault(key, []).append((site, a, delta, split))
+    key, split = static
+    micro.stacked.setdefault((key, a.shape[1:], delta.shape[1:], a.dtype, delta.dtype), []).append(
+        (site, a, delta, split))
     micro.stacked_elements += size
     return True
 

@@ -184,7 +184,9 @@ class Meter:
                     self.grad_sq_hooks.install()
 
     def _set_groups(self, params: dict[str, nn.Parameter]) -> None:
-        """The groups of the tracked ``params`` under the plan's spec (:func:`group_params`)."""
+        """The groups of the tracked ``params`` under the plan's spec (:func:`group_params`);
+        the sites' stacking is worked out anew."""
+        self._stacking: dict[int, tuple] = {}
         self.groups = group_params(self.plan.groups, list(params))
         self.group_of = {q: g for g, qs in self.groups.items() for q in qs}
 
@@ -519,10 +521,16 @@ class Meter:
     def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via) -> bool:
         """Keep a single use to be measured with others like it at the micro-step's end
         (:func:`gradlens.deferred.stack`): only its norms are wanted (its window gradient, if
-        wanted, comes from autograd)."""
-        if "grad_sum" in self.use_sums and not set(site.params) <= set(via):
+        wanted, comes from autograd). What a site's stacking depends on besides shapes is
+        worked out once per site (a cache that a change of parameters or groups clears)."""
+        if "grad_sum" in self.use_sums and not (via and site.params.keys() <= via):
             return False
-        if not deferred.stack(micro, site, a, delta, self._split(site.params, True)):
+        got = self._stacking.get(id(site))
+        if got is None or got[0] is not site:
+            if len(self._stacking) > 4096:  # sites of functional calls are made per forward
+                self._stacking.clear()
+            got = self._stacking[id(site)] = (site, deferred.stack_key(site, self._split(site.params, True)))
+        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1]):
             return False
         self.sites[site.name] = site
         return True
