@@ -5,7 +5,9 @@ factors, the sums of layers without a factor formula), :func:`measure` forms the
 samples at a time (at most ``Meter.chunk_elements`` elements, :func:`gradlens.kernels.sample_chunks`)
 and hands each chunk to every per-sample instrument that still needs it; the same chunk's
 squares give the norms and the sum of squares, its sum the window gradient and a fused Linear
-call's dL/dW (:class:`gradlens.capture.WeightGrad`). Memory stays at one chunk.
+call's dL/dW (:class:`gradlens.capture.WeightGrad`). Memory stays at one chunk. On the CPU a
+chunk holds at most :data:`CPU_SLICE_ELEMENTS` (less where ``chunk_elements`` says so): the
+passes over it (binning, squares, sums) then read it from the cache, not from memory.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from gradlens.capture import Site
 from gradlens.kernels import add_into, sample_chunks
 from gradlens.units import MicroStep
 
-__all__ = ["measure"]
+__all__ = ["CPU_SLICE_ELEMENTS", "measure"]
+
+#: most elements of one chunk on the CPU (4 MB in float32: within a last-level cache). On the
+#: 2-core reference machine a narrow-range GradHist2d of a 256-512-512-10 MLP ran 20% faster
+#: with chunks of 2**20 than of 2**22 elements, and slower again with 2**18 (Python per chunk).
+CPU_SLICE_ELEMENTS = 1 << 20
 
 
 def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: list[str], done: set,
@@ -37,7 +44,8 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
     # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
     fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
     wsum = delta.new_zeros(module.weight.shape) if fill else None
-    for s, e in sample_chunks(numel, delta.shape[0], meter.chunk_elements):
+    budget = meter.chunk_elements if delta.device.type != "cpu" else min(meter.chunk_elements, CPU_SLICE_ELEMENTS)
+    for s, e in sample_chunks(numel, delta.shape[0], budget):
         chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)
         l2 = 0
         if wsum is not None:
