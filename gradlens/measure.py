@@ -330,7 +330,25 @@ class Meter:
         key = w.params.get(attr)
         if key is None or key not in self.tap.params or self.tap.uses[key] > 1:
             return
-        self._add_grad_sum(key, grad, micro.scale())
+        if grad.numel() <= _SMALL_GRAD:  # added with the micro-step's others (finish)
+            micro.grad_parts.append((key, grad))
+        else:
+            self._add_grad_sum(key, grad, micro.scale())
+
+    def _add_grad_parts(self, micro: MicroStep) -> None:
+        """The small dL/dp that :meth:`on_weight_grad` kept, into the window's ``grad_sum``, in
+        one pass (one no-grad context, one scale, no call per gradient)."""
+        parts, micro.grad_parts = micro.grad_parts, []
+        scale = micro.scale()
+        acc = self.window.grad_sum
+        with torch.no_grad():
+            for key, grad in parts:
+                if key not in acc:
+                    self._add_grad_sum(key, grad, scale)
+                elif isinstance(scale, Tensor):
+                    acc[key].addcmul_(grad, scale)
+                else:
+                    acc[key].add_(grad, alpha=scale)
 
     def _add_grad_sum(self, key: str, grad: Tensor, scale: float | Tensor) -> None:
         """``grad_sum[key] += scale * grad`` (a buffer of the pool on the first add)."""
@@ -582,6 +600,8 @@ class Meter:
         every tracked parameter that received a gradient was measured."""
         with torch.no_grad():
             deferred.measure(self, micro)
+        if micro.grad_parts:
+            self._add_grad_parts(micro)
         if self.plan.light:
             return
         tap = self.tap
@@ -692,6 +712,10 @@ class Meter:
         got = micro.group_l2
         l2 = l2.double()
         got[group] = l2 if group not in got else got[group] + l2
+
+#: largest dL/dp of one layer call kept until the micro-step's end (Meter.on_weight_grad): a
+#: kept gradient makes autograd copy it into a fresh p.grad (no stealing), so only small ones
+_SMALL_GRAD = 1 << 16
 
 #: dtypes measured as given (lower precisions are measured in float32)
 _MEASURED = (torch.float32, torch.float64)

@@ -52,6 +52,9 @@ class MicroStep:
     #: key -> [(site, a, delta, group)], and their elements
     stacked: dict = field(default_factory=dict)
     stacked_elements: int = 0
+    #: small dL/dp of single-use layer calls (qualified name, gradient), added into the window's
+    #: gradient sum at the micro-step's end (:meth:`gradlens.measure.Meter.on_weight_grad`)
+    grad_parts: list = field(default_factory=list)
     grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
     forwards: set[int] = field(default_factory=set)  # forward passes this backward reached
     backward_done: bool = False
