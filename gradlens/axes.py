@@ -36,6 +36,14 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var"
                "nansum", "nanmean", "argmax", "argmin", "all", "any", "median", "count_nonzero"}
 
 
+#: the names with a rule of their own in :func:`carry`; any other operation keeps the axis by
+#: :func:`_same` (an output of the data argument's shape keeps it where it is)
+_RULED = frozenset(
+    _RESHAPES | _SWAPS | _PERMUTES | _MOVES | _SPLITS | _CATS | _REDUCTIONS
+    | {"__get__", "rot90", "einsum", "__getitem__", "select", "narrow", "unbind", "stack"}
+)
+
+
 def _dim(d: int, nd: int) -> int:
     return d + nd if d < 0 else d
 
@@ -168,9 +176,13 @@ def _int_arg(args, kwargs, i, name, default=None):
 def carry(func, args: tuple, kwargs: dict, x: Tensor, ax: Any, outs: list[Tensor], batch: int) -> list[Any]:
     """The axis of each output of ``func(*args, **kwargs)``, ``x`` being its first data
     argument with axis ``ax``."""
-    name = getattr(func, "__name__", "")
     if ax is None or batch is None:
         return [None] * len(outs)
+    name = getattr(func, "__name__", "")
+    if name not in _RULED:  # the common case (elementwise, matmul, ...): what _same gives
+        shape = x.shape
+        if ax[0] < len(shape):
+            return [ax if o.shape == shape else _same(x, ax, o) for o in outs]
     nd = x.dim()
     try:
         if name in _RESHAPES and len(outs) == 1:

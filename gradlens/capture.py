@@ -516,49 +516,64 @@ class _UseMode(TorchFunctionMode):
         self.tap = tap
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         tap = self.tap
         if tap._skip or func in _METADATA:
-            return func(*args, **kwargs)
-        if func is F.linear and kwargs:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if not kwargs:
+            kwargs = {}
+        elif func is F.linear:
             full = list(args) + [None] * (3 - len(args))
             for i, k in enumerate(("input", "weight", "bias")):
                 if k in kwargs:
                     full[i] = kwargs[k]
             args, kwargs = tuple(full), {}
-        data = tap._data
-        derived = tap._derived
+        # one pass over the tensor arguments (a list argument's too, in order): data (its mark),
+        # a tracked parameter, a tensor derived from parameters only, or a tensor the mode did
+        # not see being made. The marks are read straight from their dicts (id -> (ref, value)).
+        data = tap._data._d
+        derived = tap._derived._d
         pid = tap._pid
         is_data = False
         first = None  # (the first data argument, its sample axis)
         tracked = []
-        for pos, x in _tensors(args):
-            if x in data:
-                is_data = True
-                if first is None:
-                    first = (x, data[x])
-                continue
-            q = pid.get(id(x))
-            if q is not None and x is tap.params[q]:
-                tracked.append((pos, x, frozenset((q,))))
+        for i, x in enumerate(args):
+            if isinstance(x, Tensor):
+                items = ((i, x),)
+            elif isinstance(x, (list, tuple)) and x:
+                items = [((i, j), y) for j, y in enumerate(x) if isinstance(y, Tensor)]
             else:
-                d = derived.get(x)
-                if d:
-                    tracked.append((pos, x, d))
+                continue
+            for pos, x in items:
+                e = data.get(id(x))
+                if e is not None and e[0]() is x:
+                    is_data = True
+                    if first is None:
+                        first = (x, e[1])
+                    continue
+                q = pid.get(id(x))
+                if q is not None and x is tap.params[q]:
+                    tracked.append((pos, x, frozenset((q,))))
+                    continue
+                e = derived.get(id(x))
+                if e is not None and e[0]() is x and e[1]:
+                    tracked.append((pos, x, e[1]))
                 elif x.requires_grad and not isinstance(x, nn.Parameter):
                     is_data = True  # computed by something the mode did not see (a custom kernel)
         for k, x in kwargs.items():
             if isinstance(x, Tensor):
-                if x in data:
+                e = data.get(id(x))
+                if e is not None and e[0]() is x:
                     is_data = True
                     if first is None:
-                        first = (x, data[x])
+                        first = (x, e[1])
                     continue
                 q = pid.get(id(x))
                 if q is not None and x is tap.params[q]:
                     tracked.append((k, x, frozenset((q,))))
-                elif derived.get(x):
-                    tracked.append((k, x, derived[x]))
+                    continue
+                e = derived.get(id(x))
+                if e is not None and e[0]() is x and e[1]:
+                    tracked.append((k, x, e[1]))
                 elif x.requires_grad and not isinstance(x, nn.Parameter):
                     is_data = True
         if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
@@ -582,10 +597,10 @@ class _UseMode(TorchFunctionMode):
             names = frozenset().union(*(t[2] for t in tracked))
             for o in _outputs(out):
                 if o.requires_grad:
-                    derived[o] = names
+                    tap._derived[o] = names
             return out
         if ops.is_inplace(func):  # keep the inputs as they were for the per-sample rule
-            saved = tuple(a.clone() if isinstance(a, Tensor) and a in data else a for a in args)
+            saved = tuple(a.clone() if isinstance(a, Tensor) and a in tap._data else a for a in args)
         else:
             saved = args
         out = func(*args, **kwargs)
@@ -625,7 +640,12 @@ class Tap:
         self._hint = _hints(model)
         self._mode = _UseMode(self)
         self._mode_depth = 0
+        #: how deep the forward is inside closed-form sites: their inner calls are theirs
         self._skip = 0
+        #: the outermost site being run took the mode off the torch-function stack (it was the
+        #: innermost mode): its inner calls and the site hooks' own bookkeeping then pay no
+        #: dispatch; its post-hook puts the mode back
+        self._mode_out = False
         self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _pre)
         self._batch: int | None = None
         self._batch_dim = declared_batch_dim(model)
@@ -747,9 +767,11 @@ class Tap:
         for mod in self._replaced:
             mod.__dict__.pop("forward", None)
         self._replaced = []
-        while self._mode_depth:
-            self._mode_depth -= 1
-            self._mode.__exit__(None, None, None)
+        if self._mode_depth:  # removed inside a tracked forward: the mode is on the stack once
+            self._mode_depth = 0
+            if not self._mode_out:
+                self._mode.__exit__(None, None, None)
+        self._mode_out = False
         self._skip = 0
         self._hooks_gen += 1  # hooks made before this removal do nothing if torch still runs them
 
@@ -781,7 +803,10 @@ class Tap:
         if self._mode_depth:
             self._mode_depth -= 1
             if self._mode_depth == 0:
-                self._mode.__exit__(None, None, None)
+                if self._mode_out:  # (not reached: a site's post-hook always puts it back)
+                    self._mode_out = False
+                else:
+                    self._mode.__exit__(None, None, None)
                 outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
                 data = self._data
                 self.output_nodes = {
@@ -799,6 +824,9 @@ class Tap:
             if declared is not None and self._mode_depth and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
             if site and self._mode_depth:
+                if not self._skip and compat.top_function_mode() is self._mode:
+                    self._mode.__exit__(None, None, None)  # back in the site's post-hook
+                    self._mode_out = True
                 self._skip += 1
             return None
 
@@ -846,7 +874,7 @@ class Tap:
 
     def _carry(self, func, args, kwargs, first, out) -> None:
         """Every output of a data operation is data, with the sample axis its rule gives."""
-        outs = _outputs(out)
+        outs = [out] if isinstance(out, Tensor) else _outputs(out)
         if first is None:
             axs = [None] * len(outs)
         else:
@@ -896,10 +924,18 @@ class Tap:
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
 
         def post(module, args, output):
-            nonlocal site
             if not self._mode_depth:
                 return None
             self._skip -= 1
+            try:
+                return use(module, args, output)
+            finally:
+                if self._mode_out and not self._skip:  # the outermost site: the mode back on
+                    self._mode_out = False
+                    self._mode.__enter__()
+
+        def use(module, args, output):
+            nonlocal site
             if not (torch.is_grad_enabled() and isinstance(output, Tensor) and args and isinstance(args[0], Tensor)):
                 return None
             kernel = kernel_for(module) if stateful else None

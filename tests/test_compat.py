@@ -135,6 +135,31 @@ def test_no_torch_function():
     _check("no_torch_function", inside.requires_grad and outside.requires_grad, "results lost their autograd graph")
 
 
+def test_top_function_mode():
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append((self, compat.top_function_mode()))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    outer, inner = Mode(), Mode()
+    with _entry("top_function_mode"):
+        before = compat.top_function_mode()
+        with outer:
+            in_outer = compat.top_function_mode()
+            with inner:
+                in_inner = compat.top_function_mode()
+                torch.ones(1) + 1  # inner's __torch_function__ runs with inner popped
+            after_inner = compat.top_function_mode()
+        after = compat.top_function_mode()
+    _check("top_function_mode", before is None and after is None, f"outside any mode it gave {before!r}, {after!r}")
+    _check("top_function_mode", in_outer is outer and after_inner is outer, "not the one mode entered")
+    _check("top_function_mode", in_inner is inner, "not the innermost of two modes")
+    below = {inner: outer, outer: None}
+    _check("top_function_mode", seen and all(top is below[m] for m, top in seen),
+           f"inside a mode's own __torch_function__ it gave {seen!r} (expected the mode below it)")
+
+
 def test_storage_use_count():
     t = torch.empty(6)
     with _entry("storage_use_count"):
