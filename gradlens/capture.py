@@ -447,26 +447,23 @@ def _hints(model: nn.Module) -> dict[int, int]:
     return out
 
 
-class _MarkRef(weakref.ref):
-    __slots__ = ("key",)
-
-
 class _TensorMarks:
-    """Tensor -> value for live tensors, keyed by identity; an entry goes when its tensor is
-    freed. What ``torch.utils.weak.WeakIdKeyDictionary`` does, at a fraction of its per-lookup
-    Python cost (the forward's mode looks up every tensor argument of every torch call)."""
+    """Tensor -> value for live tensors, keyed by identity. What
+    ``torch.utils.weak.WeakIdKeyDictionary`` does, at a fraction of its per-lookup Python cost
+    (the forward's mode looks up every tensor argument of every torch call).
 
-    __slots__ = ("_d", "_gone")
+    ``_d`` maps ``id(x)`` to ``(weakref.ref(x), value)``; an entry counts only while its
+    reference still gives ``x`` (a freed tensor's id may be reused by a new tensor: its entry
+    then no longer matches). The references carry no callback (CPython shares one such
+    reference per tensor, and a freed tensor runs no Python): entries of freed tensors are
+    dropped by :meth:`sweep` (at the end of each tracked forward, and whenever the dict has
+    doubled since the last sweep). The mode reads and writes ``_d`` directly, the same way."""
+
+    __slots__ = ("_d", "_limit")
 
     def __init__(self):
-        d: dict[int, tuple[_MarkRef, Any]] = {}
-
-        def gone(ref: _MarkRef) -> None:  # the tensor was freed: drop its entry, not a newer one
-            e = d.get(ref.key)
-            if e is not None and e[0] is ref:
-                del d[ref.key]
-
-        self._d, self._gone = d, gone
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+        self._limit = 1024
 
     def get(self, x: Tensor, default: Any = None) -> Any:
         e = self._d.get(id(x))
@@ -483,17 +480,24 @@ class _TensorMarks:
         return e[1]
 
     def __setitem__(self, x: Tensor, value: Any) -> None:
-        key = id(x)
-        e = self._d.get(key)
-        if e is not None and e[0]() is x:
-            self._d[key] = (e[0], value)
-            return
-        ref = _MarkRef(x, self._gone)
-        ref.key = key
-        self._d[key] = (ref, value)
+        d = self._d
+        d[id(x)] = (_ref(x), value)
+        if len(d) > self._limit:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the entries of freed tensors."""
+        d = self._d
+        dead = [k for k, e in d.items() if e[0]() is None]
+        for k in dead:
+            del d[k]
+        self._limit = max(1024, 2 * len(d))
 
     def __len__(self) -> int:
-        return len(self._d)
+        return sum(1 for e in self._d.values() if e[0]() is not None)
+
+
+_ref = weakref.ref
 
 
 #: torch calls that only read a tensor's metadata (they return no tensor): the mode passes
@@ -529,53 +533,60 @@ class _UseMode(TorchFunctionMode):
             args, kwargs = tuple(full), {}
         # one pass over the tensor arguments (a list argument's too, in order): data (its mark),
         # a tracked parameter, a tensor derived from parameters only, or a tensor the mode did
-        # not see being made. The marks are read straight from their dicts (id -> (ref, value)).
-        data = tap._data._d
-        derived = tap._derived._d
-        pid = tap._pid
+        # not see being made. The marks are read straight from their dict (see _TensorMarks).
+        marks = tap._data
+        data = marks._d
         is_data = False
         first = None  # (the first data argument, its sample axis)
-        tracked = []
+        tracked = None
         for i, x in enumerate(args):
             if isinstance(x, Tensor):
+                e = data.get(id(x))
+                if e is not None and e[0]() is x:
+                    if first is None:
+                        first = (x, e[1])
+                        is_data = True
+                    continue
                 items = ((i, x),)
             elif isinstance(x, (list, tuple)) and x:
-                items = [((i, j), y) for j, y in enumerate(x) if isinstance(y, Tensor)]
+                items = []
+                for j, y in enumerate(x):
+                    if isinstance(y, Tensor):
+                        e = data.get(id(y))
+                        if e is not None and e[0]() is y:
+                            if first is None:
+                                first = (y, e[1])
+                                is_data = True
+                        else:
+                            items.append(((i, j), y))
             else:
                 continue
-            for pos, x in items:
-                e = data.get(id(x))
-                if e is not None and e[0]() is x:
+            for pos, y in items:
+                got = tap._not_data(pos, y)
+                if got is True:
                     is_data = True
-                    if first is None:
-                        first = (x, e[1])
-                    continue
-                q = pid.get(id(x))
-                if q is not None and x is tap.params[q]:
-                    tracked.append((pos, x, frozenset((q,))))
-                    continue
-                e = derived.get(id(x))
-                if e is not None and e[0]() is x and e[1]:
-                    tracked.append((pos, x, e[1]))
-                elif x.requires_grad and not isinstance(x, nn.Parameter):
-                    is_data = True  # computed by something the mode did not see (a custom kernel)
-        for k, x in kwargs.items():
-            if isinstance(x, Tensor):
-                e = data.get(id(x))
-                if e is not None and e[0]() is x:
-                    is_data = True
-                    if first is None:
-                        first = (x, e[1])
-                    continue
-                q = pid.get(id(x))
-                if q is not None and x is tap.params[q]:
-                    tracked.append((k, x, frozenset((q,))))
-                    continue
-                e = derived.get(id(x))
-                if e is not None and e[0]() is x and e[1]:
-                    tracked.append((k, x, e[1]))
-                elif x.requires_grad and not isinstance(x, nn.Parameter):
-                    is_data = True
+                elif got is not None:
+                    if tracked is None:
+                        tracked = [got]
+                    else:
+                        tracked.append(got)
+        if kwargs:
+            for k, x in kwargs.items():
+                if isinstance(x, Tensor):
+                    e = data.get(id(x))
+                    if e is not None and e[0]() is x:
+                        if first is None:
+                            first = (x, e[1])
+                            is_data = True
+                        continue
+                    got = tap._not_data(k, x)
+                    if got is True:
+                        is_data = True
+                    elif got is not None:
+                        if tracked is None:
+                            tracked = [got]
+                        else:
+                            tracked.append(got)
         if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
             out = func(*args, **kwargs)
             if is_data:
@@ -585,10 +596,20 @@ class _UseMode(TorchFunctionMode):
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
             if training or args[1] is None:
                 tap._taint_before(args[0], "F.batch_norm (batch statistics)")
-        if not tracked:
+        if tracked is None:
             out = func(*args, **kwargs)
             if is_data:
-                tap._carry(func, args, kwargs, first, out)
+                # the common case inline: one output of the data argument's shape, by an
+                # operation without an axis rule of its own (axes.carry would keep the axis)
+                ax = first[1] if first is not None else None
+                if (ax is not None and isinstance(out, Tensor) and tap._batch is not None
+                        and getattr(func, "__name__", "") not in axes.RULED
+                        and out.shape == first[0].shape and ax[0] < out.dim()):
+                    data[id(out)] = (_ref(out), ax)
+                    if len(data) > marks._limit:
+                        marks.sweep()
+                else:
+                    tap._carry(func, args, kwargs, first, out)
                 if func in _LOSS_FUNCTIONS:
                     _note_functional_loss(func, kwargs, out, tap._batch)
             return out
@@ -600,7 +621,7 @@ class _UseMode(TorchFunctionMode):
                     tap._derived[o] = names
             return out
         if ops.is_inplace(func):  # keep the inputs as they were for the per-sample rule
-            saved = tuple(a.clone() if isinstance(a, Tensor) and a in tap._data else a for a in args)
+            saved = tuple(a.clone() if isinstance(a, Tensor) and a in marks else a for a in args)
         else:
             saved = args
         out = func(*args, **kwargs)
@@ -677,6 +698,7 @@ class Tap:
         self.remove()
         self.params = dict(params)
         self._pid = {id(p): q for q, p in self.params.items()}
+        self._single = {q: frozenset((q,)) for q in self.params}
         self.sites: dict[int, tuple[nn.Module, Site | None]] = {}
         self._names = {id(m): n for n, m in self.model.named_modules()}
         for name, mod in self.model.named_modules():
@@ -872,6 +894,21 @@ class Tap:
                 f"{want} of its input {tuple(x.shape)}, but the model's input put them on dim {ax[0]}"
             )
 
+    def _not_data(self, pos, x: Tensor):
+        """A tensor argument without a data mark, at ``pos``: ``(pos, x, names)`` for a tracked
+        parameter or a tensor derived from parameters only, True for a tensor that requires
+        grad without either (computed by something the mode did not see, e.g. a custom kernel:
+        data), else None (a constant)."""
+        q = self._pid.get(id(x))
+        if q is not None and x is self.params[q]:
+            return (pos, x, self._single[q])
+        e = self._derived._d.get(id(x))
+        if e is not None and e[0]() is x and e[1]:
+            return (pos, x, e[1])
+        if x.requires_grad and not isinstance(x, nn.Parameter):
+            return True
+        return None
+
     def _carry(self, func, args, kwargs, first, out) -> None:
         """Every output of a data operation is data, with the sample axis its rule gives."""
         outs = [out] if isinstance(out, Tensor) else _outputs(out)
@@ -934,27 +971,33 @@ class Tap:
                     self._mode_out = False
                     self._mode.__enter__()
 
+        is_embedding = isinstance(mod, nn.Embedding)
+        data = self._data
+
         def use(module, args, output):
             nonlocal site
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and args and isinstance(args[0], Tensor)):
+            if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
                 return None
             kernel = kernel_for(module) if stateful else None
             if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
                 site = Site(site.name, module, kernel, site.params)
-            mixes = getattr(kernel, "mixes_samples", False)
             a = args[0]
-            if not self._is_data(a):
+            e = data._d.get(id(a))
+            if e is not None and e[0]() is a and e[1] is not None:
+                ax = e[1]  # data, with the axis carried to it
+            elif self._is_data(a):
+                ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
+            else:
                 if site is not None and output.requires_grad:
                     names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
                     self._derived[output] = names
                 elif a in self._derived and output.requires_grad:
                     self._derived[output] = self._derived[a]
                 return None
-            ax = self.axis_of(a)
-            if isinstance(module, nn.Embedding) and a.dim() <= 1 and ax is None:
+            if is_embedding and ax is None and a.dim() <= 1:
                 ax = (0, 1)  # ids [B]: one id per sample
-            self._data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
-            if mixes:
+            data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
+            if getattr(kernel, "mixes_samples", False):
                 self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
             if site is None or not output.requires_grad:
                 return None
@@ -967,9 +1010,10 @@ class Tap:
                 )
                 return None
             ax, factor = ax
+            uses = self.uses
             for q in site.params.values():
-                self.uses[q] += 1
-            a_b = _batch_first(a, ax, factor, batch)
+                uses[q] += 1
+            a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
             via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
             if routed and self.on_weight_grad is not None:
                 with compat.no_torch_function():
@@ -978,14 +1022,16 @@ class Tap:
             wg = getattr(output, "_gradlens_weight_grad", None)
             if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
-                def fused_hook(g):
+                def hook(g):
                     wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
 
-                with compat.no_torch_function():  # bookkeeping, not a call of the forward
-                    output.register_hook(fused_hook)
-                return None
-            with compat.no_torch_function():
-                output.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid))
+            else:
+
+                def hook(g):
+                    return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
+
+            with compat.no_torch_function():  # bookkeeping, not a call of the forward
+                compat.add_tensor_hook(output, hook)
             return None
 
         return post
@@ -1030,7 +1076,7 @@ class Tap:
                     self.uses[q] += 1
                 a_b = _batch_first(args[0], ax, factor, batch)
                 on_use, fid = self.on_use, self.forward_id
-                out.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
+                compat.add_tensor_hook(out, lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
                 return
         detached = tuple(
             a.detach() if isinstance(a, Tensor) else
@@ -1043,7 +1089,7 @@ class Tap:
             for q in names:
                 self.uses[q] += 1
         on_op_use = self.on_op_use
-        out.register_hook(lambda g: on_op_use(use, g))
+        compat.add_tensor_hook(out, lambda g: on_op_use(use, g))
 
     def _taint_before(self, x: Tensor, layer: str) -> None:
         """Every tracked parameter whose output reaches ``x`` (the input of a layer that mixes
