@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradlens import axes, compat, ops
 from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
-from gradlens.registry import forward_for, kernel_for
+from gradlens.registry import elementwise, forward_for, kernel_for
 
 __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
 
@@ -759,6 +759,9 @@ class Tap:
                     and "weight" in entry[1].params and "forward" not in mod.__dict__:
                 mod.forward = _TrackedForward(_fused_linear_forward, mod, self)
                 self._replaced.append(mod)
+            elif not site_mod and elementwise(mod) and "forward" not in mod.__dict__:
+                mod.forward = _TrackedForward(_elementwise_forward, mod, self)
+                self._replaced.append(mod)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
         for q, p in self.params.items():
@@ -893,6 +896,23 @@ class Tap:
                 x, f"{self.name_of(module)!r} ({type(module).__name__}, {what}) takes its samples on dim "
                 f"{want} of its input {tuple(x.shape)}, but the model's input put them on dim {ax[0]}"
             )
+
+    def _unary(self, x: Tensor, out: Any) -> None:
+        """The marks the mode gives ``out``, computed from ``x`` alone by elementwise operations
+        (an output of ``x``'s shape; see :func:`_elementwise_forward`): ``x``'s sample axis if
+        ``x`` is data (None for data the mode did not see made), its names if ``x`` is a
+        tracked parameter or derived from parameters only (with grad enabled), else nothing."""
+        if not isinstance(out, Tensor):
+            return
+        e = self._data._d.get(id(x))
+        if e is not None and e[0]() is x:
+            self._data[out] = e[1] if out.shape == x.shape else None
+            return
+        got = self._not_data(0, x)
+        if got is True:
+            self._data[out] = None
+        elif got is not None and torch.is_grad_enabled() and out.requires_grad:
+            self._derived[out] = got[2]
 
     def _not_data(self, pos, x: Tensor):
         """A tensor argument without a data mark, at ``pos``: ``(pos, x, names)`` for a tracked
@@ -1344,6 +1364,29 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
         out._gradlens_weight_grad = holder
         return out
     return F.linear(x, module.weight, module.bias)
+
+
+def _elementwise_forward(module: nn.Module, tap: "Tap", *args, **kwargs):
+    """The forward of a parameter-free elementwise module (:func:`gradlens.registry.elementwise`:
+    dropout, activations) during tracked windows: its own forward, run with the mode off the
+    torch-function stack when the mode is the innermost one (back on after it, also on an
+    exception); its output then takes the marks that following its operations one by one
+    gives (:meth:`Tap._unary`). Hooks of the module run as usual (the mode on)."""
+    fwd = type(module).forward
+    if (kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or not tap._mode_depth or tap._skip
+            or tap._mode_out or compat.top_function_mode() is not tap._mode):
+        return fwd(module, *args, **kwargs)
+    x = args[0]
+    tap._mode.__exit__(None, None, None)
+    tap._mode_out = True
+    try:
+        out = fwd(module, x)
+        tap._unary(x, out)  # (with the mode off: its metadata reads are not calls of the forward)
+    finally:
+        if tap._mode_out:  # (unless the Tap was removed meanwhile)
+            tap._mode_out = False
+            tap._mode.__enter__()
+    return out
 
 
 #: autograd nodes of one-call layer forwards whose inputs include the layer's parameters

@@ -116,6 +116,32 @@ def forward_for(module: nn.Module) -> Callable | None:
     return got[0] if got else None
 
 
+#: parameter-free modules whose forward is elementwise in its one tensor argument (dropout,
+#: activations), by class or dotted name, exact class only: during tracked windows the mode
+#: steps aside for their forward and the output takes the input's sample axis (or its derived
+#: names): what following their operations one by one gives, without the calls. Not part of
+#: :func:`supported_layers` (their outputs are captured as before; only cheaper).
+_ELEMENTWISE: frozenset = frozenset(
+    [nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish,
+     nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+     nn.LogSigmoid, nn.Hardshrink, nn.Softshrink, nn.Threshold]
+    + [f"transformers.activations.{n}" for n in (
+        "GELUTanh", "NewGELUActivation", "GELUActivation", "SiLUActivation", "FastGELUActivation",
+        "QuickGELUActivation", "ClippedGELUActivation", "AccurateGELUActivation", "MishActivation",
+        "ReLUSquaredActivation", "SqrtSoftplusActivation", "PytorchGELUTanh")]
+)
+
+
+def elementwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a parameter-free elementwise module of :data:`_ELEMENTWISE` (its
+    exact class; no parameters of its own)."""
+    cls = type(module)
+    if cls not in _ELEMENTWISE and _qualname(cls) not in _ELEMENTWISE:
+        return False
+    return next(module.parameters(), None) is None
+
+
 def _display(key: type | str) -> str:
     if isinstance(key, str):
         return key
