@@ -96,16 +96,15 @@ def _same(x: Tensor, ax: Any, o: Tensor) -> Any:
     if ax is None:
         return None
     a, f = ax
-    size = x.shape[a]
-    cands = set()
-    if a < o.dim() and o.shape[a] == size:
-        cands.add(a)
-    r = a - x.dim() + o.dim()
-    if 0 <= r < o.dim() and o.shape[r] == size:
-        cands.add(r)
-    if len(cands) != 1:
-        return None
-    return (cands.pop(), f)
+    xs, os_ = x.shape, o.shape
+    size = xs[a]
+    no = len(os_)
+    left = a < no and os_[a] == size  # the same position from the left
+    r = a - len(xs) + no
+    right = 0 <= r < no and os_[r] == size  # from the right
+    if left:
+        return (a, f) if not right or r == a else None  # two positions: ambiguous
+    return (r, f) if right else None
 
 
 def _index(x: Tensor, ax: Any, idx: Any, o: Tensor) -> Any:
@@ -114,9 +113,12 @@ def _index(x: Tensor, ax: Any, idx: Any, o: Tensor) -> Any:
     it unambiguously)."""
     a, f = ax
     idx = idx if isinstance(idx, tuple) else (idx,)
-    if any(isinstance(i, (Tensor, list)) for i in idx):
-        return _same(x, ax, o)
-    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    n_real = 0
+    for i in idx:
+        if isinstance(i, (Tensor, list)):  # advanced indexing
+            return _same(x, ax, o)
+        if i is not None and i is not Ellipsis:
+            n_real += 1
     pos_in = pos_out = 0
     for i in idx:
         if i is Ellipsis:
@@ -174,9 +176,14 @@ def _int_arg(args, kwargs, i, name, default=None):
 
 
 def _reshape_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
-    if len(outs) == 1:
-        return [reshaped(tuple(x.shape), tuple(outs[0].shape), ax, batch)]
-    return None
+    if len(outs) != 1:
+        return None
+    old, new = x.shape, outs[0].shape
+    a = ax[0]
+    if (a < len(old) and old[:a + 1] == new[:a + 1] and old[a] == batch * ax[1] and 0 not in old
+            and math.prod(old) == math.prod(new)):
+        return [ax]  # what reshaped() gives first, without the call
+    return [reshaped(old, new, ax, batch)]
 
 
 def _swap_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
@@ -185,8 +192,10 @@ def _swap_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
     if name in ("t", "t_"):
         d0, d1 = 0, 1
     else:
-        d0 = _dim(_int_arg(args, kwargs, 1, "dim0"), nd)
-        d1 = _dim(_int_arg(args, kwargs, 2, "dim1"), nd)
+        d0 = args[1] if len(args) > 1 else kwargs.get("dim0")
+        d1 = args[2] if len(args) > 2 else kwargs.get("dim1")
+        d0 = d0 + nd if d0 < 0 else d0
+        d1 = d1 + nd if d1 < 0 else d1
     if not (0 <= d0 < nd and 0 <= d1 < nd):
         raise IndexError(f"transpose of dims {d0}, {d1} of a {nd}-d tensor")
     a = ax[0]  # what moved() gives for the permutation that swaps d0 and d1

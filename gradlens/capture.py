@@ -512,6 +512,12 @@ _METADATA = frozenset(
 )
 
 
+#: argument types that are no tensor and hold none (as the mode's scan reads arguments: a
+#: list or tuple is looked into, nothing else): the scan passes them at once
+_PLAIN = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), slice, torch.dtype,
+                    torch.device, torch.Size, torch.layout, torch.memory_format})
+
+
 class _UseMode(TorchFunctionMode):
     """Sees every torch call of a tracked forward (outside closed-form sites)."""
 
@@ -534,18 +540,21 @@ class _UseMode(TorchFunctionMode):
         # one pass over the tensor arguments (a list argument's too, in order): data (its mark),
         # a tracked parameter, a tensor derived from parameters only, or a tensor the mode did
         # not see being made. The marks are read straight from their dict (see _TensorMarks).
-        marks = tap._data
-        data = marks._d
+        data = tap._data._d
         is_data = False
-        first = None  # (the first data argument, its sample axis)
+        first = None  # the first data argument
+        fax = None  # its sample axis
         tracked = None
-        for i, x in enumerate(args):
+        i = -1
+        for x in args:
+            i += 1
+            if type(x) in _PLAIN:
+                continue
             if isinstance(x, Tensor):
                 e = data.get(id(x))
                 if e is not None and e[0]() is x:
                     if first is None:
-                        first = (x, e[1])
-                        is_data = True
+                        first, fax, is_data = x, e[1], True
                     continue
                 items = ((i, x),)
             elif isinstance(x, (list, tuple)) and x:
@@ -555,8 +564,7 @@ class _UseMode(TorchFunctionMode):
                         e = data.get(id(y))
                         if e is not None and e[0]() is y:
                             if first is None:
-                                first = (y, e[1])
-                                is_data = True
+                                first, fax, is_data = y, e[1], True
                         else:
                             items.append(((i, j), y))
             else:
@@ -576,8 +584,7 @@ class _UseMode(TorchFunctionMode):
                     e = data.get(id(x))
                     if e is not None and e[0]() is x:
                         if first is None:
-                            first = (x, e[1])
-                            is_data = True
+                            first, fax, is_data = x, e[1], True
                         continue
                     got = tap._not_data(k, x)
                     if got is True:
@@ -587,30 +594,28 @@ class _UseMode(TorchFunctionMode):
                             tracked = [got]
                         else:
                             tracked.append(got)
-        if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
-            out = func(*args, **kwargs)
-            if is_data:
-                tap._carry(func, args, kwargs, first, out)
-            return out
-        if func is F.batch_norm and is_data:
+        grad = torch.is_grad_enabled()  # off: e.g. inside a custom autograd.Function (follow the batch)
+        if grad and is_data and func is F.batch_norm:
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
             if training or args[1] is None:
                 tap._taint_before(args[0], "F.batch_norm (batch statistics)")
-        if tracked is None:
+        if tracked is None or not grad:
             out = func(*args, **kwargs)
             if is_data:
-                # the common case inline: one output of the data argument's shape, by an
-                # operation without an axis rule of its own (axes.carry would keep the axis)
-                ax = first[1] if first is not None else None
-                if (ax is not None and isinstance(out, Tensor) and tap._batch is not None
-                        and getattr(func, "__name__", "") not in axes.RULED
-                        and out.shape == first[0].shape and ax[0] < out.dim()):
+                if isinstance(out, Tensor):  # one output: its mark set here
+                    if fax is None or tap._batch is None:
+                        ax = None
+                    elif (getattr(func, "__name__", "") not in axes.RULED and out.shape == first.shape
+                            and fax[0] < out.dim()):
+                        ax = fax  # the common case: what axes.carry gives without its rules
+                    else:
+                        ax = axes.carry(func, args, kwargs, first, fax, [out], tap._batch)[0]
                     data[id(out)] = (_ref(out), ax)
-                    if len(data) > marks._limit:
-                        marks.sweep()
+                    if len(data) > tap._data._limit:
+                        tap._data.sweep()
                 else:
-                    tap._carry(func, args, kwargs, first, out)
-                if func in _LOSS_FUNCTIONS:
+                    tap._carry(func, args, kwargs, first, fax, out)
+                if grad and func in _LOSS_FUNCTIONS:
                     _note_functional_loss(func, kwargs, out, tap._batch)
             return out
         if not is_data:
@@ -621,11 +626,11 @@ class _UseMode(TorchFunctionMode):
                     tap._derived[o] = names
             return out
         if ops.is_inplace(func):  # keep the inputs as they were for the per-sample rule
-            saved = tuple(a.clone() if isinstance(a, Tensor) and a in marks else a for a in args)
+            saved = tuple(a.clone() if isinstance(a, Tensor) and a in tap._data else a for a in args)
         else:
             saved = args
         out = func(*args, **kwargs)
-        tap._carry(func, args, kwargs, first, out)
+        tap._carry(func, args, kwargs, first, fax, out)
         tap._meet(func, saved, kwargs, tracked, out)
         return out
 
@@ -929,13 +934,14 @@ class Tap:
             return True
         return None
 
-    def _carry(self, func, args, kwargs, first, out) -> None:
-        """Every output of a data operation is data, with the sample axis its rule gives."""
+    def _carry(self, func, args, kwargs, first: Tensor | None, ax: Any, out) -> None:
+        """Every output of a data operation is data, with the sample axis its rule gives
+        (``first`` the operation's first data argument, ``ax`` its axis)."""
         outs = [out] if isinstance(out, Tensor) else _outputs(out)
         if first is None:
             axs = [None] * len(outs)
         else:
-            axs = axes.carry(func, args, kwargs, first[0], first[1], outs, self._batch)
+            axs = axes.carry(func, args, kwargs, first, ax, outs, self._batch)
         data = self._data
         for o, ax in zip(outs, axs):
             data[o] = ax
