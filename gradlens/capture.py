@@ -750,10 +750,7 @@ class Tap:
         for mod in root.modules():
             entry = self.sites.get(id(mod))
             site_mod = entry is not None
-            pre = self._pre(mod, site_mod)
-            post = self._site_post(mod, entry[1]) if site_mod else (lambda m, a, o: tap._post(m, a, o))
-            if mod is not root:  # a submodule called on its own (not through the model) is a root
-                pre, post = self._as_root(pre, post)
+            pre, post = self._module_hooks(mod, entry[1] if site_mod else None, site_mod, mod is root)
             self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=mod is not root))
             self._handles.append(mod.register_forward_hook(post, always_call=True))
             fwd = forward_for(mod)
@@ -844,47 +841,130 @@ class Tap:
                 }
         return None
 
-    def _pre(self, mod: nn.Module, site: bool):
+    def _module_hooks(self, mod: nn.Module, site: Site | None, is_site: bool, is_root: bool):
+        """The forward pre-hook and (always called) forward hook of ``mod``:
+
+        * a submodule called on its own (``model.encoder(x)``, not inside the model's own
+          forward) opens and closes the tracked forward (a root);
+        * a module that says where its samples are (``batch_first``) checks its input's axis;
+        * a closed-form site (a module with a kernel in the registry): its inner calls are its
+          own (the mode steps off the torch-function stack for them, or passes them through),
+          and its use is noted in the post-hook (:meth:`_site_use`).
+        """
         declared = self._declared.get(id(mod))
         gen = self._hooks_gen
+        use = self._site_use(mod, site) if is_site else None
+        entered: list[bool] = []  # per call of a submodule: whether it opened the forward
 
-        def pre(module, args):
-            if gen != self._hooks_gen:  # removed (and reinstalled) earlier in this forward
+        def pre(module, args, kwargs=None):  # kwargs too: hf_model(input_ids=..., labels=...)
+            if not is_root:
+                first = self._mode_depth == 0 and torch.is_grad_enabled() and not _in_functorch()
+                entered.append(first)
+                if first:
+                    self._root_pre(module, args, kwargs)
+            if gen != self._hooks_gen or not self._mode_depth:  # removed (and reinstalled) earlier in this forward
                 return None
-            if declared is not None and self._mode_depth and args and isinstance(args[0], Tensor):
+            if declared is not None and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
-            if site and self._mode_depth:
+            if is_site:
                 if not self._skip and compat.top_function_mode() is self._mode:
                     self._mode.__exit__(None, None, None)  # back in the site's post-hook
                     self._mode_out = True
                 self._skip += 1
             return None
 
-        return pre
-
-    def _as_root(self, pre, post):
-        """Hooks of a submodule that also open the tracked forward when it is called directly
-        (``model.encoder(x)``), not inside the model's own forward."""
-        entered: list[bool] = []
-
-        def pre_(module, args, kwargs):  # kwargs too: hf_model(input_ids=..., labels=...)
-            first = self._mode_depth == 0 and torch.is_grad_enabled() and not _in_functorch()
-            entered.append(first)
-            if first:
-                self._root_pre(module, args, kwargs)
-            return pre(module, args)
-
-        def post_(module, args, output):
+        def site_post(module, args, output):
+            if not self._mode_depth:
+                return None
+            self._skip -= 1
             try:
-                return post(module, args, output)
+                return use(module, args, output)
+            finally:
+                if self._mode_out and not self._skip:  # the outermost site: the mode back on
+                    self._mode_out = False
+                    self._mode.__enter__()
+
+        if is_root:
+            return pre, (site_post if is_site else _no_post)
+
+        def post(module, args, output):
+            try:
+                return site_post(module, args, output) if is_site else None
             finally:
                 if entered and entered.pop():
                     self._root_post(module, args, output)
 
-        return pre_, post_
+        return pre, post
 
-    def _post(self, module, args, output):
-        return None
+    def _site_use(self, mod: nn.Module, site: Site | None):
+        """The post-hook work of a closed-form site: its output takes the sample axis of its
+        input (or its derived names), and its output gradient is hooked for the Meter."""
+        routed = site is not None and _routes_param_grads(mod, site.kernel)
+        stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
+        is_embedding = isinstance(mod, nn.Embedding)
+        data = self._data
+
+        def use(module, args, output):
+            nonlocal site
+            if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
+                return None
+            kernel = kernel_for(module) if stateful else None
+            if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
+                site = Site(site.name, module, kernel, site.params)
+            a = args[0]
+            e = data._d.get(id(a))
+            if e is not None and e[0]() is a and e[1] is not None:
+                ax = e[1]  # data, with the axis carried to it
+            elif self._is_data(a):
+                ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
+            else:
+                if site is not None and output.requires_grad:
+                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
+                    self._derived[output] = names
+                elif a in self._derived and output.requires_grad:
+                    self._derived[output] = self._derived[a]
+                return None
+            if is_embedding and ax is None and a.dim() <= 1:
+                ax = (0, 1)  # ids [B]: one id per sample
+            data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
+            if getattr(kernel, "mixes_samples", False):
+                self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
+            if site is None or not output.requires_grad:
+                return None
+            batch = self._batch
+            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
+                self._refuse_axis(
+                    output,
+                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
+                )
+                return None
+            ax, factor = ax
+            uses = self.uses
+            for q in site.params.values():
+                uses[q] = uses.get(q, 0) + 1
+            a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
+            via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
+            if routed and self.on_weight_grad is not None:
+                with compat.no_torch_function():
+                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
+            on_use, fid = self.on_use, self.forward_id
+            wg = getattr(output, "_gradlens_weight_grad", None)
+            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
+
+                def hook(g):
+                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
+
+            else:
+
+                def hook(g):
+                    return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
+
+            with compat.no_torch_function():  # bookkeeping, not a call of the forward
+                compat.add_tensor_hook(output, hook)
+            return None
+
+        return use
 
     # ------------------------------------------------------------------ the sample axis
     def _check_declared(self, module: nn.Module, declared: tuple[str, int], x: Tensor) -> None:
@@ -981,86 +1061,6 @@ class Tap:
         if x in self._data:
             return True
         return x.requires_grad and x not in self._derived and id(x) not in self._pid
-
-    def _site_post(self, mod: nn.Module, site: Site | None):
-        routed = site is not None and _routes_param_grads(mod, site.kernel)
-        stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
-
-        def post(module, args, output):
-            if not self._mode_depth:
-                return None
-            self._skip -= 1
-            try:
-                return use(module, args, output)
-            finally:
-                if self._mode_out and not self._skip:  # the outermost site: the mode back on
-                    self._mode_out = False
-                    self._mode.__enter__()
-
-        is_embedding = isinstance(mod, nn.Embedding)
-        data = self._data
-
-        def use(module, args, output):
-            nonlocal site
-            if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
-                return None
-            kernel = kernel_for(module) if stateful else None
-            if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
-                site = Site(site.name, module, kernel, site.params)
-            a = args[0]
-            e = data._d.get(id(a))
-            if e is not None and e[0]() is a and e[1] is not None:
-                ax = e[1]  # data, with the axis carried to it
-            elif self._is_data(a):
-                ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
-            else:
-                if site is not None and output.requires_grad:
-                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
-                    self._derived[output] = names
-                elif a in self._derived and output.requires_grad:
-                    self._derived[output] = self._derived[a]
-                return None
-            if is_embedding and ax is None and a.dim() <= 1:
-                ax = (0, 1)  # ids [B]: one id per sample
-            data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
-            if getattr(kernel, "mixes_samples", False):
-                self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
-            if site is None or not output.requires_grad:
-                return None
-            batch = self._batch
-            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
-                self._refuse_axis(
-                    output,
-                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
-                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
-                )
-                return None
-            ax, factor = ax
-            uses = self.uses
-            for q in site.params.values():
-                uses[q] += 1
-            a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
-            via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
-            if routed and self.on_weight_grad is not None:
-                with compat.no_torch_function():
-                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
-            on_use, fid = self.on_use, self.forward_id
-            wg = getattr(output, "_gradlens_weight_grad", None)
-            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
-
-                def hook(g):
-                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
-
-            else:
-
-                def hook(g):
-                    return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
-
-            with compat.no_torch_function():  # bookkeeping, not a call of the forward
-                compat.add_tensor_hook(output, hook)
-            return None
-
-        return post
 
     # ------------------------------------------------------------------ operations
     def _meet(self, func, args, kwargs, tracked, out) -> None:
@@ -1293,6 +1293,10 @@ def _in_functorch() -> bool:
     return compat.in_functorch_transform()
 
 
+def _no_post(module, args, output) -> None:
+    return None
+
+
 class _TrackedForward:
     """``module.forward`` during tracked windows (a registered tracked-window forward). A deep
     copy of the module taken meanwhile gets the module's own forward back."""
@@ -1312,7 +1316,7 @@ class WeightGrad:
     """One call of a fused ``nn.Linear`` (:func:`_fused_linear_forward`): its dL/dW when the
     Meter formed it while measuring the call (the sum of the per-sample gradients it
     materialised anyway, divided by the per-sample scale), else None and the call's backward
-    computes it. Written only by the output hook of :meth:`Tap._site_post` (from the value
+    computes it. Written only by the output hook of :meth:`Tap._site_use` (from the value
     :meth:`gradlens.measure.Meter.on_use` returns), read by :class:`_FusedLinear`."""
 
     __slots__ = ("value",)

@@ -236,3 +236,41 @@ def test_the_axis_through_an_activation_is_followed_not_read_from_sizes():
         loss.backward()
     rec = lens.flush()
     torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+
+
+def test_submodules_called_on_their_own_open_the_tracked_forward():
+    """The training step calls the model's parts, not the model (``model.head(model.body(x))``):
+    each part opens and closes the tracked forward itself; a site (``head``) and a module
+    with sites and elementwise modules inside (``body``)."""
+
+    class Parts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Dropout(0.0), nn.Linear(D, D), nn.Tanh())
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    model0 = Parts().double()
+    x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
+    y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
+    params = list(model0.parameters())
+    rows = []
+    for n in range(len(x)):
+        g = torch.autograd.grad((model0(x[n:n + 1]) - y[n:n + 1]).square().sum(), params)
+        rows.append(torch.cat([v.reshape(-1) for v in g]))
+    oracle = torch.stack(rows)
+    m = gradlens.extend(copy.deepcopy(model0))
+    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
+    lens = Lens(m, [BatchL2()])
+    start = 0
+    for b in SPLIT:
+        loss = loss_fn(m.head(m.body(x[start:start + b])), y[start:start + b])
+        assert compat.top_function_mode() is None  # each part closed what it opened
+        with lens.capture():
+            loss.backward()
+        start += b
+    rec = lens.flush()
+    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
