@@ -512,6 +512,9 @@ _METADATA = frozenset(
 )
 
 
+_RULED = axes.RULED
+_NOTHING: frozenset = frozenset()
+
 #: argument types that are no tensor and hold none (as the mode's scan reads arguments: a
 #: list or tuple is looked into, nothing else): the scan passes them at once
 _PLAIN = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), slice, torch.dtype,
@@ -605,7 +608,7 @@ class _UseMode(TorchFunctionMode):
                 if isinstance(out, Tensor):  # one output: its mark set here
                     if fax is None or tap._batch is None:
                         ax = None
-                    elif (getattr(func, "__name__", "") not in axes.RULED and out.shape == first.shape
+                    elif (getattr(func, "__name__", "") not in _RULED and out.shape == first.shape
                             and fax[0] < out.dim()):
                         ax = fax  # the common case: what axes.carry gives without its rules
                     else:
@@ -902,6 +905,7 @@ class Tap:
         routed = site is not None and _routes_param_grads(mod, site.kernel)
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
         is_embedding = isinstance(mod, nn.Embedding)
+        may_fuse = type(mod) is nn.Linear  # (only nn.Linear runs a fused forward)
         data = self._data
 
         def use(module, args, output):
@@ -944,12 +948,12 @@ class Tap:
             for q in site.params.values():
                 uses[q] = uses.get(q, 0) + 1
             a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
-            via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
+            via: frozenset = _NOTHING  # attributes whose dL/dp of this call autograd reports
             if routed and self.on_weight_grad is not None:
                 with compat.no_torch_function():
                     via = _hook_param_grads(output, module, site, self.on_weight_grad)
             on_use, fid = self.on_use, self.forward_id
-            wg = getattr(output, "_gradlens_weight_grad", None)
+            wg = getattr(output, "_gradlens_weight_grad", None) if may_fuse else None
             if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
                 def hook(g):
