@@ -753,6 +753,12 @@ class Tap:
         for mod in root.modules():
             entry = self.sites.get(id(mod))
             site_mod = entry is not None
+            if (mod is not root and not site_mod and elementwise(mod) and "forward" not in mod.__dict__
+                    and id(mod) not in self._declared):
+                # its forward does what its hooks would (opens the forward when called on its own)
+                mod.forward = _TrackedForward(_elementwise_forward, mod, self)
+                self._replaced.append(mod)
+                continue
             pre, post = self._module_hooks(mod, entry[1] if site_mod else None, site_mod, mod is root)
             self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=mod is not root))
             self._handles.append(mod.register_forward_hook(post, always_call=True))
@@ -763,9 +769,6 @@ class Tap:
             elif self.fuse_weight_grad and type(mod) is nn.Linear and site_mod and entry[1] is not None \
                     and "weight" in entry[1].params and "forward" not in mod.__dict__:
                 mod.forward = _TrackedForward(_fused_linear_forward, mod, self)
-                self._replaced.append(mod)
-            elif not site_mod and elementwise(mod) and "forward" not in mod.__dict__:
-                mod.forward = _TrackedForward(_elementwise_forward, mod, self)
                 self._replaced.append(mod)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
@@ -1382,10 +1385,20 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
 
 def _elementwise_forward(module: nn.Module, tap: "Tap", *args, **kwargs):
     """The forward of a parameter-free elementwise module (:func:`gradlens.registry.elementwise`:
-    dropout, activations) during tracked windows: its own forward, run with the mode off the
-    torch-function stack when the mode is the innermost one (back on after it, also on an
-    exception); its output then takes the marks that following its operations one by one
-    gives (:meth:`Tap._unary`). Hooks of the module run as usual (the mode on)."""
+    dropout, activations) during tracked windows, instead of the Tap's module hooks: its own
+    forward, run with the mode off the torch-function stack when the mode is the innermost one
+    (back on after it, also on an exception); its output then takes the marks that following
+    its operations one by one gives (:meth:`Tap._unary`). Called on its own (not inside the
+    model's forward), it opens and closes the tracked forward, as the hooks of any other
+    submodule do. The module's own hooks run as usual, with the mode on."""
+    if not tap._mode_depth and torch.is_grad_enabled() and not _in_functorch():
+        tap._root_pre(module, args, kwargs)  # called on its own: a root
+        out = None
+        try:
+            out = _elementwise_forward(module, tap, *args, **kwargs)
+            return out
+        finally:
+            tap._root_post(module, args, out)
     fwd = type(module).forward
     if (kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or not tap._mode_depth or tap._skip
             or tap._mode_out or compat.top_function_mode() is not tap._mode):

@@ -274,3 +274,47 @@ def test_submodules_called_on_their_own_open_the_tracked_forward():
         start += b
     rec = lens.flush()
     torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+
+
+def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
+    """``head(act(x))`` where ``act`` (an activation module of the model) is called first,
+    on its own: it opens and closes a tracked forward like any other part (the mode stack as
+    it was after it), and the records stay exact."""
+
+    class Parts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = nn.Tanh()
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return self.head(self.act(x))
+
+    torch.manual_seed(0)
+    model0 = Parts().double()
+    x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
+    y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
+    params = list(model0.parameters())
+    rows = []
+    for n in range(len(x)):
+        g = torch.autograd.grad((model0(x[n:n + 1]) - y[n:n + 1]).square().sum(), params)
+        rows.append(torch.cat([v.reshape(-1) for v in g]))
+    oracle = torch.stack(rows)
+    m = gradlens.extend(copy.deepcopy(model0))
+    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
+    lens = Lens(m, [BatchL2()])
+    start = 0
+    for b in SPLIT:
+        xb = x[start:start + b].clone().requires_grad_(True)  # data the act's forward must mark
+        h = m.act(xb)
+        assert compat.top_function_mode() is None
+        with pytest.raises(TypeError):
+            m.act("not a tensor")  # an exception inside its forward: the forward closed again
+        assert compat.top_function_mode() is None
+        loss = loss_fn(m.head(h), y[start:start + b])
+        with lens.capture():
+            loss.backward()
+        start += b
+    rec = lens.flush()
+    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+
