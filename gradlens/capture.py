@@ -23,6 +23,15 @@ gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as
 through every data operation (:mod:`gradlens.axes`), never guessed from sizes where they are
 ambiguous. A tracked window runs a compiled model eagerly (compiler stance ``force_eager``).
 
+What the mode costs is Python per torch call (its dispatch, then the lookups and marks here), so
+it sees only the calls whose capture needs it: a site's own inner calls, and the calls inside a
+parameter-free elementwise module (dropout, activations: :func:`gradlens.registry.elementwise`),
+run with the mode off the torch-function stack (when it is the innermost mode; a user's own mode
+inside the forward keeps it on, the site's calls then passed through); their outputs get the
+marks that following those calls gives. The marks are tensor -> value maps read and written in
+place by the mode (:class:`_TensorMarks`), and the common operation (one output of its data
+argument's shape, no axis rule) is marked without the rules of :mod:`gradlens.axes`.
+
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
 on the model and cost ~1.6x a plain step on a 784-512-512-10 MLP even outside a ``backpack``
 context. gradlens uses BackPACK's derivatives (see :mod:`gradlens.kernels`) but attaches its own

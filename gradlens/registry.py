@@ -14,6 +14,10 @@ Every trainable parameter is tracked, whatever module or function uses it (see
 - **per operation** (everything else): the capture follows each parameter to the operations
   that consume it and applies the exact per-operation rule (see :mod:`gradlens.ops`).
 
+Parameter-free elementwise modules (dropout, activations; :func:`elementwise`) are a shortcut
+of the capture, not a kind of layer: their outputs are marked as following their operations
+would mark them, without the calls.
+
 Users register kernels for their own layers::
 
     class MyKernel(gradlens.kernels.Kernel):
