@@ -684,7 +684,7 @@ class Tap:
         #: innermost mode): its inner calls and the site hooks' own bookkeeping then pay no
         #: dispatch; its post-hook puts the mode back
         self._mode_out = False
-        self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _pre)
+        self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _module_hooks)
         self._batch: int | None = None
         self._batch_dim = declared_batch_dim(model)
         #: the model runs under torch.compile (set by the Lens): while installed, the compiler's
@@ -877,7 +877,7 @@ class Tap:
                 entered.append(first)
                 if first:
                     self._root_pre(module, args, kwargs)
-            if gen != self._hooks_gen or not self._mode_depth:  # removed (and reinstalled) earlier in this forward
+            if gen != self._hooks_gen or not self._mode_depth:  # (stale: removed earlier in this forward)
                 return None
             if declared is not None and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
