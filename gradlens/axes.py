@@ -50,6 +50,8 @@ def reshaped(old: tuple[int, ...], new: tuple[int, ...], ax: Any, batch: int) ->
     if ax is None or not old or math.prod(old) != math.prod(new) or 0 in old:
         return None
     a, f = ax
+    if old[:a + 1] == new[:a + 1] and old[a] == batch * f:
+        return ax  # the dims up to the axis unchanged: each is a group of its own (see below)
     i = j = 0
     try:
         while i < len(old):
@@ -94,16 +96,15 @@ def _same(x: Tensor, ax: Any, o: Tensor) -> Any:
     if ax is None:
         return None
     a, f = ax
-    size = x.shape[a]
-    cands = set()
-    if a < o.dim() and o.shape[a] == size:
-        cands.add(a)
-    r = a - x.dim() + o.dim()
-    if 0 <= r < o.dim() and o.shape[r] == size:
-        cands.add(r)
-    if len(cands) != 1:
-        return None
-    return (cands.pop(), f)
+    xs, os_ = x.shape, o.shape
+    size = xs[a]
+    no = len(os_)
+    left = a < no and os_[a] == size  # the same position from the left
+    r = a - len(xs) + no
+    right = 0 <= r < no and os_[r] == size  # from the right
+    if left:
+        return (a, f) if not right or r == a else None  # two positions: ambiguous
+    return (r, f) if right else None
 
 
 def _index(x: Tensor, ax: Any, idx: Any, o: Tensor) -> Any:
@@ -112,9 +113,12 @@ def _index(x: Tensor, ax: Any, idx: Any, o: Tensor) -> Any:
     it unambiguously)."""
     a, f = ax
     idx = idx if isinstance(idx, tuple) else (idx,)
-    if any(isinstance(i, (Tensor, list)) for i in idx):
-        return _same(x, ax, o)
-    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    n_real = 0
+    for i in idx:
+        if isinstance(i, (Tensor, list)):  # advanced indexing
+            return _same(x, ax, o)
+        if i is not None and i is not Ellipsis:
+            n_real += 1
     pos_in = pos_out = 0
     for i in idx:
         if i is Ellipsis:
@@ -165,88 +169,180 @@ def _int_arg(args, kwargs, i, name, default=None):
     return kwargs.get(name, default)
 
 
+# ---------------------------------------------------------------------------- the rules
+# Each rule gets (name, func, args, kwargs, x, ax, outs, batch, nd) and returns the axes of the
+# outputs, or None where it does not apply (then :func:`_same` decides, as for any other
+# operation).
+
+
+def _reshape_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    old, new = x.shape, outs[0].shape
+    a = ax[0]
+    if (a < len(old) and old[:a + 1] == new[:a + 1] and old[a] == batch * ax[1] and 0 not in old
+            and math.prod(old) == math.prod(new)):
+        return [ax]  # what reshaped() gives first, without the call
+    return [reshaped(old, new, ax, batch)]
+
+
+def _swap_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    if name in ("t", "t_"):
+        d0, d1 = 0, 1
+    else:
+        d0 = args[1] if len(args) > 1 else kwargs.get("dim0")
+        d1 = args[2] if len(args) > 2 else kwargs.get("dim1")
+        d0 = d0 + nd if d0 < 0 else d0
+        d1 = d1 + nd if d1 < 0 else d1
+    if not (0 <= d0 < nd and 0 <= d1 < nd):
+        raise IndexError(f"transpose of dims {d0}, {d1} of a {nd}-d tensor")
+    a = ax[0]  # what moved() gives for the permutation that swaps d0 and d1
+    return [(d1 if a == d0 else d0 if a == d1 else a, ax[1])]
+
+
+def _get_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    owner = getattr(func, "__self__", None)
+    if any(owner is d for d in _REVERSED):  # x.T / x.H
+        return [moved(ax, list(range(nd))[::-1])]
+    if any(owner is d for d in _LAST_TWO) and nd >= 2:  # x.mT / x.mH
+        perm = list(range(nd))
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+        return [moved(ax, perm)]
+    return None
+
+
+def _rot90_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    k = _int_arg(args, kwargs, 1, "k", 1)  # k odd: the two dims swap
+    dims = [_dim(d, nd) for d in _int_arg(args, kwargs, 2, "dims", [0, 1])]
+    perm = list(range(nd))
+    if k % 2:
+        perm[dims[0]], perm[dims[1]] = perm[dims[1]], perm[dims[0]]
+    return [moved(ax, perm)]
+
+
+def _einsum_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    return [_einsum(args, x, ax)] if len(outs) == 1 else None
+
+
+def _permute_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    dims = args[1:] if len(args) > 2 else _int_arg(args, kwargs, 1, "dims")
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
+        dims = dims[0]
+    return [moved(ax, [_dim(int(d), nd) for d in dims])]
+
+
+def _move_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    src, dst = _int_arg(args, kwargs, 1, "source"), _int_arg(args, kwargs, 2, "destination")
+    src = [src] if isinstance(src, int) else list(src)
+    dst = [dst] if isinstance(dst, int) else list(dst)
+    src, dst = [_dim(s, nd) for s in src], [_dim(d, nd) for d in dst]
+    perm = [None] * nd
+    for s_, d in zip(src, dst):
+        perm[d] = s_
+    rest = iter(i for i in range(nd) if i not in src)
+    perm = [p if p is not None else next(rest) for p in perm]
+    return [moved(ax, perm)]
+
+
+def _getitem_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    return [_index(x, ax, args[1], outs[0])] if len(outs) == 1 else None
+
+
+def _select_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    d = _dim(_int_arg(args, kwargs, 1, "dim"), nd)
+    if d == ax[0]:
+        return [None]
+    return [(ax[0] - 1 if name == "select" and d < ax[0] else ax[0], ax[1])]
+
+
+def _split_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    d = _dim(_int_arg(args, kwargs, 2 if name != "unbind" else 1, "dim", 0), nd)
+    if d == ax[0]:
+        return [None] * len(outs)
+    if name == "unbind":
+        return [(ax[0] - 1 if d < ax[0] else ax[0], ax[1])] * len(outs)
+    return [ax] * len(outs)
+
+
+def _cat_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    d = _dim(_int_arg(args, kwargs, 1, "dim", 0), nd)
+    return [None if d == ax[0] else ax]
+
+
+def _stack_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if len(outs) != 1:
+        return None
+    d = _dim(_int_arg(args, kwargs, 1, "dim", 0), nd + 1)
+    return [(ax[0] + 1, ax[1]) if d <= ax[0] else ax]
+
+
+def _reduction_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    if not ("dim" in kwargs or len(args) > 1) or len(outs) < 1:
+        return None
+    dims = _int_arg(args, kwargs, 1, "dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if not (isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims)):
+        return None
+    dims = [_dim(d, nd) for d in dims]
+    if ax[0] in dims:
+        return [None] * len(outs)
+    keep = bool(_int_arg(args, kwargs, 2, "keepdim", False))
+    a = ax[0] if keep else ax[0] - sum(1 for d in dims if d < ax[0])
+    return [(a, ax[1]) if o.dim() > a else None for o in outs]
+
+
+#: operation name -> its rule
+_RULES: dict[str, Any] = {
+    **{n: _reshape_rule for n in _RESHAPES},
+    **{n: _swap_rule for n in _SWAPS},
+    "__get__": _get_rule,
+    "rot90": _rot90_rule,
+    "einsum": _einsum_rule,
+    **{n: _permute_rule for n in _PERMUTES},
+    **{n: _move_rule for n in _MOVES},
+    "__getitem__": _getitem_rule,
+    "select": _select_rule,
+    "narrow": _select_rule,
+    **{n: _split_rule for n in _SPLITS | {"unbind"}},
+    **{n: _cat_rule for n in _CATS},
+    "stack": _stack_rule,
+    **{n: _reduction_rule for n in _REDUCTIONS},
+}
+
+
 def carry(func, args: tuple, kwargs: dict, x: Tensor, ax: Any, outs: list[Tensor], batch: int) -> list[Any]:
     """The axis of each output of ``func(*args, **kwargs)``, ``x`` being its first data
     argument with axis ``ax``."""
-    name = getattr(func, "__name__", "")
     if ax is None or batch is None:
         return [None] * len(outs)
-    nd = x.dim()
-    try:
-        if name in _RESHAPES and len(outs) == 1:
-            return [reshaped(tuple(x.shape), tuple(outs[0].shape), ax, batch)]
-        if name in _SWAPS and len(outs) == 1:
-            if name in ("t", "t_"):
-                d0, d1 = 0, 1
-            else:
-                d0 = _dim(_int_arg(args, kwargs, 1, "dim0"), nd)
-                d1 = _dim(_int_arg(args, kwargs, 2, "dim1"), nd)
-            perm = list(range(nd))
-            perm[d0], perm[d1] = perm[d1], perm[d0]
-            return [moved(ax, perm)]
-        owner = getattr(func, "__self__", None)
-        if name == "__get__" and any(owner is d for d in _REVERSED):  # x.T / x.H
-            return [moved(ax, list(range(nd))[::-1])]
-        if name == "__get__" and any(owner is d for d in _LAST_TWO) and nd >= 2:  # x.mT / x.mH
-            perm = list(range(nd))
-            perm[-1], perm[-2] = perm[-2], perm[-1]
-            return [moved(ax, perm)]
-        if name == "rot90" and len(outs) == 1:  # k odd: the two dims swap
-            k = _int_arg(args, kwargs, 1, "k", 1)
-            dims = [_dim(d, nd) for d in _int_arg(args, kwargs, 2, "dims", [0, 1])]
-            perm = list(range(nd))
-            if k % 2:
-                perm[dims[0]], perm[dims[1]] = perm[dims[1]], perm[dims[0]]
-            return [moved(ax, perm)]
-        if name == "einsum" and len(outs) == 1:
-            return [_einsum(args, x, ax)]
-        if name in _PERMUTES and len(outs) == 1:
-            dims = args[1:] if len(args) > 2 else _int_arg(args, kwargs, 1, "dims")
-            if len(dims) == 1 and isinstance(dims[0], (list, tuple, torch.Size)):
-                dims = dims[0]
-            return [moved(ax, [_dim(int(d), nd) for d in dims])]
-        if name in _MOVES and len(outs) == 1:
-            src, dst = _int_arg(args, kwargs, 1, "source"), _int_arg(args, kwargs, 2, "destination")
-            src = [src] if isinstance(src, int) else list(src)
-            dst = [dst] if isinstance(dst, int) else list(dst)
-            src, dst = [_dim(s, nd) for s in src], [_dim(d, nd) for d in dst]
-            perm = [None] * nd
-            for s, d in zip(src, dst):
-                perm[d] = s
-            rest = iter(i for i in range(nd) if i not in src)
-            perm = [p if p is not None else next(rest) for p in perm]
-            return [moved(ax, perm)]
-        if name == "__getitem__" and len(outs) == 1:
-            return [_index(x, ax, args[1], outs[0])]
-        if name in ("select", "narrow") and len(outs) == 1:
-            d = _dim(_int_arg(args, kwargs, 1, "dim"), nd)
-            if d == ax[0]:
-                return [None]
-            return [(ax[0] - 1 if name == "select" and d < ax[0] else ax[0], ax[1])]
-        if name in _SPLITS or name == "unbind":
-            d = _dim(_int_arg(args, kwargs, 2 if name != "unbind" else 1, "dim", 0), nd)
-            if d == ax[0]:
-                return [None] * len(outs)
-            if name == "unbind":
-                return [(ax[0] - 1 if d < ax[0] else ax[0], ax[1])] * len(outs)
-            return [ax] * len(outs)
-        if name in _CATS and len(outs) == 1:
-            d = _dim(_int_arg(args, kwargs, 1, "dim", 0), nd)
-            return [None if d == ax[0] else ax]
-        if name == "stack" and len(outs) == 1:
-            d = _dim(_int_arg(args, kwargs, 1, "dim", 0), nd + 1)
-            return [(ax[0] + 1, ax[1]) if d <= ax[0] else ax]
-        if name in _REDUCTIONS and ("dim" in kwargs or len(args) > 1) and len(outs) >= 1:
-            dims = _int_arg(args, kwargs, 1, "dim")
-            if isinstance(dims, int):
-                dims = [dims]
-            if isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims):
-                dims = [_dim(d, nd) for d in dims]
-                if ax[0] in dims:
-                    return [None] * len(outs)
-                keep = bool(_int_arg(args, kwargs, 2, "keepdim", False))
-                a = ax[0] if keep else ax[0] - sum(1 for d in dims if d < ax[0])
-                return [(a, ax[1]) if o.dim() > a else None for o in outs]
-    except (TypeError, ValueError, IndexError, AttributeError):
-        pass
+    rule = _RULES.get(getattr(func, "__name__", ""))
+    if rule is None:  # the common case (elementwise, matmul, ...): what _same gives
+        shape = x.shape
+        if ax[0] < len(shape):
+            return [ax if o.shape == shape else _same(x, ax, o) for o in outs]
+    else:
+        try:
+            got = rule(func.__name__, func, args, kwargs, x, ax, outs, batch, x.dim())
+            if got is not None:
+                return got
+        except (TypeError, ValueError, IndexError, AttributeError):
+            pass
     return [_same(x, ax, o) for o in outs]
+
+
+#: the names with a rule of their own in :func:`carry`; any other operation keeps the axis where
+#: :func:`_same` finds it (an output of the data argument's shape: where it is)
+RULED = frozenset(_RULES)

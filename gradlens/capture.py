@@ -23,6 +23,15 @@ gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as
 through every data operation (:mod:`gradlens.axes`), never guessed from sizes where they are
 ambiguous. A tracked window runs a compiled model eagerly (compiler stance ``force_eager``).
 
+What the mode costs is Python per torch call (its dispatch, then the lookups and marks here), so
+it sees only the calls whose capture needs it: a site's own inner calls, and the calls inside a
+parameter-free elementwise module (dropout, activations: :func:`gradlens.registry.elementwise`),
+run with the mode off the torch-function stack (when it is the innermost mode; a user's own mode
+inside the forward keeps it on, the site's calls then passed through); their outputs get the
+marks that following those calls gives. The marks are tensor -> value maps read and written in
+place by the mode (:class:`_TensorMarks`), and the common operation (one output of its data
+argument's shape, no axis rule) is marked without the rules of :mod:`gradlens.axes`.
+
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
 on the model and cost ~1.6x a plain step on a 784-512-512-10 MLP even outside a ``backpack``
 context. gradlens uses BackPACK's derivatives (see :mod:`gradlens.kernels`) but attaches its own
@@ -46,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradlens import axes, compat, ops
 from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
-from gradlens.registry import forward_for, kernel_for
+from gradlens.registry import elementwise, forward_for, kernel_for
 
 __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
 
@@ -447,26 +456,23 @@ def _hints(model: nn.Module) -> dict[int, int]:
     return out
 
 
-class _MarkRef(weakref.ref):
-    __slots__ = ("key",)
-
-
 class _TensorMarks:
-    """Tensor -> value for live tensors, keyed by identity; an entry goes when its tensor is
-    freed. What ``torch.utils.weak.WeakIdKeyDictionary`` does, at a fraction of its per-lookup
-    Python cost (the forward's mode looks up every tensor argument of every torch call)."""
+    """Tensor -> value for live tensors, keyed by identity. What
+    ``torch.utils.weak.WeakIdKeyDictionary`` does, at a fraction of its per-lookup Python cost
+    (the forward's mode looks up every tensor argument of every torch call).
 
-    __slots__ = ("_d", "_gone")
+    ``_d`` maps ``id(x)`` to ``(weakref.ref(x), value)``; an entry counts only while its
+    reference still gives ``x`` (a freed tensor's id may be reused by a new tensor: its entry
+    then no longer matches). The references carry no callback (CPython shares one such
+    reference per tensor, and a freed tensor runs no Python): entries of freed tensors are
+    dropped by :meth:`sweep` (at the end of each tracked forward, and whenever the dict has
+    doubled since the last sweep). The mode reads and writes ``_d`` directly, the same way."""
+
+    __slots__ = ("_d", "_limit")
 
     def __init__(self):
-        d: dict[int, tuple[_MarkRef, Any]] = {}
-
-        def gone(ref: _MarkRef) -> None:  # the tensor was freed: drop its entry, not a newer one
-            e = d.get(ref.key)
-            if e is not None and e[0] is ref:
-                del d[ref.key]
-
-        self._d, self._gone = d, gone
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+        self._limit = 1024
 
     def get(self, x: Tensor, default: Any = None) -> Any:
         e = self._d.get(id(x))
@@ -483,17 +489,24 @@ class _TensorMarks:
         return e[1]
 
     def __setitem__(self, x: Tensor, value: Any) -> None:
-        key = id(x)
-        e = self._d.get(key)
-        if e is not None and e[0]() is x:
-            self._d[key] = (e[0], value)
-            return
-        ref = _MarkRef(x, self._gone)
-        ref.key = key
-        self._d[key] = (ref, value)
+        d = self._d
+        d[id(x)] = (_ref(x), value)
+        if len(d) > self._limit:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop the entries of freed tensors."""
+        d = self._d
+        dead = [k for k, e in d.items() if e[0]() is None]
+        for k in dead:
+            del d[k]
+        self._limit = max(1024, 2 * len(d))
 
     def __len__(self) -> int:
-        return len(self._d)
+        return sum(1 for e in self._d.values() if e[0]() is not None)
+
+
+_ref = weakref.ref
 
 
 #: torch calls that only read a tensor's metadata (they return no tensor): the mode passes
@@ -508,6 +521,15 @@ _METADATA = frozenset(
 )
 
 
+_RULED = axes.RULED
+_NOTHING: frozenset = frozenset()
+
+#: argument types that are no tensor and hold none (as the mode's scan reads arguments: a
+#: list or tuple is looked into, nothing else): the scan passes them at once
+_PLAIN = frozenset({int, float, bool, complex, str, type(None), type(Ellipsis), slice, torch.dtype,
+                    torch.device, torch.Size, torch.layout, torch.memory_format})
+
+
 class _UseMode(TorchFunctionMode):
     """Sees every torch call of a tracked forward (outside closed-form sites)."""
 
@@ -516,65 +538,96 @@ class _UseMode(TorchFunctionMode):
         self.tap = tap
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         tap = self.tap
         if tap._skip or func in _METADATA:
-            return func(*args, **kwargs)
-        if func is F.linear and kwargs:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if not kwargs:
+            kwargs = {}
+        elif func is F.linear:
             full = list(args) + [None] * (3 - len(args))
             for i, k in enumerate(("input", "weight", "bias")):
                 if k in kwargs:
                     full[i] = kwargs[k]
             args, kwargs = tuple(full), {}
-        data = tap._data
-        derived = tap._derived
-        pid = tap._pid
+        # one pass over the tensor arguments (a list argument's too, in order): data (its mark),
+        # a tracked parameter, a tensor derived from parameters only, or a tensor the mode did
+        # not see being made. The marks are read straight from their dict (see _TensorMarks).
+        data = tap._data._d
         is_data = False
-        first = None  # (the first data argument, its sample axis)
-        tracked = []
-        for pos, x in _tensors(args):
-            if x in data:
-                is_data = True
-                if first is None:
-                    first = (x, data[x])
+        first = None  # the first data argument
+        fax = None  # its sample axis
+        tracked = None
+        i = -1
+        for x in args:
+            i += 1
+            if type(x) in _PLAIN:
                 continue
-            q = pid.get(id(x))
-            if q is not None and x is tap.params[q]:
-                tracked.append((pos, x, frozenset((q,))))
-            else:
-                d = derived.get(x)
-                if d:
-                    tracked.append((pos, x, d))
-                elif x.requires_grad and not isinstance(x, nn.Parameter):
-                    is_data = True  # computed by something the mode did not see (a custom kernel)
-        for k, x in kwargs.items():
             if isinstance(x, Tensor):
-                if x in data:
-                    is_data = True
+                e = data.get(id(x))
+                if e is not None and e[0]() is x:
                     if first is None:
-                        first = (x, data[x])
+                        first, fax, is_data = x, e[1], True
                     continue
-                q = pid.get(id(x))
-                if q is not None and x is tap.params[q]:
-                    tracked.append((k, x, frozenset((q,))))
-                elif derived.get(x):
-                    tracked.append((k, x, derived[x]))
-                elif x.requires_grad and not isinstance(x, nn.Parameter):
+                items = ((i, x),)
+            elif isinstance(x, (list, tuple)) and x:
+                items = []
+                for j, y in enumerate(x):
+                    if isinstance(y, Tensor):
+                        e = data.get(id(y))
+                        if e is not None and e[0]() is y:
+                            if first is None:
+                                first, fax, is_data = y, e[1], True
+                        else:
+                            items.append(((i, j), y))
+            else:
+                continue
+            for pos, y in items:
+                got = tap._not_data(pos, y)
+                if got is True:
                     is_data = True
-        if not torch.is_grad_enabled():  # e.g. inside a custom autograd.Function: follow the batch
-            out = func(*args, **kwargs)
-            if is_data:
-                tap._carry(func, args, kwargs, first, out)
-            return out
-        if func is F.batch_norm and is_data:
+                elif got is not None:
+                    if tracked is None:
+                        tracked = [got]
+                    else:
+                        tracked.append(got)
+        if kwargs:
+            for k, x in kwargs.items():
+                if isinstance(x, Tensor):
+                    e = data.get(id(x))
+                    if e is not None and e[0]() is x:
+                        if first is None:
+                            first, fax, is_data = x, e[1], True
+                        continue
+                    got = tap._not_data(k, x)
+                    if got is True:
+                        is_data = True
+                    elif got is not None:
+                        if tracked is None:
+                            tracked = [got]
+                        else:
+                            tracked.append(got)
+        grad = torch.is_grad_enabled()  # off: e.g. inside a custom autograd.Function (follow the batch)
+        if grad and is_data and func is F.batch_norm:
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
             if training or args[1] is None:
                 tap._taint_before(args[0], "F.batch_norm (batch statistics)")
-        if not tracked:
+        if tracked is None or not grad:
             out = func(*args, **kwargs)
             if is_data:
-                tap._carry(func, args, kwargs, first, out)
-                if func in _LOSS_FUNCTIONS:
+                if isinstance(out, Tensor):  # one output: its mark set here
+                    if fax is None or tap._batch is None:
+                        ax = None
+                    elif (getattr(func, "__name__", "") not in _RULED and out.shape == first.shape
+                            and fax[0] < out.dim()):
+                        ax = fax  # the common case: what axes.carry gives without its rules
+                    else:
+                        ax = axes.carry(func, args, kwargs, first, fax, [out], tap._batch)[0]
+                    data[id(out)] = (_ref(out), ax)
+                    if len(data) > tap._data._limit:
+                        tap._data.sweep()
+                else:
+                    tap._carry(func, args, kwargs, first, fax, out)
+                if grad and func in _LOSS_FUNCTIONS:
                     _note_functional_loss(func, kwargs, out, tap._batch)
             return out
         if not is_data:
@@ -582,14 +635,14 @@ class _UseMode(TorchFunctionMode):
             names = frozenset().union(*(t[2] for t in tracked))
             for o in _outputs(out):
                 if o.requires_grad:
-                    derived[o] = names
+                    tap._derived[o] = names
             return out
         if ops.is_inplace(func):  # keep the inputs as they were for the per-sample rule
-            saved = tuple(a.clone() if isinstance(a, Tensor) and a in data else a for a in args)
+            saved = tuple(a.clone() if isinstance(a, Tensor) and a in tap._data else a for a in args)
         else:
             saved = args
         out = func(*args, **kwargs)
-        tap._carry(func, args, kwargs, first, out)
+        tap._carry(func, args, kwargs, first, fax, out)
         tap._meet(func, saved, kwargs, tracked, out)
         return out
 
@@ -625,8 +678,13 @@ class Tap:
         self._hint = _hints(model)
         self._mode = _UseMode(self)
         self._mode_depth = 0
+        #: how deep the forward is inside closed-form sites: their inner calls are theirs
         self._skip = 0
-        self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _pre)
+        #: the outermost site being run took the mode off the torch-function stack (it was the
+        #: innermost mode): its inner calls and the site hooks' own bookkeeping then pay no
+        #: dispatch; its post-hook puts the mode back
+        self._mode_out = False
+        self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _module_hooks)
         self._batch: int | None = None
         self._batch_dim = declared_batch_dim(model)
         #: the model runs under torch.compile (set by the Lens): while installed, the compiler's
@@ -657,6 +715,7 @@ class Tap:
         self.remove()
         self.params = dict(params)
         self._pid = {id(p): q for q, p in self.params.items()}
+        self._single = {q: frozenset((q,)) for q in self.params}
         self.sites: dict[int, tuple[nn.Module, Site | None]] = {}
         self._names = {id(m): n for n, m in self.model.named_modules()}
         for name, mod in self.model.named_modules():
@@ -703,10 +762,13 @@ class Tap:
         for mod in root.modules():
             entry = self.sites.get(id(mod))
             site_mod = entry is not None
-            pre = self._pre(mod, site_mod)
-            post = self._site_post(mod, entry[1]) if site_mod else (lambda m, a, o: tap._post(m, a, o))
-            if mod is not root:  # a submodule called on its own (not through the model) is a root
-                pre, post = self._as_root(pre, post)
+            if (mod is not root and not site_mod and elementwise(mod) and "forward" not in mod.__dict__
+                    and id(mod) not in self._declared):
+                # its forward does what its hooks would (opens the forward when called on its own)
+                mod.forward = _TrackedForward(_elementwise_forward, mod, self)
+                self._replaced.append(mod)
+                continue
+            pre, post = self._module_hooks(mod, entry[1] if site_mod else None, site_mod, mod is root)
             self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=mod is not root))
             self._handles.append(mod.register_forward_hook(post, always_call=True))
             fwd = forward_for(mod)
@@ -747,9 +809,11 @@ class Tap:
         for mod in self._replaced:
             mod.__dict__.pop("forward", None)
         self._replaced = []
-        while self._mode_depth:
-            self._mode_depth -= 1
-            self._mode.__exit__(None, None, None)
+        if self._mode_depth:  # removed inside a tracked forward: the mode is on the stack once
+            self._mode_depth = 0
+            if not self._mode_out:
+                self._mode.__exit__(None, None, None)
+        self._mode_out = False
         self._skip = 0
         self._hooks_gen += 1  # hooks made before this removal do nothing if torch still runs them
 
@@ -781,7 +845,10 @@ class Tap:
         if self._mode_depth:
             self._mode_depth -= 1
             if self._mode_depth == 0:
-                self._mode.__exit__(None, None, None)
+                if self._mode_out:  # (not reached: a site's post-hook always puts it back)
+                    self._mode_out = False
+                else:
+                    self._mode.__exit__(None, None, None)
                 outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
                 data = self._data
                 self.output_nodes = {
@@ -789,44 +856,131 @@ class Tap:
                 }
         return None
 
-    def _pre(self, mod: nn.Module, site: bool):
+    def _module_hooks(self, mod: nn.Module, site: Site | None, is_site: bool, is_root: bool):
+        """The forward pre-hook and (always called) forward hook of ``mod``:
+
+        * a submodule called on its own (``model.encoder(x)``, not inside the model's own
+          forward) opens and closes the tracked forward (a root);
+        * a module that says where its samples are (``batch_first``) checks its input's axis;
+        * a closed-form site (a module with a kernel in the registry): its inner calls are its
+          own (the mode steps off the torch-function stack for them, or passes them through),
+          and its use is noted in the post-hook (:meth:`_site_use`).
+        """
         declared = self._declared.get(id(mod))
         gen = self._hooks_gen
+        use = self._site_use(mod, site) if is_site else None
+        entered: list[bool] = []  # per call of a submodule: whether it opened the forward
 
-        def pre(module, args):
-            if gen != self._hooks_gen:  # removed (and reinstalled) earlier in this forward
+        def pre(module, args, kwargs=None):  # kwargs too: hf_model(input_ids=..., labels=...)
+            if not is_root:
+                first = self._mode_depth == 0 and torch.is_grad_enabled() and not _in_functorch()
+                entered.append(first)
+                if first:
+                    self._root_pre(module, args, kwargs)
+            if gen != self._hooks_gen or not self._mode_depth:  # (stale: removed earlier in this forward)
                 return None
-            if declared is not None and self._mode_depth and args and isinstance(args[0], Tensor):
+            if declared is not None and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
-            if site and self._mode_depth:
+            if is_site:
+                if not self._skip and compat.top_function_mode() is self._mode:
+                    self._mode.__exit__(None, None, None)  # back in the site's post-hook
+                    self._mode_out = True
                 self._skip += 1
             return None
 
-        return pre
-
-    def _as_root(self, pre, post):
-        """Hooks of a submodule that also open the tracked forward when it is called directly
-        (``model.encoder(x)``), not inside the model's own forward."""
-        entered: list[bool] = []
-
-        def pre_(module, args, kwargs):  # kwargs too: hf_model(input_ids=..., labels=...)
-            first = self._mode_depth == 0 and torch.is_grad_enabled() and not _in_functorch()
-            entered.append(first)
-            if first:
-                self._root_pre(module, args, kwargs)
-            return pre(module, args)
-
-        def post_(module, args, output):
+        def site_post(module, args, output):
+            if not self._mode_depth:
+                return None
+            self._skip -= 1
             try:
-                return post(module, args, output)
+                return use(module, args, output)
+            finally:
+                if self._mode_out and not self._skip:  # the outermost site: the mode back on
+                    self._mode_out = False
+                    self._mode.__enter__()
+
+        if is_root:
+            return pre, (site_post if is_site else _no_post)
+
+        def post(module, args, output):
+            try:
+                return site_post(module, args, output) if is_site else None
             finally:
                 if entered and entered.pop():
                     self._root_post(module, args, output)
 
-        return pre_, post_
+        return pre, post
 
-    def _post(self, module, args, output):
-        return None
+    def _site_use(self, mod: nn.Module, site: Site | None):
+        """The post-hook work of a closed-form site: its output takes the sample axis of its
+        input (or its derived names), and its output gradient is hooked for the Meter."""
+        routed = site is not None and _routes_param_grads(mod, site.kernel)
+        stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
+        is_embedding = isinstance(mod, nn.Embedding)
+        may_fuse = type(mod) is nn.Linear  # (only nn.Linear runs a fused forward)
+        data = self._data
+
+        def use(module, args, output):
+            nonlocal site
+            if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
+                return None
+            kernel = kernel_for(module) if stateful else None
+            if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
+                site = Site(site.name, module, kernel, site.params)
+            a = args[0]
+            e = data._d.get(id(a))
+            if e is not None and e[0]() is a and e[1] is not None:
+                ax = e[1]  # data, with the axis carried to it
+            elif self._is_data(a):
+                ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
+            else:
+                if site is not None and output.requires_grad:
+                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
+                    self._derived[output] = names
+                elif a in self._derived and output.requires_grad:
+                    self._derived[output] = self._derived[a]
+                return None
+            if is_embedding and ax is None and a.dim() <= 1:
+                ax = (0, 1)  # ids [B]: one id per sample
+            data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
+            if getattr(kernel, "mixes_samples", False):
+                self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
+            if site is None or not output.requires_grad:
+                return None
+            batch = self._batch
+            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
+                self._refuse_axis(
+                    output,
+                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
+                )
+                return None
+            ax, factor = ax
+            uses = self.uses
+            for q in site.params.values():
+                uses[q] = uses.get(q, 0) + 1
+            a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
+            via: frozenset = _NOTHING  # attributes whose dL/dp of this call autograd reports
+            if routed and self.on_weight_grad is not None:
+                with compat.no_torch_function():
+                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
+            on_use, fid = self.on_use, self.forward_id
+            wg = getattr(output, "_gradlens_weight_grad", None) if may_fuse else None
+            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
+
+                def hook(g):
+                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
+
+            else:
+
+                def hook(g):
+                    return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
+
+            with compat.no_torch_function():  # bookkeeping, not a call of the forward
+                compat.add_tensor_hook(output, hook)
+            return None
+
+        return use
 
     # ------------------------------------------------------------------ the sample axis
     def _check_declared(self, module: nn.Module, declared: tuple[str, int], x: Tensor) -> None:
@@ -844,13 +998,46 @@ class Tap:
                 f"{want} of its input {tuple(x.shape)}, but the model's input put them on dim {ax[0]}"
             )
 
-    def _carry(self, func, args, kwargs, first, out) -> None:
-        """Every output of a data operation is data, with the sample axis its rule gives."""
-        outs = _outputs(out)
+    def _unary(self, x: Tensor, out: Any) -> None:
+        """The marks the mode gives ``out``, computed from ``x`` alone by elementwise operations
+        (an output of ``x``'s shape; see :func:`_elementwise_forward`): ``x``'s sample axis if
+        ``x`` is data (None for data the mode did not see made), its names if ``x`` is a
+        tracked parameter or derived from parameters only (with grad enabled), else nothing."""
+        if not isinstance(out, Tensor):
+            return
+        e = self._data._d.get(id(x))
+        if e is not None and e[0]() is x:
+            self._data[out] = e[1] if out.shape == x.shape else None
+            return
+        got = self._not_data(0, x)
+        if got is True:
+            self._data[out] = None
+        elif got is not None and torch.is_grad_enabled() and out.requires_grad:
+            self._derived[out] = got[2]
+
+    def _not_data(self, pos, x: Tensor):
+        """A tensor argument without a data mark, at ``pos``: ``(pos, x, names)`` for a tracked
+        parameter or a tensor derived from parameters only, True for a tensor that requires
+        grad without either (computed by something the mode did not see, e.g. a custom kernel:
+        data), else None (a constant)."""
+        q = self._pid.get(id(x))
+        if q is not None and x is self.params[q]:
+            return (pos, x, self._single[q])
+        e = self._derived._d.get(id(x))
+        if e is not None and e[0]() is x and e[1]:
+            return (pos, x, e[1])
+        if x.requires_grad and not isinstance(x, nn.Parameter):
+            return True
+        return None
+
+    def _carry(self, func, args, kwargs, first: Tensor | None, ax: Any, out) -> None:
+        """Every output of a data operation is data, with the sample axis its rule gives
+        (``first`` the operation's first data argument, ``ax`` its axis)."""
+        outs = [out] if isinstance(out, Tensor) else _outputs(out)
         if first is None:
             axs = [None] * len(outs)
         else:
-            axs = axes.carry(func, args, kwargs, first[0], first[1], outs, self._batch)
+            axs = axes.carry(func, args, kwargs, first, ax, outs, self._batch)
         data = self._data
         for o, ax in zip(outs, axs):
             data[o] = ax
@@ -890,69 +1077,6 @@ class Tap:
         if x in self._data:
             return True
         return x.requires_grad and x not in self._derived and id(x) not in self._pid
-
-    def _site_post(self, mod: nn.Module, site: Site | None):
-        routed = site is not None and _routes_param_grads(mod, site.kernel)
-        stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
-
-        def post(module, args, output):
-            nonlocal site
-            if not self._mode_depth:
-                return None
-            self._skip -= 1
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and args and isinstance(args[0], Tensor)):
-                return None
-            kernel = kernel_for(module) if stateful else None
-            if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
-                site = Site(site.name, module, kernel, site.params)
-            mixes = getattr(kernel, "mixes_samples", False)
-            a = args[0]
-            if not self._is_data(a):
-                if site is not None and output.requires_grad:
-                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
-                    self._derived[output] = names
-                elif a in self._derived and output.requires_grad:
-                    self._derived[output] = self._derived[a]
-                return None
-            ax = self.axis_of(a)
-            if isinstance(module, nn.Embedding) and a.dim() <= 1 and ax is None:
-                ax = (0, 1)  # ids [B]: one id per sample
-            self._data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
-            if mixes:
-                self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
-            if site is None or not output.requires_grad:
-                return None
-            batch = self._batch
-            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
-                self._refuse_axis(
-                    output,
-                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
-                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
-                )
-                return None
-            ax, factor = ax
-            for q in site.params.values():
-                self.uses[q] += 1
-            a_b = _batch_first(a, ax, factor, batch)
-            via: frozenset = frozenset()  # attributes whose dL/dp of this call autograd reports
-            if routed and self.on_weight_grad is not None:
-                with compat.no_torch_function():
-                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
-            on_use, fid = self.on_use, self.forward_id
-            wg = getattr(output, "_gradlens_weight_grad", None)
-            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
-
-                def fused_hook(g):
-                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
-
-                with compat.no_torch_function():  # bookkeeping, not a call of the forward
-                    output.register_hook(fused_hook)
-                return None
-            with compat.no_torch_function():
-                output.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid))
-            return None
-
-        return post
 
     # ------------------------------------------------------------------ operations
     def _meet(self, func, args, kwargs, tracked, out) -> None:
@@ -994,7 +1118,7 @@ class Tap:
                     self.uses[q] += 1
                 a_b = _batch_first(args[0], ax, factor, batch)
                 on_use, fid = self.on_use, self.forward_id
-                out.register_hook(lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
+                compat.add_tensor_hook(out, lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
                 return
         detached = tuple(
             a.detach() if isinstance(a, Tensor) else
@@ -1007,7 +1131,7 @@ class Tap:
             for q in names:
                 self.uses[q] += 1
         on_op_use = self.on_op_use
-        out.register_hook(lambda g: on_op_use(use, g))
+        compat.add_tensor_hook(out, lambda g: on_op_use(use, g))
 
     def _taint_before(self, x: Tensor, layer: str) -> None:
         """Every tracked parameter whose output reaches ``x`` (the input of a layer that mixes
@@ -1185,6 +1309,10 @@ def _in_functorch() -> bool:
     return compat.in_functorch_transform()
 
 
+def _no_post(module, args, output) -> None:
+    return None
+
+
 class _TrackedForward:
     """``module.forward`` during tracked windows (a registered tracked-window forward). A deep
     copy of the module taken meanwhile gets the module's own forward back."""
@@ -1204,7 +1332,7 @@ class WeightGrad:
     """One call of a fused ``nn.Linear`` (:func:`_fused_linear_forward`): its dL/dW when the
     Meter formed it while measuring the call (the sum of the per-sample gradients it
     materialised anyway, divided by the per-sample scale), else None and the call's backward
-    computes it. Written only by the output hook of :meth:`Tap._site_post` (from the value
+    computes it. Written only by the output hook of :meth:`Tap._site_use` (from the value
     :meth:`gradlens.measure.Meter.on_use` returns), read by :class:`_FusedLinear`."""
 
     __slots__ = ("value",)
@@ -1262,6 +1390,39 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
         out._gradlens_weight_grad = holder
         return out
     return F.linear(x, module.weight, module.bias)
+
+
+def _elementwise_forward(module: nn.Module, tap: "Tap", *args, **kwargs):
+    """The forward of a parameter-free elementwise module (:func:`gradlens.registry.elementwise`:
+    dropout, activations) during tracked windows, instead of the Tap's module hooks: its own
+    forward, run with the mode off the torch-function stack when the mode is the innermost one
+    (back on after it, also on an exception); its output then takes the marks that following
+    its operations one by one gives (:meth:`Tap._unary`). Called on its own (not inside the
+    model's forward), it opens and closes the tracked forward, as the hooks of any other
+    submodule do. The module's own hooks run as usual, with the mode on."""
+    if not tap._mode_depth and torch.is_grad_enabled() and not _in_functorch():
+        tap._root_pre(module, args, kwargs)  # called on its own: a root
+        out = None
+        try:
+            out = _elementwise_forward(module, tap, *args, **kwargs)
+            return out
+        finally:
+            tap._root_post(module, args, out)
+    fwd = type(module).forward
+    if (kwargs or len(args) != 1 or not isinstance(args[0], Tensor) or not tap._mode_depth or tap._skip
+            or tap._mode_out or compat.top_function_mode() is not tap._mode):
+        return fwd(module, *args, **kwargs)
+    x = args[0]
+    tap._mode.__exit__(None, None, None)
+    tap._mode_out = True
+    try:
+        out = fwd(module, x)
+        tap._unary(x, out)  # (with the mode off: its metadata reads are not calls of the forward)
+    finally:
+        if tap._mode_out:  # (unless the Tap was removed meanwhile)
+            tap._mode_out = False
+            tap._mode.__enter__()
+    return out
 
 
 #: autograd nodes of one-call layer forwards whose inputs include the layer's parameters

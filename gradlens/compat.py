@@ -12,6 +12,7 @@ torch 2.1 unless an entry says otherwise.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,7 +28,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
-    "in_functorch_transform", "no_torch_function", "storage_use_count", "queue_backward_callback", "tensor_version",
+    "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
     "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
@@ -105,6 +106,42 @@ def in_functorch_transform() -> bool:
 #: (modes and subclasses), so a hook's own bookkeeping (``Tensor.register_hook``) inside a
 #: tracked forward does not go through gradlens' mode. Its absence fails at import here.
 no_torch_function = torch._C.DisableTorchFunction
+
+
+def top_function_mode() -> Any:
+    """The innermost active ``TorchFunctionMode`` (the one the next torch call goes to), or
+    None: ``torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)`` (what
+    ``torch.overrides._get_current_function_mode`` reads). Inside a mode's own
+    ``__torch_function__`` that mode is popped, so it is not the top there. Falls back to None
+    if the API is gone (callers then leave the stack as it is)."""
+    try:
+        n = _len_function_stack()
+        return _function_stack_at(n - 1) if n > 0 else None
+    except Exception:  # pragma: no cover - guarded by tests/test_compat.py
+        return None
+
+
+_len_function_stack = getattr(torch._C, "_len_torch_function_stack", None)
+_function_stack_at = getattr(torch._C, "_get_function_stack_at", None)
+
+
+def add_tensor_hook(t: Tensor, hook: Callable[[Tensor], Any]) -> None:
+    """``t.register_hook(hook)`` without its handle (the hook stays for ``t``'s lifetime), at a
+    fraction of its Python cost: what ``Tensor.register_hook`` does, done directly. ``hook``
+    goes last in ``t._backward_hooks`` (the ordered dict of hooks that autograd calls with the
+    gradient of ``t``; created and registered on ``t.grad_fn`` with
+    ``grad_fn._register_hook_dict(t)`` by the first hook), keyed by itself, so that the keys of
+    ``register_hook``'s handles (ints) never meet it. ``t`` must require grad and not be a
+    tensor subclass with ``__torch_function__`` (those go through ``register_hook``)."""
+    if (type(t) is not Tensor and type(t) is not nn.Parameter) or not t.requires_grad:
+        t.register_hook(hook)  # (raises for a tensor that does not require grad)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        t._backward_hooks = hooks = OrderedDict()
+        if t.grad_fn is not None:
+            t.grad_fn._register_hook_dict(t)
+    hooks[hook] = hook
 
 
 def storage_use_count(t: Tensor) -> int | None:

@@ -14,6 +14,10 @@ Every trainable parameter is tracked, whatever module or function uses it (see
 - **per operation** (everything else): the capture follows each parameter to the operations
   that consume it and applies the exact per-operation rule (see :mod:`gradlens.ops`).
 
+Parameter-free elementwise modules (dropout, activations; :func:`elementwise`) are a shortcut
+of the capture, not a kind of layer: their outputs are marked as following their operations
+would mark them, without the calls.
+
 Users register kernels for their own layers::
 
     class MyKernel(gradlens.kernels.Kernel):
@@ -114,6 +118,32 @@ def forward_for(module: nn.Module) -> Callable | None:
     """The tracked-window forward registered for ``type(module)`` (exact class), or None."""
     got = _FORWARDS.get(type(module))
     return got[0] if got else None
+
+
+#: parameter-free modules whose forward is elementwise in its one tensor argument (dropout,
+#: activations), by class or dotted name, exact class only: during tracked windows the mode
+#: steps aside for their forward and the output takes the input's sample axis (or its derived
+#: names): what following their operations one by one gives, without the calls. Not part of
+#: :func:`supported_layers` (their outputs are captured as before; only cheaper).
+_ELEMENTWISE: frozenset = frozenset(
+    [nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish,
+     nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+     nn.LogSigmoid, nn.Hardshrink, nn.Softshrink, nn.Threshold]
+    + [f"transformers.activations.{n}" for n in (
+        "GELUTanh", "NewGELUActivation", "GELUActivation", "SiLUActivation", "FastGELUActivation",
+        "QuickGELUActivation", "ClippedGELUActivation", "AccurateGELUActivation", "MishActivation",
+        "ReLUSquaredActivation", "SqrtSoftplusActivation", "PytorchGELUTanh")]
+)
+
+
+def elementwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a parameter-free elementwise module of :data:`_ELEMENTWISE` (its
+    exact class; no parameters of its own)."""
+    cls = type(module)
+    if cls not in _ELEMENTWISE and _qualname(cls) not in _ELEMENTWISE:
+        return False
+    return next(module.parameters(), None) is None
 
 
 def _display(key: type | str) -> str:

@@ -135,6 +135,54 @@ def test_no_torch_function():
     _check("no_torch_function", inside.requires_grad and outside.requires_grad, "results lost their autograd graph")
 
 
+def test_top_function_mode():
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append((self, compat.top_function_mode()))
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    outer, inner = Mode(), Mode()
+    with _entry("top_function_mode"):
+        before = compat.top_function_mode()
+        with outer:
+            in_outer = compat.top_function_mode()
+            with inner:
+                in_inner = compat.top_function_mode()
+                torch.ones(1) + 1  # inner's __torch_function__ runs with inner popped
+            after_inner = compat.top_function_mode()
+        after = compat.top_function_mode()
+    _check("top_function_mode", before is None and after is None, f"outside any mode it gave {before!r}, {after!r}")
+    _check("top_function_mode", in_outer is outer and after_inner is outer, "not the one mode entered")
+    _check("top_function_mode", in_inner is inner, "not the innermost of two modes")
+    below = {inner: outer, outer: None}
+    _check("top_function_mode", seen and all(top is below[m] for m, top in seen),
+           f"inside a mode's own __torch_function__ it gave {seen!r} (expected the mode below it)")
+
+
+def test_add_tensor_hook():
+    seen = []
+    x = torch.randn(3, requires_grad=True)
+    with _entry("add_tensor_hook"):
+        y = x * 2
+        compat.add_tensor_hook(y, lambda g: seen.append(("first", g.clone())))
+        handle = y.register_hook(lambda g: seen.append(("public", g.clone())) or g * 10)
+        compat.add_tensor_hook(y, lambda g: seen.append(("last", g.clone())))
+        other = y.register_hook(lambda g: seen.append(("removed", g)))
+        other.remove()  # a handle's removal leaves the hooks added here
+        compat.add_tensor_hook(x, lambda g: seen.append(("leaf", g.clone())))
+        (y * torch.arange(3.0)).sum().backward()
+    order = [name for name, _ in seen]
+    _check("add_tensor_hook", order == ["first", "public", "last", "leaf"],
+           f"hooks ran as {order} (expected in the order added, a removed handle's hook gone)")
+    g = dict(seen)
+    _check("add_tensor_hook", torch.equal(g["first"], torch.arange(3.0)) and torch.equal(g["last"], 10 * torch.arange(3.0)),
+           "a hook did not get the gradient as register_hook's hooks do (each after the ones before)")
+    _check("add_tensor_hook", torch.equal(x.grad, 20 * torch.arange(3.0)) and torch.equal(g["leaf"], x.grad),
+           "the gradient that flowed on is not the one the hooks returned")
+    del handle
+
+
 def test_storage_use_count():
     t = torch.empty(6)
     with _entry("storage_use_count"):
