@@ -58,7 +58,8 @@ def stack_key(site: Site, split: list) -> tuple | None:
 
 def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple) -> bool:
     """Keep a single use for :func:`measure` (True) if it fits; False: measure it now.
-    ``static``: its :func:`stack_key`."""
+    ``delta``: its output gradient as autograd gave it (:func:`measure` applies the micro-step's
+    per-sample scale to the norms); ``static``: its :func:`stack_key`."""
     size = a.numel() + delta.numel()
     if size > SMALL_USE or micro.stacked_elements + size > STACK_BUDGET:
         return False
@@ -74,6 +75,7 @@ def measure(meter, micro: MicroStep) -> None:
     shared parameters (each one's g_n summed over its uses), through ``meter`` (the
     :class:`gradlens.measure.Meter` whose micro-step ends)."""
     acc = {"sum_grad_squared": meter.window.sum_grad_squared, "grad_sum": meter.window.grad_sum}  # (untouched)
+    sq = micro.scale() ** 2 if micro.stacked else 1.0  # the uses' output gradients are kept unscaled
     for uses in micro.stacked.values():
         site0, _, _, split0 = uses[0]
         b, k = uses[0][2].shape[0], len(uses)
@@ -84,10 +86,10 @@ def measure(meter, micro: MicroStep) -> None:
             for part in site0.kernel.reduce(site0.module, a, d, {"batch_l2"}, names, acc, ()):
                 rows = part.view(k, b)
                 if len(groups) == 1:
-                    meter._add_l2(micro, rows.sum(0) if k > 1 else rows[0], next(iter(groups)))
+                    meter._add_l2(micro, (rows.sum(0) if k > 1 else rows[0]) * sq, next(iter(groups)))
                 else:
                     for i, u in enumerate(uses):
-                        meter._add_l2(micro, rows[i], u[3][j][0])
+                        meter._add_l2(micro, rows[i] * sq, u[3][j][0])
     micro.stacked, micro.stacked_elements = {}, 0
     linear: dict[tuple, list] = {}
     for site, a, delta in micro.linear_uses:

@@ -429,18 +429,22 @@ class Meter(WindowGradient):
             micro.seen.update(names.values())
             single = [attr for attr, q in names.items() if uses[q] <= 1]
             shared = [attr for attr in names if attr not in single]
-            # per-sample units; kept unscaled (with the scale) where only BatchDot reads it
-            delta = raw * scale if shared or not self.plan.carry_scale else None
+            # per-sample units; kept unscaled (with the scale) where only BatchDot reads it, or
+            # where the use is stacked (deferred.measure scales its norms)
+            delta = None
             if single:
                 part = site if len(single) == len(site.params) else site.only(single)
                 wg = (slot, scale) if slot is not None and "weight" in single else None
-                if delta is None:
+                if self.plan.carry_scale:
                     self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
                     via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
-                    if not (self._stacks and wg is None and self._stack(micro, part, a, delta, via)):
+                    if not (self._stacks and wg is None and self._stack(micro, part, a, raw, via)):
+                        delta = raw * scale
                         self._measure(part, a, delta, micro, via, wg)
             if shared:
+                if delta is None:
+                    delta = raw * scale
                 part = site.only(shared)
                 if part.kernel.kind == "linear":
                     micro.linear_uses.append((part, a, delta))
