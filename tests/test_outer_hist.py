@@ -129,13 +129,13 @@ def test_outer_hist_exact_whatever_the_search_guesses(b, i, bins, lo, width, see
         a = a.round()  # runs of equal inputs
     hi = lo + width
 
-    def wrong(asc, sample, t):
-        w = asc.shape[1]
+    def wrong(tab, t, x):
+        w = tab.shape[1]
         if guess == "zero":
-            return torch.zeros_like(sample)
+            return torch.zeros_like(t)
         if guess == "all":
-            return torch.full_like(sample, w)
-        return torch.randint(0, w + 1, sample.shape, generator=torch.Generator().manual_seed(seed))
+            return torch.full_like(t, w)
+        return torch.randint(0, w + 1, t.shape, generator=torch.Generator().manual_seed(seed))
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(oh, "_below", wrong)

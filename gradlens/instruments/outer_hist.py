@@ -63,86 +63,83 @@ def _runs(asc: Tensor) -> tuple[Tensor, Tensor]:
 
 def _below(asc: Tensor, sample: Tensor, t: Tensor) -> Tensor:
     """``#{j: asc[sample[q], j] < t[q]}`` for each query q (``sample`` ascending): one batched
-    ``searchsorted`` over the samples' rows, the queries of each sample padded to the longest."""
+    ``searchsorted`` over the rows of ``asc``, the queries of each row padded to the longest."""
     b, w = asc.shape
     counts = torch.bincount(sample, minlength=b)
     widest = int(counts.max())
-    if b * widest > 4 * sample.numel() + 4096:  # very uneven: one search per sample
-        out = torch.empty_like(sample)
-        first = 0
-        for n, c in enumerate(counts.tolist()):
-            if c:
-                out[first:first + c] = torch.searchsorted(asc[n], t[first:first + c])
-                first += c
-        return out
     slot = torch.arange(sample.numel(), device=sample.device) - (torch.cumsum(counts, 0) - counts)[sample]
-    at = sample * widest + slot  # flat positions in the padded [B, widest] queries
+    at = sample * widest + slot
     padded = asc.new_full((b * widest,), math.inf)
     padded[at] = t
     return torch.searchsorted(asc, padded.view(b, widest)).view(-1)[at]
 
-
 class _Rows:
-    """The rows ``r = n * O + i`` of the products ``delta[n, i] * a[n, j]``, each in ascending
-    order of its products: rank j of row r is ``asc[n, j]`` for ``delta >= 0`` and
-    ``asc[n, I - 1 - j]`` for ``delta < 0``."""
+    """The rows ``r = n * O + i`` of the products ``delta[n, i] * a[n, j]``, each ascending:
+    row r reads table row ``t_r`` of ``tab [2B, I]`` (``n``: a_n ascending, for ``delta >= 0``;
+    ``B + n``: -a_n reversed, ascending, for ``delta < 0``) with multiplier ``m_r = |delta|``,
+    so that its rank-j product ``m_r * tab[t_r, j]`` is the very float ``delta * a`` (negation is
+    exact) and rises with j."""
 
     def __init__(self, delta: Tensor, a: Tensor):
         b, o = delta.shape
         self.width = a.shape[1]
         self.steps = max(1, math.ceil(math.log2(self.width + 1)))
-        self.asc = a.sort(dim=1).values  # [B, I]
-        self.flat = self.asc.reshape(-1)
-        self.d = delta.reshape(-1)
-        self.o = o
+        asc = a.sort(dim=1).values
+        self.tab = torch.cat([asc, asc.flip(1).neg()])  # [2B, I], every row ascending
+        self.flat = self.tab.reshape(-1)
+        d = delta.reshape(-1)
+        self.m = d.abs()
+        self.t = torch.arange(b, device=d.device).repeat_interleave(o) + b * (d < 0)
+        #: the rows in ascending order of their table row (queries made in this order are)
+        self.order = torch.argsort(self.t, stable=True)
         self._runs = None
 
-    def first_below(self, rows: Tensor, limit: Tensor) -> Tensor:
-        """For each query q (rows ``rows`` ascending, ``limit`` of the products' dtype, one per
-        query), how many products of row ``rows[q]`` are ``< limit[q]``: the first rank j in
-        [0, I] whose product is not below it.
+    def first_below(self, t: Tensor, m: Tensor, limit: Tensor) -> Tensor:
+        """For each query q (table rows ``t`` ascending, multipliers ``m``, ``limit`` of the
+        products' dtype), how many products ``m[q] * tab[t[q], j]`` are ``< limit[q]``: the first
+        rank j in [0, I] whose product is not below it.
 
-        The rank is first read from the sorted inputs (limit / delta by ``searchsorted``: exact
-        up to the rounding of that quotient and of the products), then moved over runs of equal
-        inputs until the product of rank j - 1 is below the limit and that of rank j is not (the
-        very float products the materialised path forms); the few queries that do not settle
-        within 4 moves get a binary search over the products."""
+        The rank is first read from the table (limit / m by ``searchsorted``: exact up to the
+        rounding of that quotient and of the products), then the queries it does not settle are
+        moved over runs of equal entries until the product of rank j - 1 is below the limit and
+        that of rank j is not (the very float products the materialised path forms); the few
+        that do not settle within 4 moves get a binary search over the products."""
         w, top = self.width, self.width - 1
-        n = torch.div(rows, self.o, rounding_mode="floor")
-        d = self.d[rows]
-        neg = d < 0
-        base = n * w
+        base = t * w
+        flat = self.flat
 
         def below(j: Tensor, q: Tensor | None = None) -> Tensor:  # is the product of rank j < limit?
             if q is None:
-                return d * self.flat[base + torch.where(neg, top - j, j)] < limit
-            return d[q] * self.flat[base[q] + torch.where(neg[q], top - j, j)] < limit[q]
+                return m * flat[base + j] < limit
+            return m[q] * flat[base[q] + j] < limit[q]
 
-        found = _below(self.asc, n, (limit.double() / d.double()).to(self.asc.dtype))
-        j = torch.where(neg, w - found, found)  # ranks whose product lies below the limit
-        zero = d == 0  # every product is +-0: all ranks or none lie below the limit
+        j = _below(self.tab, t, (limit.double() / m.double()).to(self.tab.dtype))
+        zero = m == 0  # every product is +-0: all ranks or none lie below the limit
         if bool(zero.any()):
             j = torch.where(zero, torch.where(below(torch.zeros_like(j)), w, 0), j)
         if self._runs is None:
-            self._runs = _runs(self.asc)
-        start, end = (t.reshape(-1) for t in self._runs)
+            self._runs = tuple(r.reshape(-1) for r in _runs(self.tab))
+        start, end = self._runs
 
-        def wrong(j):  # rank j - 1 is not below (too far), or rank j is (not far enough)
-            left = (j > 0) & ~below((j - 1).clamp(min=0))
-            right = (j < w) & below(j.clamp(max=top))
+        def wrong(j, q=None):  # rank j - 1 is not below (too far), or rank j is (not far enough)
+            left = (j > 0) & ~below((j - 1).clamp(min=0), q)
+            right = (j < w) & below(j.clamp(max=top), q)
             return left, right
 
-        for _ in range(4):
-            left, right = wrong(j)
-            if not bool((left | right).any()):
-                return j
-            # jump over the run of equal inputs at the rank in question (ranks reversed if delta < 0)
-            k = torch.where(left, j - 1, j).clamp(0, top)
-            col = base + torch.where(neg, top - k, k)
-            s, e = start[col], end[col]
-            j = torch.where(left, torch.where(neg, w - e, s), torch.where(right, torch.where(neg, w - s, e), j))
         left, right = wrong(j)
         bad = (left | right).nonzero().squeeze(1)
+        left, right = left[bad], right[bad]
+        for _ in range(4):  # only the queries not settled yet
+            if not bad.numel():
+                return j
+            # jump over the run of equal entries at the rank in question
+            jb = j[bad]
+            col = base[bad] + torch.where(left, jb - 1, jb).clamp(0, top)
+            jb = torch.where(left, start[col], torch.where(right, end[col], jb))
+            j[bad] = jb
+            left, right = wrong(jb, bad)
+            still = left | right
+            bad, left, right = bad[still], left[still], right[still]
         if bad.numel():
             j[bad] = _first_false(lambda r, jj: below(jj, bad[r]), torch.arange(bad.numel(), device=j.device),
                                   w, self.steps)
@@ -177,32 +174,35 @@ def outer_hist1d(
     f, l = bin_of(vmin, lo, hi, bins), bin_of(vmax, lo, hi, bins)
     span = l - f
     pairs = int(span.sum())
-    low_rows = (vmin < lo).nonzero().squeeze(1)
-    high_rows = (vmax > hi).nonzero().squeeze(1)
-    if pairs + low_rows.numel() + high_rows.numel() > max_cost * delta.numel() * width:
+    low_mask, high_mask = vmin < lo, vmax > hi
+    if pairs + int(low_mask.sum()) + int(high_mask.sum()) > max_cost * delta.numel() * width:
         return None
-    rows = _Rows(delta, a)
-    counts = torch.bincount(l, minlength=bins) * width
-    dtype, dev = rows.asc.dtype, delta.device
+    dtype, dev = a.dtype, delta.device
     thresholds = bin_thresholds(lo, hi, bins, dtype, dev) if pairs else None
     if pairs and thresholds is None:
         return None
-    if pairs:
-        rows_all = torch.arange(rows.d.numel(), device=dev)
-        r = torch.repeat_interleave(rows_all, span)
-        first = torch.cumsum(span, 0) - span
-        k = f[r] + 1 + (torch.arange(pairs, device=dev) - first[r])  # the bins each row enters
-        # the products of row r in bins < k are those < thresholds[k]
-        pos = rows.first_below(r, thresholds[k])
+    rows = _Rows(delta, a)
+    counts = torch.bincount(l, minlength=bins) * width
+    order = rows.order
+    if pairs:  # every bin edge a row crosses, the rows in table order
+        sp = span[order]
+        t = torch.repeat_interleave(rows.t[order], sp)
+        m = torch.repeat_interleave(rows.m[order], sp)
+        first = torch.cumsum(sp, 0) - sp
+        k = torch.repeat_interleave(f[order] + 1 - first, sp) + torch.arange(pairs, device=dev)  # the bins entered
+        # the products of a row in bins < k are those < thresholds[k]
+        pos = rows.first_below(t, m, thresholds[k])
         counts.index_add_(0, k - 1, pos)
         counts.index_add_(0, k, -pos)
     low = torch.zeros((), dtype=torch.int64)
-    if low_rows.numel():  # x < lo as the dense path compares: in the products' dtype
-        low = rows.first_below(low_rows, torch.full(low_rows.shape, lo, dtype=dtype, device=dev)).sum()
+    r = order[low_mask[order]]
+    if r.numel():  # x < lo as the dense path compares: in the products' dtype
+        low = rows.first_below(rows.t[r], rows.m[r], torch.full(r.shape, lo, dtype=dtype, device=dev)).sum()
     high = torch.zeros((), dtype=torch.int64)
-    if high_rows.numel():  # x > hi: not below the next value of the dtype after hi
+    r = order[high_mask[order]]
+    if r.numel():  # x > hi: not below the next value of the dtype after hi
         above = torch.tensor(hi, dtype=dtype, device=dev).nextafter(torch.tensor(math.inf, dtype=dtype, device=dev))
-        high = (width - rows.first_below(high_rows, above.expand(high_rows.shape))).sum()
+        high = (width - rows.first_below(rows.t[r], rows.m[r], above.expand(r.shape))).sum()
     return counts, low, high
 
 
