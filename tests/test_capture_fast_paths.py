@@ -71,6 +71,16 @@ def _oracle(model, x, y):
     return torch.stack(rows)
 
 
+def _oracle_batch_first(model, x, y):
+    """[N, P] float64 per-sample gradients of ||model(x_n) - y_n||^2 (x [N, ...]), one sample at a time."""
+    params = list(model.parameters())
+    rows = []
+    for n in range(x.shape[0]):
+        g = torch.autograd.grad((model(x[n:n + 1]) - y[n:n + 1]).square().sum(), params)
+        rows.append(torch.cat([v.reshape(-1) for v in g]))
+    return torch.stack(rows)
+
+
 def _run(model0, x, y):
     oracle = _oracle(copy.deepcopy(model0), x, y)
     model = gradlens.extend(copy.deepcopy(model0), batch_dim=1)
@@ -222,12 +232,7 @@ def test_the_axis_through_an_activation_is_followed_not_read_from_sizes():
     model0 = Square().double()
     x = torch.randn(4, 4, 4, dtype=torch.float64)
     y = torch.randn(4, 4, dtype=torch.float64)
-    params = list(model0.parameters())
-    rows = []
-    for n in range(4):
-        g = torch.autograd.grad((model0(x[n:n + 1]) - y[n:n + 1]).square().sum(), params)
-        rows.append(torch.cat([v.reshape(-1) for v in g]))
-    oracle = torch.stack(rows)
+    oracle = _oracle_batch_first(model0, x, y)
     m = gradlens.extend(copy.deepcopy(model0))
     loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
     lens = Lens(m, [BatchL2()])
@@ -256,12 +261,7 @@ def test_submodules_called_on_their_own_open_the_tracked_forward():
     model0 = Parts().double()
     x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
     y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
-    params = list(model0.parameters())
-    rows = []
-    for n in range(len(x)):
-        g = torch.autograd.grad((model0(x[n:n + 1]) - y[n:n + 1]).square().sum(), params)
-        rows.append(torch.cat([v.reshape(-1) for v in g]))
-    oracle = torch.stack(rows)
+    oracle = _oracle_batch_first(model0, x, y)
     m = gradlens.extend(copy.deepcopy(model0))
     loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
     lens = Lens(m, [BatchL2()])
@@ -294,12 +294,7 @@ def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
     model0 = Parts().double()
     x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
     y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
-    params = list(model0.parameters())
-    rows = []
-    for n in range(len(x)):
-        g = torch.autograd.grad((model0(x[n:n + 1]) - y[n:n + 1]).square().sum(), params)
-        rows.append(torch.cat([v.reshape(-1) for v in g]))
-    oracle = torch.stack(rows)
+    oracle = _oracle_batch_first(model0, x, y)
     m = gradlens.extend(copy.deepcopy(model0))
     loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
     lens = Lens(m, [BatchL2()])
