@@ -1217,7 +1217,9 @@ def _running_x_hat(module, a: Tensor) -> Tensor:
 class TransposedLinearKernel(_LinearSums):
     """Hugging Face ``transformers``' ``Conv1D``: ``y = x @ W + b`` with ``W [d_in, d_out]``;
     g_n(W) = sum_t a_nt delta_nt^T (the transpose of ``nn.Linear``'s). The sums come from the
-    factors; the cross-micro-step maths from materialised slices (``kind = "other"``)."""
+    factors; projections and Grams from ``nn.Linear``'s factor forms on W^T; sketches from
+    materialised slices. ``kind = "other"``: shared uses are summed as ``[B, *param]``, not
+    concatenated as ``F.linear`` factors."""
 
     class _AsLinear:
         """The module as the ``nn.Linear`` of W^T: ``in_features``, ``out_features``, its

@@ -435,7 +435,7 @@ class Meter(WindowGradient):
             if single:
                 part = site if len(single) == len(site.params) else site.only(single)
                 wg = (slot, scale) if slot is not None and "weight" in single else None
-                if self.plan.carry_scale:
+                if self.plan.carry_scale and not shared:
                     self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
                     via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
