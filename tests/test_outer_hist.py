@@ -164,3 +164,25 @@ def test_bin_thresholds_are_the_first_value_of_each_bin(bins, lo, width, dtype):
     assert (bin_of(inner, lo, hi, bins) >= k).all()
     assert (bin_of(below, lo, hi, bins) < k).all()
     assert t[0] == -float("inf") and t[bins] == float("inf")
+
+
+def test_edges_below_the_dtype_resolution_fall_back_to_materialising():
+    """A range whose bins are narrower than float32 can resolve there has no exact thresholds:
+    the sorted-factor path declines (None) and the histogram materialises, still exact."""
+    from gradlens.instruments import GradHist1d
+    from gradlens.instruments.outer_hist import bin_thresholds
+
+    lo, hi = 1000.0, 1000.0 + 1e-4  # float32 spacing near 1000 is 6e-5
+    assert bin_thresholds(lo, hi, 64, torch.float32, torch.device("cpu")) is None
+    assert bin_thresholds(lo, hi, 64, torch.float64, torch.device("cpu")) is not None
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.full((3, 40), 1000.0) + 6.1e-5 * torch.randint(0, 3, (3, 40), generator=gen)
+    a = 1.0 + 1.2e-7 * torch.randint(0, 2, (3, 30), generator=gen)  # rows span two float32 steps
+    assert outer_hist1d(delta, a, lo, hi, 64, max_cost=1e9) is None
+    h = GradHist1d(bins=64, range=(lo, hi))
+    s = h.start_window()
+    assert not h.update_outer(s, "w", torch.zeros(40, 30), delta, a)
+    g = torch.einsum("no,ni->noi", delta, a)
+    h.update(s, "w", torch.zeros(40, 30), g)
+    assert torch.equal(s.counts, torch.bincount(bin_of(g.flatten(), lo, hi, 64), minlength=64))
+    assert int(s.low) == int((g < lo).sum()) and int(s.high) == int((g > hi).sum())
