@@ -706,6 +706,10 @@ class Tap:
         #: sequence ``nn.Linear`` calls take dL/dW from the Meter's per-sample pass (set by the
         #: Meter from its plan when it materialises those gradients anyway; before install)
         self.fuse_weight_grad = False
+        #: ``(site, input, output) -> bool``: a routed use whose dL/dp the Meter forms itself
+        #: (small stacked uses, :func:`gradlens.deferred.sums_here`) gets no autograd-node
+        #: hook; None: every routed use is hooked (set by the Meter)
+        self.sums_here = None
         self.set_params(params)
         self.reset_micro()
 
@@ -915,6 +919,7 @@ class Tap:
         """The post-hook work of a closed-form site: its output takes the sample axis of its
         input (or its derived names), and its output gradient is hooked for the Meter."""
         routed = site is not None and _routes_param_grads(mod, site.kernel)
+        stacks = routed and site.kernel.stack_key(mod, tuple(site.params)) is not None
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
         is_embedding = isinstance(mod, nn.Embedding)
         may_fuse = type(mod) is nn.Linear  # (only nn.Linear runs a fused forward)
@@ -961,7 +966,8 @@ class Tap:
                 uses[q] = uses.get(q, 0) + 1
             a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
             via: frozenset = _NOTHING  # attributes whose dL/dp of this call autograd reports
-            if routed and self.on_weight_grad is not None:
+            if routed and self.on_weight_grad is not None and not (
+                    stacks and self.sums_here is not None and self.sums_here(site, a, output)):
                 with compat.no_torch_function():
                     via = _hook_param_grads(output, module, site, self.on_weight_grad)
             on_use, fid = self.on_use, self.forward_id

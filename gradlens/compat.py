@@ -29,7 +29,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "foreach_mul_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
+    "is_view", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
@@ -176,6 +176,12 @@ def foreach_mul_(tensors: Sequence[Tensor], factor: Tensor | float) -> None:
     """``torch._foreach_mul_(tensors, factor)``: multiply every tensor in place by ``factor``
     (a number or a 0-d tensor) in one fused call."""
     torch._foreach_mul_(list(tensors), factor)
+
+
+def foreach_add_(tensors: Sequence[Tensor], others: Sequence[Tensor]) -> None:
+    """``torch._foreach_add_(tensors, others)``: ``tensors[i] += others[i]`` in place for every
+    i, in one fused call (pairs of equal shapes and dtypes)."""
+    torch._foreach_add_(list(tensors), list(others))
 
 
 def node_name(fn: Any) -> str | None:

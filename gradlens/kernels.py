@@ -164,6 +164,27 @@ class Kernel:
         module's own statistics, parameters or buffers)."""
         return None
 
+    def stacked_grad_sum(self, module, a, delta, k: int, attrs) -> dict[str, Tensor]:
+        """sum_n g_n of each of ``k`` stacked uses (:mod:`gradlens.deferred`; ``a``, ``delta``
+        their inputs and output gradients concatenated along the sample axis, ``k`` equal
+        blocks): attribute -> ``[k, *param]``. Default: the per-sample gradients summed per
+        block (stacked uses are small); kernels with a factor form override it."""
+        got = self.per_sample(module, a, delta, 0, delta.shape[0], attrs=list(attrs))
+        return {attr: g.reshape(k, -1, *g.shape[1:]).sum(1) for attr, g in got.items()}
+
+    def sum_cost(self, module, a: Tensor, out: Tensor) -> int:
+        """About the multiply-adds of sum_n g_n of one use (input ``a``, output ``out``): what
+        measuring it costs beside autograd's own dL/dp (:mod:`gradlens.deferred`)."""
+        return a.numel()
+
+    def stacked_reduce(self, module, a, delta, k: int, groups: list[dict[str, str]], attrs, acc) -> tuple[list, dict]:
+        """What :mod:`gradlens.deferred` measures of ``k`` stacked uses (see
+        :meth:`stacked_grad_sum`): the ``[k * b]`` ||g_n||^2 parts of each of ``groups``
+        (attribute -> name dicts, as :meth:`reduce` returns them; ``acc`` as there, only its
+        scratch buffers used) and, for ``attrs``, the ``[k, *param]`` window gradients."""
+        l2 = [self.reduce(module, a, delta, {"batch_l2"}, names, acc, ()) for names in groups]
+        return l2, (self.stacked_grad_sum(module, a, delta, k, attrs) if attrs else {})
+
     def outer_factors(self, module, a, delta) -> dict[str, tuple[Tensor, Tensor]]:
         """Parameters whose per-sample gradient is the outer product ``delta_n a_n^T``:
         attribute -> (``delta [B, O]``, ``a [B, I]``). Empty for layers without that form."""
@@ -464,6 +485,8 @@ class _LinearSums(Kernel):
     transposed ``Conv1D`` (:class:`TransposedLinearKernel`) keeps the materialising ones."""
 
     factored = True
+    #: the weight is ``[d_in, d_out]`` (transformers' ``Conv1D``), not ``[d_out, d_in]``
+    _transposed = False
 
     @staticmethod
     def _flat(module, a, delta):
@@ -472,6 +495,19 @@ class _LinearSums(Kernel):
 
     def stack_key(self, module, attrs):
         return ()  # the norms read the input and output gradient only
+
+    def sum_cost(self, module, a, out):
+        return a.numel() * out.shape[-1]  # the weight's product
+
+    def stacked_grad_sum(self, module, a, delta, k, attrs):
+        x = a.reshape(k, -1, a.shape[-1])  # [k, b * T, d_in]: block i is use i's positions
+        d = delta.reshape(k, -1, delta.shape[-1])
+        out = {}
+        if "weight" in attrs:  # one batched product for the k uses
+            out["weight"] = torch.bmm(x.transpose(1, 2), d) if self._transposed else torch.bmm(d.transpose(1, 2), x)
+        if "bias" in attrs:
+            out["bias"] = d.sum(1)
+        return out
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         attrs = self.params(module) if attrs is None else attrs
@@ -1101,6 +1137,16 @@ class _NormKernel(Kernel):
         flat = [g[attr].flatten(1) for attr in names]
         return [(torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)]
 
+    def stacked_reduce(self, module, a, delta, k, groups, attrs, acc):
+        # one per-sample pass (as small as the normalised features) for the norms and the sums
+        g = self.per_sample(module, a, delta, 0, delta.shape[0], attrs=list({**dict.fromkeys(attrs), **{
+            attr: None for names in groups for attr in names}}))
+        l2 = []
+        for names in groups:
+            flat = [g[attr].flatten(1) for attr in names]
+            l2.append([(torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)])
+        return l2, {attr: g[attr].reshape(k, -1, *g[attr].shape[1:]).sum(1) for attr in attrs}
+
     def batch_l2(self, module, a, delta):
         return {attr: g.flatten(1).square().sum(1) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}
 
@@ -1220,6 +1266,8 @@ class TransposedLinearKernel(_LinearSums):
     factors; projections and Grams from ``nn.Linear``'s factor forms on W^T; sketches from
     materialised slices. ``kind = "other"``: shared uses are summed as ``[B, *param]``, not
     concatenated as ``F.linear`` factors."""
+
+    _transposed = True
 
     class _AsLinear:
         """The module as the ``nn.Linear`` of W^T: ``in_features``, ``out_features``, its

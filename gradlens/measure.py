@@ -150,6 +150,10 @@ class Meter(WindowGradient):
         #: small uses may be stacked (gradlens.deferred): the plan wants only their norms
         self._stacks = (not plan.per_sample and not plan.layer and "batch_l2" in self.use_sums
                         and "sum_grad_squared" not in self.use_sums)
+        if self._stacks:  # small uses' window gradients come with their stacked norms
+            self.tap.sums_here = deferred.sums_here
+        #: the window gradients of stacked uses, as blocks of rows (see gradlens.deferred)
+        self.sum_blocks: dict = {}
 
     # ------------------------------------------------------------------ hooks and parameters
     def install(self) -> None:
@@ -457,17 +461,16 @@ class Meter(WindowGradient):
 
     def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via) -> bool:
         """Keep a single use to be measured with others like it at the micro-step's end
-        (:func:`gradlens.deferred.stack`): only its norms are wanted (its window gradient, if
-        wanted, comes from autograd). What a site's stacking depends on besides shapes is
-        worked out once per site (a cache that a change of parameters or groups clears)."""
-        if "grad_sum" in self.use_sums and not (via and site.params.keys() <= via):
-            return False
+        (:func:`gradlens.deferred.stack`): only its norms and window gradient are wanted (the
+        latter from autograd for the attributes in ``via``). What a site's stacking depends on
+        besides shapes is worked out once per site (a cache that a change of parameters or
+        groups clears)."""
         got = self._stacking.get(id(site))
         if got is None or got[0] is not site:
             if len(self._stacking) > 4096:  # sites of functional calls are made per forward
                 self._stacking.clear()
             got = self._stacking[id(site)] = (site, deferred.stack_key(site, self._split(site.params, True)))
-        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1]):
+        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1], via):
             return False
         self.sites[site.name] = site
         return True

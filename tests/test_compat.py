@@ -249,6 +249,14 @@ def test_foreach_mul_():
            f"in place by 3 then 0.5 gave {a.tolist()}, {b.tolist()}")
 
 
+def test_foreach_add_():
+    a, b = torch.ones(3), torch.full((2, 2), 2.0, dtype=torch.float64)
+    with _entry("foreach_add_"):
+        compat.foreach_add_([a, b], (torch.full((3,), 0.5), torch.ones(2, 2, dtype=torch.float64)))
+    _check("foreach_add_", torch.equal(a, torch.full((3,), 1.5)) and torch.equal(b, torch.full((2, 2), 3.0, dtype=torch.float64)),
+           f"adding 0.5 and 1 in place gave {a.tolist()}, {b.tolist()}")
+
+
 def test_node_name():
     w = torch.randn(4, 3, requires_grad=True)
     b = torch.randn(4, requires_grad=True)

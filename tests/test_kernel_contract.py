@@ -6,7 +6,7 @@ input ``a [B, ...]`` and an output gradient ``delta [B, ...]``. The oracle is
 ``vmap(grad(<m(x_n), delta_n>))`` of the layer's own forward, one sample at a time (for layers
 that mix samples, the same VJP of the batch forward with one sample's output gradient); it never
 calls gradlens. Every method a kernel offers is compared: the per-sample slices and their sums,
-the sampled entries, the outer factors, and the cross-micro-step maths (factor forms, Gram,
+the sampled entries, the outer factors, the stacked sums of several uses, and the cross-micro-step maths (factor forms, Gram,
 projections, sketches). Mismatches of one layer type are collected and reported together.
 """
 
@@ -356,6 +356,24 @@ def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel) -> None:
             cols = ([*range(dims[1])] if "weight" in attrs else []) + ([dims[1]] if "bias" in attrs else [])
             rep.close("seq_factors (sum_t Dl X^T)", got, full[:, :, cols])
     rep.run("matrix_dims/positions/seq_factors", factor_forms)
+
+    def stacked():  # k uses of this module, samples concatenated (gradlens.deferred)
+        if kernel.stack_key(m, tuple(attrs)) is None or mixes or B < 2:
+            return
+        k, b = 2, B // 2
+        xs, ds = x[: k * b], delta[: k * b]
+        groups = [names] + ([{attrs[0]: names[attrs[0]]}] if len(attrs) > 1 else [])
+        acc = {"sum_grad_squared": Accumulators({}), "grad_sum": Accumulators({})}
+        l2, got = kernel.stacked_reduce(m, xs, ds, k, groups, attrs, acc)
+        for names_j, parts in zip(groups, l2):
+            rep.close(f"stacked_reduce batch_l2 {sorted(names_j)}", sum(parts),
+                      sum(want[a][: k * b].flatten(1).square().sum(1) for a in names_j))
+        for a in attrs:
+            per_use = want[a][: k * b].reshape(k, b, *want[a].shape[1:]).sum(1)
+            rep.close(f"stacked_reduce grad_sum[{a}]", got.get(a), per_use)
+            rep.close(f"stacked_grad_sum[{a}]", kernel.stacked_grad_sum(m, xs, ds, k, [a]).get(a), per_use)
+        rep.close("stacked_reduce without sums", kernel.stacked_reduce(m, xs, ds, k, groups, [], acc)[1], {})
+    rep.run("stacked_reduce/stacked_grad_sum", stacked)
 
     subsets = [attrs] + ([[attrs[-1]]] if len(attrs) > 1 else [])
 

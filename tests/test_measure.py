@@ -151,12 +151,19 @@ class _NormedSeq(nn.Module):
         return self.head(torch.tanh(self.proj(self.norm(self.emb(tokens)))).mean(1))
 
 
+@pytest.mark.parametrize("route", ["autograd", "stacked"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_grad_sum_of_one_call_layers_comes_from_their_autograd_node_and_excludes_a_regulariser(reduction):
+def test_grad_sum_of_one_call_layers_comes_from_their_autograd_node_and_excludes_a_regulariser(
+        reduction, route, monkeypatch):
     """grad_sum of single-use Embedding, LayerNorm and Linear calls is autograd's dL/dp of that
-    call (node hooks; no kernel sum), so a regulariser added to the loss stays out of it: the
-    window gradient's norm equals the float64 oracle's over K = 3 unequal micro-steps."""
+    call (node hooks; no kernel sum), or, for uses this small, formed with the stacked uses
+    (gradlens.deferred; only the Embedding, which does not stack, is hooked); either way a
+    regulariser added to the loss stays out of it: the window gradient's norm equals the
+    float64 oracle's over K = 3 unequal micro-steps."""
     from oracle import per_sample
+
+    if route == "autograd":  # no use's product counts as small: every routed use is hooked
+        monkeypatch.setattr(gradlens.deferred, "SMALL_SUM", -1)
 
     torch.manual_seed(0)
     model = _NormedSeq().double()
@@ -186,8 +193,11 @@ def test_grad_sum_of_one_call_layers_comes_from_their_autograd_node_and_excludes
         with lens.capture():
             loss.backward()
     rec = lens.flush()
-    assert sorted(set(routed)) == sorted(q for q, _ in model.named_parameters())
-    assert len(routed) == 3 * len(gs)  # every parameter, every micro-step, once
+    if route == "autograd":
+        assert sorted(set(routed)) == sorted(q for q, _ in model.named_parameters())
+        assert len(routed) == 3 * len(gs)  # every parameter, every micro-step, once
+    else:
+        assert routed == ["emb.weight"] * 3
     torch.testing.assert_close(torch.as_tensor(rec["grad_norm"], dtype=torch.float64), window.norm(),
                                rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(torch.as_tensor(rec["batch_l2"], dtype=torch.float64), G.square().sum(1),
