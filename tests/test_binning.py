@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradlens.instruments import binning
 from gradlens.instruments.binning import bin_of, count_1d, count_2d
 
 
@@ -29,12 +30,17 @@ def _values(n, lo, hi, seed, spread, dtype, edges, nonfinite):
 def test_count_1d_equals_binning_each_element(n, bins, lo, width, seed, spread, dtype, edges, nonfinite):
     hi = lo + width
     x = _values(n, lo, hi, seed, spread, dtype, edges, nonfinite)
-    want = torch.bincount(bin_of(x, lo, hi, bins), minlength=bins)
-    assert torch.equal(count_1d(x, lo, hi, bins), want)
     inside = x[(x >= lo) & (x <= hi)]  # the comparisons of the caller's check, in the dtype
-    if inside.numel():
-        want = torch.bincount(bin_of(inside, lo, hi, bins), minlength=bins)
-        assert torch.equal(count_1d(inside, lo, hi, bins, inside=True), want)
+    direct = binning.DIRECT_COUNT
+    try:
+        for binning.DIRECT_COUNT in (0, direct):  # the pair bins, then one bincount (small x)
+            want = torch.bincount(bin_of(x, lo, hi, bins), minlength=bins)
+            assert torch.equal(count_1d(x, lo, hi, bins), want)
+            if inside.numel():
+                want = torch.bincount(bin_of(inside, lo, hi, bins), minlength=bins)
+                assert torch.equal(count_1d(inside, lo, hi, bins, inside=True), want)
+    finally:
+        binning.DIRECT_COUNT = direct
 
 
 @settings(max_examples=60, deadline=None)

@@ -87,17 +87,25 @@ def _fold(h: Tensor, bins: int) -> Tensor:
     return out
 
 
+#: at most this many elements, :func:`count_1d` counts :func:`bin_of` in one ``bincount`` (the
+#: pair bins' fixed cost is larger than what they save on small tensors, on the CPU)
+DIRECT_COUNT = 1 << 17
+
+
 def count_1d(x: Tensor, lo: float, hi: float, bins: int, inside: bool = False) -> Tensor:
     """``[bins]`` int64 counts of the elements of ``x`` by :func:`bin_of`'s rule (clamped, NaN in
     the last bin); ``inside``: the caller checked that every element is finite and within
     ``[lo, hi]`` (in ``x``'s dtype), so nothing is clamped.
 
-    CPU: two elements per index (``(bins + 2)**2`` pair bins, the two marginals added), one
-    ``bincount``. Device paths: :func:`tally` of :func:`bin_of`."""
+    CPU: beyond :data:`DIRECT_COUNT` elements, two elements per index (``(bins + 2)**2`` pair
+    bins, the two marginals added), one ``bincount``. Device paths: :func:`tally` of
+    :func:`bin_of`."""
     if device_paths(x):
         counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
         tally(counts, bin_of(x, lo, hi, bins, torch.int32, finite=inside))
         return counts
+    if x.numel() <= DIRECT_COUNT:
+        return torch.bincount(bin_of(x, lo, hi, bins, torch.int32, finite=inside).reshape(-1), minlength=bins)
     nb = bins + 2
     f = _shifted_bins(x, lo, hi, bins, inside).reshape(-1)
     n = f.numel()
