@@ -1386,7 +1386,20 @@ class Materialised:
 
 
 class MaterialisedKernel(Kernel):
-    """Kernel of a :class:`Materialised` parameter: ``a`` is ``[B, *param]``, ``delta`` unused."""
+    """Kernel of a :class:`Materialised` parameter: ``a`` is ``[B, *param]``, ``delta`` unused.
+    The per-sample gradients are its input, so the sums and norms are reductions of it
+    (``factored``: no materialising pass; the sum of squares squares bounded slices)."""
+
+    factored = True
+
+    def batch_l2(self, module, a, delta):
+        return {module._attr: torch.linalg.vector_norm(a.flatten(1), dim=1).square()}
+
+    def sum_grad_squared(self, module, a, delta):
+        return super().sum_grad_squared(module, a, delta)  # (squares of bounded slices)
+
+    def grad_sum(self, module, a, delta):
+        return {module._attr: a.sum(0)}
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         return {module._attr: a[start:stop]}
