@@ -157,6 +157,8 @@ def _add_stacked_sums(uses: list, got: dict[str, Tensor], scale, acc: dict, bloc
                 continue
         rows = g.mul_(scale).unbind(0)
         if len(qs) == len(uses) and not any(q in acc for q in qs):
+            if len(blocks) > 256:  # (stale entries fail the check above: dropping them is safe)
+                blocks.clear()
             blocks[attr, qs] = (g, rows)
         dst, src = [], []
         for u, row in zip(uses, rows):

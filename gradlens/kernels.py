@@ -1134,17 +1134,19 @@ class _NormKernel(Kernel):
                         add_into(acc[q], key, g[attr].square().sum(0) if q == "sum_grad_squared" else g[attr].sum(0))
         if "batch_l2" not in want:
             return []
+        return [self._joint_l2(g, names)]
+
+    @staticmethod
+    def _joint_l2(g: dict[str, Tensor], names) -> Tensor:
+        """``[B]`` ||g_n||^2 over the attributes ``names`` of the per-sample gradients ``g``."""
         flat = [g[attr].flatten(1) for attr in names]
-        return [(torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)]
+        return (torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)
 
     def stacked_reduce(self, module, a, delta, k, groups, attrs, acc):
         # one per-sample pass (as small as the normalised features) for the norms and the sums
-        g = self.per_sample(module, a, delta, 0, delta.shape[0], attrs=list({**dict.fromkeys(attrs), **{
-            attr: None for names in groups for attr in names}}))
-        l2 = []
-        for names in groups:
-            flat = [g[attr].flatten(1) for attr in names]
-            l2.append([(torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)])
+        wanted = list(dict.fromkeys([*attrs, *(attr for names in groups for attr in names)]))
+        g = self.per_sample(module, a, delta, 0, delta.shape[0], attrs=wanted)
+        l2 = [[self._joint_l2(g, names)] for names in groups]
         return l2, {attr: g[attr].reshape(k, -1, *g[attr].shape[1:]).sum(1) for attr in attrs}
 
     def batch_l2(self, module, a, delta):

@@ -81,6 +81,17 @@ def _oracle_batch_first(model, x, y):
     return torch.stack(rows)
 
 
+def _tracked(model0):
+    """An extended copy of ``model0``, a summed MSE loss and a Lens of BatchL2 on the copy."""
+    m = gradlens.extend(copy.deepcopy(model0))
+    return m, gradlens.extend(nn.MSELoss(reduction="sum")), Lens(m, [BatchL2()])
+
+
+def _assert_norms(rec, oracle):
+    """The window's ||g_n||^2 equal the oracle's ([N, P] per-sample gradients)."""
+    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+
+
 def _run(model0, x, y):
     oracle = _oracle(copy.deepcopy(model0), x, y)
     model = gradlens.extend(copy.deepcopy(model0), batch_dim=1)
@@ -94,7 +105,7 @@ def _run(model0, x, y):
             loss.backward()
         start += b
     rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(rec, oracle)
     names = [n for n, _ in model0.named_parameters()]
     sizes = [p.numel() for p in model0.parameters()]
     for name, block in zip(names, oracle.split(sizes, dim=1)):
@@ -144,8 +155,7 @@ def test_a_hook_added_on_an_elementwise_module_after_the_tap_is_followed():
         with lens.capture():
             loss.backward()
         start += b
-    rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(lens.flush(), oracle)
 
     # hooks added while the Tap is installed (after its own): the same uses followed
     model2 = copy.deepcopy(model)
@@ -161,8 +171,7 @@ def test_a_hook_added_on_an_elementwise_module_after_the_tap_is_followed():
         with lens.capture():
             loss.backward()
         start += b
-    rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(lens.flush(), oracle)
 
 
 class _Fails(Exception):
@@ -197,8 +206,7 @@ def test_an_exception_inside_a_site_leaves_the_mode_stack_as_it_was():
         with lens.capture():
             loss.backward()
         start += b
-    rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(lens.flush(), oracle)
 
 
 def test_elementwise_forwards_are_removed_with_the_tap():
@@ -233,14 +241,11 @@ def test_the_axis_through_an_activation_is_followed_not_read_from_sizes():
     x = torch.randn(4, 4, 4, dtype=torch.float64)
     y = torch.randn(4, 4, dtype=torch.float64)
     oracle = _oracle_batch_first(model0, x, y)
-    m = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
-    lens = Lens(m, [BatchL2()])
+    m, loss_fn, lens = _tracked(model0)
     loss = loss_fn(m(x), y)
     with lens.capture():
         loss.backward()
-    rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(lens.flush(), oracle)
 
 
 def test_submodules_called_on_their_own_open_the_tracked_forward():
@@ -262,9 +267,7 @@ def test_submodules_called_on_their_own_open_the_tracked_forward():
     x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
     y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
     oracle = _oracle_batch_first(model0, x, y)
-    m = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
-    lens = Lens(m, [BatchL2()])
+    m, loss_fn, lens = _tracked(model0)
     start = 0
     for b in SPLIT:
         loss = loss_fn(m.head(m.body(x[start:start + b])), y[start:start + b])
@@ -272,8 +275,7 @@ def test_submodules_called_on_their_own_open_the_tracked_forward():
         with lens.capture():
             loss.backward()
         start += b
-    rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(lens.flush(), oracle)
 
 
 def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
@@ -295,9 +297,7 @@ def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
     x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
     y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
     oracle = _oracle_batch_first(model0, x, y)
-    m = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
-    lens = Lens(m, [BatchL2()])
+    m, loss_fn, lens = _tracked(model0)
     start = 0
     for b in SPLIT:
         xb = x[start:start + b].clone().requires_grad_(True)  # data the act's forward must mark
@@ -310,6 +310,5 @@ def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
         with lens.capture():
             loss.backward()
         start += b
-    rec = lens.flush()
-    torch.testing.assert_close(rec["batch_l2"], oracle.square().sum(1), rtol=1e-10, atol=1e-14)
+    _assert_norms(lens.flush(), oracle)
 
