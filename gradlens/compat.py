@@ -29,7 +29,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
 __all__ = [
     "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
+    "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
@@ -170,6 +170,12 @@ def tensor_version(t: Tensor) -> int:
 def is_view(t: Tensor) -> bool:
     """``t._is_view()``: True if ``t`` is a view of another tensor's memory."""
     return t._is_view()
+
+
+def view_base(t: Tensor) -> Tensor | None:
+    """``t._base``: the tensor whose memory the view ``t`` reads (the root of a chain of
+    views), None if ``t`` is no view."""
+    return t._base
 
 
 def foreach_mul_(tensors: Sequence[Tensor], factor: Tensor | float) -> None:

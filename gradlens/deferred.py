@@ -7,16 +7,20 @@
 * **Small single uses, stacked** (:func:`stack`): when the plan asks only for per-sample norms
   of a use (``batch_l2``, and the window gradient sum_n g_n), uses whose kernel maths
   depend on nothing but their shapes (:meth:`gradlens.kernels.Kernel.stack_key`: Linear,
-  Conv1D, LayerNorm, ...) are kept and measured together: their inputs and output gradients
-  concatenated along the sample axis are one call of the kernel with ``k * B`` "samples" (the
-  samples of a layer are independent, so each use's norms are its rows). On a model of many
-  small layers this replaces ``k`` calls, each a dozen small tensor operations, by one; only
-  uses of at most :data:`SMALL_USE` elements are kept, at most :data:`STACK_BUDGET` in all.
-  Their window gradients come from one batched call too
-  (:meth:`~gradlens.kernels.Kernel.stacked_grad_sum`, ``[k, *param]``) where that costs
-  little (:func:`sums_here`): the Tap then hooks no autograd node of the use for its dL/dp.
+  Conv1D, LayerNorm, ...) are kept until the window's end and measured together: each site's
+  inputs and output gradients over the window's micro-steps, and the sites one after the
+  other, concatenated along the sample axis are one call of the kernel with ``k * N``
+  "samples" (the samples of a layer are independent, so each use's norms are its rows). On a
+  model of many small layers this replaces ``k * K`` calls (K micro-steps), each a dozen small
+  tensor operations, by one; only uses of at most :data:`SMALL_USE` elements are kept, at
+  most :data:`STACK_BUDGET` in all (beyond: measured at once). Their window gradients come
+  from one batched call too (:meth:`~gradlens.kernels.Kernel.stacked_grad_sum`,
+  ``[k, *param]``) where that costs little (:func:`sums_here`): the Tap then hooks no
+  autograd node of the use for its dL/dp.
 
-:func:`measure` runs both at the end of the micro-step (:meth:`gradlens.measure.Meter.finish`).
+:func:`measure` runs at the end of the micro-step (:meth:`gradlens.measure.Meter.finish`);
+:func:`carry` keeps its stacked uses when it folds into the window, :func:`settle` measures
+them before anything reads the window (:meth:`gradlens.measure.Meter.settle`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from gradlens.capture import Site
 from gradlens.kernels import OpLinear
 from gradlens.units import MicroStep
 
-__all__ = ["SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "measure", "stack", "stack_key", "sums_here"]
+__all__ = [
+    "SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "carry", "measure", "settle", "stack", "stack_key",
+    "sums_here",
+]
 
 #: largest use (elements of its input and output gradient) kept for stacking
 SMALL_USE = 1 << 17
@@ -70,49 +77,27 @@ def stack_key(site: Site, split: list) -> tuple | None:
     return (type(site.kernel), key, tuple(tuple(names) for _, names in split)), split
 
 
-def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple, via=()) -> bool:
-    """Keep a single use for :func:`measure` (True) if it fits; False: measure it now.
-    ``delta``: its output gradient as autograd gave it (:func:`measure` applies the micro-step's
+def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple, via=(), made: bool = False) -> bool:
+    """Keep a single use for :func:`settle` (True) if it fits; False: measure it now.
+    ``delta``: its output gradient as autograd gave it (:func:`settle` applies the micro-step's
     per-sample scale); ``static``: its :func:`stack_key`; ``via``: attributes whose window
-    gradient a hook on the use's autograd node delivers (not summed here)."""
+    gradient a hook on the use's autograd node delivers (not summed here); ``made``: ``a`` was
+    made by this forward's autograd graph (else it is copied: a later forward may write into
+    data or a buffer before the window ends)."""
     size = a.numel() + delta.numel()
     if size > SMALL_USE or micro.stacked_elements + size > STACK_BUDGET:
         return False
     key, split = static
     micro.stacked.setdefault((key, a.shape[1:], delta.shape[1:], a.dtype, delta.dtype), []).append(
-        (site, a, delta, split, via))
+        (site, a if made else a.clone(), delta, split, via))
     micro.stacked_elements += size
     return True
 
 
 def measure(meter, micro: MicroStep) -> None:
-    """Measure what the micro-step kept: the stacked small uses (their ``[B]`` norms and, if
-    wanted, window gradients), then the shared parameters (each one's g_n summed over its
-    uses), through ``meter`` (the :class:`gradlens.measure.Meter` whose micro-step ends)."""
-    acc = {"sum_grad_squared": meter.window.sum_grad_squared, "grad_sum": meter.window.grad_sum}  # (untouched)
-    scale = micro.scale() if micro.stacked else 1.0  # the uses' output gradients are kept unscaled
-    sq = scale ** 2
-    sums = "grad_sum" in meter.use_sums
-    for uses in micro.stacked.values():
-        site0, _, _, split0, _ = uses[0]
-        b, k = uses[0][2].shape[0], len(uses)
-        a = torch.cat([u[1] for u in uses]) if k > 1 else uses[0][1]
-        d = torch.cat([u[2] for u in uses]) if k > 1 else uses[0][2]
-        # window gradients of the attributes no autograd-node hook delivers (for every use)
-        attrs = [attr for attr in site0.params if any(attr not in u[4] for u in uses)] if sums else []
-        l2, got = site0.kernel.stacked_reduce(site0.module, a, d, k, [names for _, names in split0], attrs, acc)
-        if got:
-            _add_stacked_sums(uses, got, scale, acc["grad_sum"], meter.sum_blocks)
-        for j in range(len(split0)):  # the same attributes per group in every use
-            groups = {u[3][j][0] for u in uses}
-            for part in l2[j]:
-                rows = part.view(k, b)
-                if len(groups) == 1:
-                    meter._add_l2(micro, (rows.sum(0) if k > 1 else rows[0]) * sq, next(iter(groups)))
-                else:
-                    for i, u in enumerate(uses):
-                        meter._add_l2(micro, rows[i] * sq, u[3][j][0])
-    micro.stacked, micro.stacked_elements = {}, 0
+    """Measure the shared parameters the micro-step kept (each one's g_n summed over its uses),
+    through ``meter`` (the :class:`gradlens.measure.Meter` whose micro-step ends). Its stacked
+    small uses wait for the window (:func:`carry`, :func:`settle`)."""
     linear: dict[tuple, list] = {}
     for site, a, delta in micro.linear_uses:
         linear.setdefault(tuple(sorted(site.params.items())), []).append((site, a, delta))
@@ -139,23 +124,109 @@ def measure(meter, micro: MicroStep) -> None:
     micro.linear_uses, micro.shared = [], {}
 
 
-def _add_stacked_sums(uses: list, got: dict[str, Tensor], scale, acc: dict, blocks: dict) -> None:
-    """sum_n g_n of each stacked use (``got``: attribute -> ``[k, *param]``, times the
-    per-sample ``scale`` here) into the window's ``acc``. The first micro-step's ``[k, *param]``
-    block becomes the uses' accumulators (row i is use i's; remembered in ``blocks``, the
-    Meter's); a later micro-step whose uses are the same adds its block onto that one in one
-    operation (if ``acc`` still holds those rows)."""
+def carry(meter, micro: MicroStep, index: int) -> None:
+    """Keep the micro-step's stacked uses for the window's end (``meter.carried``: stack key ->
+    blocks, one per micro-step: the uses' sites, the uses, the micro-step's per-sample scale,
+    its batch size and its place ``index`` among the window's ``batch_l2`` vectors)."""
+    scale = micro.scale()
+    for key, uses in micro.stacked.items():
+        sites = tuple((u[0].name, tuple(u[0].params.items()), u[4]) for u in uses)
+        meter.carried.setdefault(key, []).append((sites, uses, scale, uses[0][2].shape[0], index))
+    meter.carried_elements += micro.stacked_elements
+    micro.stacked, micro.stacked_elements = {}, 0
+
+
+def settle(meter, window) -> None:
+    """Measure the stacked uses carried so far into ``window`` (the Lens' window, whose
+    micro-steps they belong to). Per stack key and set of sites, the uses are concatenated
+    site by site (each site's samples over the window, then the next site's) and scaled to
+    per-sample units (each micro-step its own scale), so that every site's norms come from one
+    call (:meth:`~gradlens.kernels.Kernel.stacked_reduce`) and its window gradient from one
+    product over all its samples; the ``[N]`` norms are added to the micro-steps'
+    ``batch_l2`` (and ``group_l2``) vectors."""
+    carried = meter.carried
+    if not carried:
+        return
+    meter.carried, meter.carried_elements = {}, 0
+    acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}  # (untouched)
+    sums = "grad_sum" in meter.use_sums
+    parts: dict[tuple, dict] = {}  # micro-steps (their indices) -> group -> [N] norms
+    scales: dict[tuple, Tensor] = {}  # micro-steps -> [N] per-sample scale
+    for blocks in carried.values():
+        runs: dict[tuple, list] = {}  # the blocks of the same sites, in window order
+        for blk in blocks:
+            runs.setdefault(blk[0], []).append(blk)
+        for run in runs.values():
+            first, k = run[0][1], len(run[0][0])
+            steps = tuple(blk[4] for blk in run)
+            n = sum(blk[3] for blk in run)
+            a = torch.cat([blk[1][i][1] for i in range(k) for blk in run])
+            d = torch.cat([blk[1][i][2] for i in range(k) for blk in run])
+            s = scales.get(steps)
+            if s is None:
+                s = scales[steps] = _per_sample(run, d)
+            if s is not None:  # (cat made d: scaled in place)
+                d.view(k, n, -1).mul_(s)
+            site0, split0 = first[0][0], first[0][3]
+            attrs = [attr for attr in site0.params if any(attr not in u[4] for u in first)] if sums else []
+            l2, got = site0.kernel.stacked_reduce(site0.module, a, d, k, [names for _, names in split0], attrs, acc)
+            if got:
+                _add_stacked_sums(first, got, acc["grad_sum"], meter.sum_blocks)
+            into = parts.setdefault(steps, {})
+            for j in range(len(split0)):  # the same attributes per group in every use
+                groups = [u[3][j][0] for u in first]
+                for part in l2[j]:
+                    rows = part.view(k, n)
+                    if len(set(groups)) == 1:
+                        _add(into, groups[0], rows.sum(0) if k > 1 else rows[0])
+                    else:
+                        for i, g in enumerate(groups):
+                            _add(into, g, rows[i])
+    for steps, by_group in parts.items():
+        sizes = [int(window.batch_l2[i].shape[0]) for i in steps]
+        total = None
+        for g, v in by_group.items():
+            total = v if total is None else total + v
+            if g is not None:
+                _add_pieces(window.group_l2[g], steps, v.split(sizes))
+        _add_pieces(window.batch_l2, steps, total.split(sizes))
+
+
+def _per_sample(run: list, like: Tensor) -> Tensor | None:
+    """``[1, N, 1]`` per-sample scale of the micro-steps of ``run`` (``like``'s dtype and
+    device), or None when it is 1 throughout."""
+    scales = [blk[2] for blk in run]
+    if not any(isinstance(c, Tensor) or c != 1.0 for c in scales):
+        return None
+    col = [torch.as_tensor(c, dtype=like.dtype, device=like.device).expand(blk[3]) for c, blk in zip(scales, run)]
+    return (torch.cat(col) if len(col) > 1 else col[0]).view(1, -1, 1)
+
+
+def _add(into: dict, group, v: Tensor) -> None:
+    into[group] = v if group not in into else into[group] + v
+
+
+def _add_pieces(vectors: list, steps: tuple, pieces) -> None:
+    """``vectors[i] += piece`` for the micro-steps ``steps`` (new tensors: the window's vectors
+    may be shared)."""
+    for i, piece in zip(steps, pieces):
+        vectors[i] = vectors[i] + piece
+
+
+def _add_stacked_sums(uses: list, got: dict[str, Tensor], acc: dict, blocks: dict) -> None:
+    """sum_n g_n of each stacked use (``got``: attribute -> ``[k, *param]``, per-sample units)
+    into the window's ``acc``. A ``[k, *param]`` block becomes the uses' accumulators (row i
+    is use i's; remembered in ``blocks``, the Meter's); a later one for the same uses (the
+    window settled before, e.g. for a checkpoint) is added onto it in one operation (if
+    ``acc`` still holds those rows)."""
     for attr, g in got.items():
         qs = tuple(u[0].params[attr] for u in uses if attr not in u[4])
         if len(qs) == len(uses):
             block = blocks.get((attr, qs))
             if block is not None and all(acc.get(q) is r for q, r in zip(qs, block[1])):
-                if isinstance(scale, Tensor):
-                    block[0].addcmul_(g, scale)
-                else:
-                    block[0].add_(g, alpha=scale)
+                block[0].add_(g)
                 continue
-        rows = g.mul_(scale).unbind(0)
+        rows = g.unbind(0)
         if len(qs) == len(uses) and not any(q in acc for q in qs):
             if len(blocks) > 256:  # (stale entries fail the check above: dropping them is safe)
                 blocks.clear()

@@ -321,6 +321,7 @@ class Lens:
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
     def _open_window(self) -> None:
+        self._meter.drop_carried()  # a window closed (settled) or dropped
         self._curvature.release(self._meter)  # the previous window's graphs go
         self._ranks.drop_issued()  # issued for a window dropped since: every rank waits
         if self.is_tracked():
@@ -354,6 +355,8 @@ class Lens:
         """Under torch.distributed: replace this rank's window statistics and instrument states
         by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
         kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
+        if self._window is not None:  # small uses measured at the window's end
+            self._meter.settle(self._window)
         ranks = self._ranks
         if not ranks.due(self._window):
             return
@@ -609,6 +612,8 @@ class Lens:
         pickle inside a uint8 tensor. Like any pickle, load only checkpoints you trust.
         """
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
+        if self._window is not None:  # the partial window complete with its small uses
+            self._meter.settle(self._window)
         return lens_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

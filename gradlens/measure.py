@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradlens import deferred, ops, slices
+from gradlens import compat, deferred, ops, slices
 from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
@@ -154,6 +154,10 @@ class Meter(WindowGradient):
             self.tap.sums_here = deferred.sums_here
         #: the window gradients of stacked uses, as blocks of rows (see gradlens.deferred)
         self.sum_blocks: dict = {}
+        #: stacked uses of the window's folded micro-steps, not measured yet (deferred.carry;
+        #: measured by settle) and their elements
+        self.carried: dict = {}
+        self.carried_elements = 0
 
     # ------------------------------------------------------------------ hooks and parameters
     def install(self) -> None:
@@ -259,6 +263,9 @@ class Meter(WindowGradient):
                 parts = [p.double() for p in parts]
             micro.batch_l2 = torch.stack(parts).sum(0, dtype=torch.float64)
             micro.l2_parts = []
+        if micro.stacked and micro.batch_l2 is None:  # every use was stacked: settle adds their norms
+            some = next(iter(micro.stacked.values()))[0][2]
+            micro.batch_l2 = torch.zeros(b, dtype=torch.float64, device=some.device)
         if micro.batch_l2 is not None:
             s.batch_l2 = [micro.batch_l2]
             if self.groups:  # a group no use reached this micro-step: zeros for its samples
@@ -268,7 +275,12 @@ class Meter(WindowGradient):
             scale = micro.scale()
             s.micro_grad_sq = micro.grad_sq * (scale * scale)
             s.micro_size_sq = float(b) ** 2
+        index = len(window.batch_l2)  # this micro-step's place among the window's [B_k] vectors
         window = window.merge(s)
+        if micro.stacked:
+            deferred.carry(self, micro, index)
+            if self.carried_elements > deferred.STACK_BUDGET:
+                deferred.settle(self, window)
         skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
         if "sum_grad_squared" in self.plan.needs:  # every tracked parameter has an entry, zeros if unreached
             for q in skipped:
@@ -284,6 +296,17 @@ class Meter(WindowGradient):
             inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
             states[key] = inst.merge(states[key], micro.states[key])
         return window
+
+    def settle(self, window: WindowStats) -> None:
+        """Measure the stacked uses the window's micro-steps left for its end into ``window``
+        (:func:`gradlens.deferred.settle`): before anything reads the window's statistics."""
+        if self.carried:
+            with torch.no_grad():
+                deferred.settle(self, window)
+
+    def drop_carried(self) -> None:
+        """Forget the stacked uses of a window that is dropped."""
+        self.carried, self.carried_elements = {}, 0
 
     def check_undefined(self) -> None:
         """Parameters whose output reached a layer that mixes samples (found in the forward):
@@ -427,9 +450,14 @@ class Meter(WindowGradient):
             if raw.dtype != dtype:
                 raw = raw.to(dtype)
             scale = micro.scale()
+            # made by this forward's autograd graph (or converted here): no later forward
+            # writes into it, so a stacked use may keep it until the window's end (data, a
+            # buffer, or a view of either: copied if kept)
+            base = compat.view_base(a)
+            made = a.grad_fn is not None and (base is None or base.grad_fn is not None)
             a = a.detach()
             if a.dtype != dtype and a.is_floating_point():
-                a = a.to(dtype)
+                a, made = a.to(dtype), True
             micro.seen.update(names.values())
             single = [attr for attr, q in names.items() if uses[q] <= 1]
             shared = [attr for attr in names if attr not in single]
@@ -443,7 +471,7 @@ class Meter(WindowGradient):
                     self._measure(part, a, raw, micro, False, wg, scale=scale)
                 else:
                     via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
-                    if not (self._stacks and wg is None and self._stack(micro, part, a, raw, via)):
+                    if not (self._stacks and wg is None and self._stack(micro, part, a, raw, via, made)):
                         delta = raw * scale
                         self._measure(part, a, delta, micro, via, wg)
             if shared:
@@ -459,7 +487,7 @@ class Meter(WindowGradient):
                 torch.set_grad_enabled(True)
         return None if slot is None else slot.value
 
-    def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via) -> bool:
+    def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via, made: bool) -> bool:
         """Keep a single use to be measured with others like it at the micro-step's end
         (:func:`gradlens.deferred.stack`): only its norms and window gradient are wanted (the
         latter from autograd for the attributes in ``via``). What a site's stacking depends on
@@ -470,7 +498,7 @@ class Meter(WindowGradient):
             if len(self._stacking) > 4096:  # sites of functional calls are made per forward
                 self._stacking.clear()
             got = self._stacking[id(site)] = (site, deferred.stack_key(site, self._split(site.params, True)))
-        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1], via):
+        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1], via, made):
             return False
         self.sites[site.name] = site
         return True

@@ -240,6 +240,15 @@ def test_is_view():
     _check("is_view", got == (False, True, True, False), f"(tensor, view, slice, clone) gave {got}")
 
 
+def test_view_base():
+    t = torch.zeros(2, 3)
+    with _entry("view_base"):
+        got = (compat.view_base(t), compat.view_base(t.view(3, 2)), compat.view_base(t.view(6)[1:]),
+               compat.view_base(t.clone()))
+    _check("view_base", got[0] is None and got[1] is t and got[2] is t and got[3] is None,
+           f"(tensor, view, view of a view, clone) gave bases {[None if b is None else tuple(b.shape) for b in got]}")
+
+
 def test_foreach_mul_():
     a, b = torch.ones(3), torch.full((2, 2), 2.0)
     with _entry("foreach_mul_"):

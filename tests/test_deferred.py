@@ -130,3 +130,119 @@ def test_stacked_window_gradient_from_either_route(small_sum, groups, monkeypatc
         close(lens.records[-1]["batch_l2"], G.square().sum(1))
     # 9 single Linear / LayerNorm uses per forward are routed: hooked only when sums are not stacked
     assert (len(hooked) >= 2 * 3 * 9) if small_sum == 0 else not hooked
+
+
+def _window(lens, model, loss_fn, opt, xs, ys, before=None):
+    for i, (xb, yb) in enumerate(zip(xs, ys)):
+        if before is not None:
+            xb = before(i, xb)
+        loss = loss_fn(model(xb), yb)
+        with lens.capture():
+            loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return lens.records[-1]
+
+
+def _check_window(rec, base, xs, ys):
+    G = flat(_oracle(base, torch.cat(xs), torch.cat(ys), "mean"))
+    close(rec["batch_l2"], G.square().sum(1))
+    close(rec["grad_norm"], G.mean(0).norm())
+
+
+def test_stacked_uses_are_measured_once_per_window(monkeypatch):
+    """The stacked uses of all K micro-steps are measured together when the window closes: one
+    kernel call per stack key (not one per micro-step), with each micro-step's samples scaled
+    by its own per-sample scale (B_k under a mean loss) and the norms in sample order. The
+    input is a buffer the loop overwrites in place before each micro-step: what the window
+    keeps of it is a copy."""
+    torch.manual_seed(2)
+    base = Blocks().double()
+    calls = []
+    real = deferred.settle
+    monkeypatch.setattr(deferred, "settle", lambda *a: calls.append(1) or real(*a))
+    model = gradlens.extend(copy.deepcopy(base))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    x = torch.randn(N, 4, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (N,))
+    xs, ys = list(x.split(SPLIT)), list(y.split(SPLIT))
+    store = torch.empty(max(SPLIT), 4, 5, dtype=torch.float64)
+
+    def into_buffer(i, xb):  # every micro-step's input in the same memory
+        buf = store[: xb.shape[0]]
+        with torch.no_grad():
+            buf.copy_(xb)
+        return buf
+
+    rec = _window(lens, model, loss_fn, opt, xs, ys, into_buffer)
+    assert len(calls) == 1 and not lens._meter.carried
+    _check_window(rec, base, xs, ys)
+
+
+def test_stacked_uses_with_other_lengths_and_a_checkpoint_mid_window():
+    """Micro-steps of other sequence lengths stack apart (other shapes) and still add up to the
+    window's sums; a state_dict taken mid-window includes the uses kept so far, and a new Lens
+    resumed from it gives the oracle's record."""
+    torch.manual_seed(3)
+    base = Blocks().double()
+    xs = [torch.randn(b, t, 5, dtype=torch.float64) for b, t in ((3, 4), (2, 6), (4, 4))]
+    ys = [torch.randint(0, 4, (x.shape[0],)) for x in xs]
+
+    def run(model, lens, opt, loss_fn, parts):
+        for xb, yb in parts:
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+
+    def oracle_one(out, yi):
+        return nn.functional.cross_entropy(out, yi)
+
+    model = gradlens.extend(copy.deepcopy(base))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    run(model, lens, opt, loss_fn, list(zip(xs, ys))[:2])
+    assert lens._meter.carried  # kept for the window's end
+    state = lens.state_dict()
+    assert not lens._meter.carried  # settled into the saved partial window
+
+    model2 = gradlens.extend(copy.deepcopy(base))
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.0)
+    lens2 = Lens(model2, [BatchL2(), GradNorm()], optimizer=opt2)
+    lens2.load_state_dict(state)
+    for lz, m, o in ((lens, model, opt), (lens2, model2, opt2)):
+        run(m, lz, o, loss_fn, [(xs[2], ys[2])])
+        o.step()
+        rec = lz.records[-1]
+        g = [flat(per_sample(base, base.state_dict(), oracle_one, xb, yb)) for xb, yb in zip(xs, ys)]
+        G = torch.cat(g)
+        close(rec["batch_l2"], G.square().sum(1))
+        close(rec["grad_norm"], G.mean(0).norm())
+
+
+def test_an_interrupted_window_drops_its_stacked_uses():
+    """An exception inside a capture drops the window, and with it the stacked uses its earlier
+    micro-steps kept: the next window's record is its own."""
+    torch.manual_seed(4)
+    base = Blocks().double()
+    model = gradlens.extend(copy.deepcopy(base))
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    x = torch.randn(N, 4, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (N,))
+    loss = loss_fn(model(x[:5]), y[:5])
+    with lens.capture():
+        loss.backward()
+    assert lens._meter.carried
+    loss = loss_fn(model(x[5:]), y[5:])
+    with pytest.warns(RuntimeWarning, match="interrupted"), pytest.raises(ValueError, match="boom"):
+        with lens.capture():
+            loss.backward()
+            raise ValueError("boom")
+    assert not lens._meter.carried
+    xs, ys = list(x.split(SPLIT)), list(y.split(SPLIT))
+    rec = _window(lens, model, loss_fn, opt, xs, ys)
+    _check_window(rec, base, xs, ys)
