@@ -112,10 +112,7 @@ def test_stacked_window_gradient_from_either_route(small_sum, groups, monkeypatc
     import gradlens.capture as capture
     real_hook = capture._hook_param_grads
     monkeypatch.setattr(capture, "_hook_param_grads", lambda *a: hooked.append(1) or real_hook(*a))
-    model = gradlens.extend(copy.deepcopy(base))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt, groups=groups)
+    model, loss_fn, opt, lens = _tracked(base, groups)
     for window in range(2):
         x = torch.randn(N, 4, 5, dtype=torch.float64)
         y = torch.randint(0, 4, (N,))
@@ -130,6 +127,15 @@ def test_stacked_window_gradient_from_either_route(small_sum, groups, monkeypatc
         close(lens.records[-1]["batch_l2"], G.square().sum(1))
     # 9 single Linear / LayerNorm uses per forward are routed: hooked only when sums are not stacked
     assert (len(hooked) >= 2 * 3 * 9) if small_sum == 0 else not hooked
+
+
+def _tracked(base, groups=None):
+    """A copy of ``base`` extended, its loss, an SGD that does not move it, and a Lens with
+    BatchL2 and GradNorm (whose small uses are stacked)."""
+    model = gradlens.extend(copy.deepcopy(base))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    return model, gradlens.extend(nn.CrossEntropyLoss()), opt, Lens(model, [BatchL2(), GradNorm()], optimizer=opt,
+                                                                   groups=groups)
 
 
 def _window(lens, model, loss_fn, opt, xs, ys, before=None):
@@ -151,8 +157,8 @@ def _check_window(rec, base, xs, ys):
 
 
 def test_stacked_uses_are_measured_once_per_window(monkeypatch):
-    """The stacked uses of all K micro-steps are measured together when the window closes: one
-    kernel call per stack key (not one per micro-step), with each micro-step's samples scaled
+    """The stacked uses of all K micro-steps are measured together when the window closes (one
+    settle per window, not one per micro-step), with each micro-step's samples scaled
     by its own per-sample scale (B_k under a mean loss) and the norms in sample order. The
     input is a buffer the loop overwrites in place before each micro-step: what the window
     keeps of it is a copy."""
@@ -161,10 +167,7 @@ def test_stacked_uses_are_measured_once_per_window(monkeypatch):
     calls = []
     real = deferred.settle
     monkeypatch.setattr(deferred, "settle", lambda *a: calls.append(1) or real(*a))
-    model = gradlens.extend(copy.deepcopy(base))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    model, loss_fn, opt, lens = _tracked(base)
     x = torch.randn(N, 4, 5, dtype=torch.float64)
     y = torch.randint(0, 4, (N,))
     xs, ys = list(x.split(SPLIT)), list(y.split(SPLIT))
@@ -199,18 +202,13 @@ def test_stacked_uses_with_other_lengths_and_a_checkpoint_mid_window():
     def oracle_one(out, yi):
         return nn.functional.cross_entropy(out, yi)
 
-    model = gradlens.extend(copy.deepcopy(base))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    model, loss_fn, opt, lens = _tracked(base)
     run(model, lens, opt, loss_fn, list(zip(xs, ys))[:2])
     assert lens._meter.carried  # kept for the window's end
     state = lens.state_dict()
     assert not lens._meter.carried  # settled into the saved partial window
 
-    model2 = gradlens.extend(copy.deepcopy(base))
-    opt2 = torch.optim.SGD(model2.parameters(), lr=0.0)
-    lens2 = Lens(model2, [BatchL2(), GradNorm()], optimizer=opt2)
+    model2, _, opt2, lens2 = _tracked(base)
     lens2.load_state_dict(state)
     for lz, m, o in ((lens, model, opt), (lens2, model2, opt2)):
         run(m, lz, o, loss_fn, [(xs[2], ys[2])])
@@ -227,10 +225,7 @@ def test_an_interrupted_window_drops_its_stacked_uses():
     micro-steps kept: the next window's record is its own."""
     torch.manual_seed(4)
     base = Blocks().double()
-    model = gradlens.extend(copy.deepcopy(base))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt)
+    model, loss_fn, opt, lens = _tracked(base)
     x = torch.randn(N, 4, 5, dtype=torch.float64)
     y = torch.randint(0, 4, (N,))
     loss = loss_fn(model(x[:5]), y[:5])
