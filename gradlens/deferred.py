@@ -151,7 +151,7 @@ def settle(meter, window) -> None:
     acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}  # (untouched)
     sums = "grad_sum" in meter.use_sums
     parts: dict[tuple, dict] = {}  # micro-steps (their indices) -> group -> [N] norms
-    scales: dict[tuple, Tensor] = {}  # micro-steps -> [N] per-sample scale
+    scales: dict[tuple, Tensor | None] = {}  # (micro-steps, dtype, device) -> [1, N, 1] per-sample scale
     for blocks in carried.values():
         runs: dict[tuple, list] = {}  # the blocks of the same sites, in window order
         for blk in blocks:
@@ -162,9 +162,8 @@ def settle(meter, window) -> None:
             n = sum(blk[3] for blk in run)
             a = torch.cat([blk[1][i][1] for i in range(k) for blk in run])
             d = torch.cat([blk[1][i][2] for i in range(k) for blk in run])
-            s = scales.get(steps)
-            if s is None:
-                s = scales[steps] = _per_sample(run, d)
+            at = (steps, d.dtype, d.device)
+            s = scales[at] if at in scales else scales.setdefault(at, _per_sample(run, d))
             if s is not None:  # (cat made d: scaled in place)
                 d.view(k, n, -1).mul_(s)
             site0, split0 = first[0][0], first[0][3]
