@@ -452,9 +452,9 @@ class Meter(WindowGradient):
             scale = micro.scale()
             # made by this forward's autograd graph (or converted here): no later forward
             # writes into it, so a stacked use may keep it until the window's end (data, a
-            # buffer, or a view of either: copied if kept)
-            base = compat.view_base(a)
-            made = a.grad_fn is not None and (base is None or base.grad_fn is not None)
+            # buffer, or a view of either: copied if kept; asked only where uses stack)
+            made = self._stacks and a.grad_fn is not None and (
+                (base := compat.view_base(a)) is None or base.grad_fn is not None)
             a = a.detach()
             if a.dtype != dtype and a.is_floating_point():
                 a, made = a.to(dtype), True
@@ -462,7 +462,7 @@ class Meter(WindowGradient):
             single = [attr for attr, q in names.items() if uses[q] <= 1]
             shared = [attr for attr in names if attr not in single]
             # per-sample units; kept unscaled (with the scale) where only BatchDot reads it, or
-            # where the use is stacked (deferred.measure scales its norms)
+            # where the use is stacked (deferred.settle scales it)
             delta = None
             if single:
                 part = site if len(single) == len(site.params) else site.only(single)
@@ -488,7 +488,7 @@ class Meter(WindowGradient):
         return None if slot is None else slot.value
 
     def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via, made: bool) -> bool:
-        """Keep a single use to be measured with others like it at the micro-step's end
+        """Keep a single use to be measured with others like it at the window's end
         (:func:`gradlens.deferred.stack`): only its norms and window gradient are wanted (the
         latter from autograd for the attributes in ``via``). What a site's stacking depends on
         besides shapes is worked out once per site (a cache that a change of parameters or

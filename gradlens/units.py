@@ -49,7 +49,8 @@ class MicroStep:
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
     #: small single uses kept to be measured together (:func:`gradlens.deferred.stack`): stack
-    #: key -> [(site, a, delta, group)], and their elements
+    #: key -> [(site, a, delta, split, via)], and their elements (carried to the window's end
+    #: when the micro-step folds)
     stacked: dict = field(default_factory=dict)
     stacked_elements: int = 0
     #: small dL/dp of single-use layer calls (qualified name, gradient), added into the window's
