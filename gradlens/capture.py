@@ -710,6 +710,10 @@ class Tap:
         #: (small stacked uses, :func:`gradlens.deferred.sums_here`) gets no autograd-node
         #: hook; None: every routed use is hooked (set by the Meter)
         self.sums_here = None
+        #: ``(elements, batch, materialised) -> bool``: whether a use of that size may be
+        #: stacked (:func:`gradlens.deferred.fits`; a fused Linear call is never stacked, so a
+        #: small one runs unfused); None: nothing is stacked (set by the Meter)
+        self.stacks_if = None
         self.set_params(params)
         self.reset_micro()
 
@@ -1390,12 +1394,21 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
     weight gradients of sequence inputs ``[B, T, d]`` anyway (sum of squares): the call is a
     :class:`_FusedLinear` whose :class:`WeightGrad` rides on the output for the site hook."""
     if (tap._mode_depth and x.dim() > 2 and module.weight.requires_grad and x.dtype == module.weight.dtype
-            and torch.is_grad_enabled() and not _in_functorch() and not _autocast(x)):
+            and torch.is_grad_enabled() and not _in_functorch() and not _autocast(x)
+            and not (tap.stacks_if is not None and _stacks(module, tap, x))):
         holder = WeightGrad()
         out = _FusedLinear.apply(x, module.weight, module.bias, holder)
         out._gradlens_weight_grad = holder
         return out
     return F.linear(x, module.weight, module.bias)
+
+
+def _stacks(module: nn.Module, tap: "Tap", x: Tensor) -> bool:
+    """Whether the Meter may stack this Linear call by its size (``tap.stacks_if``): it is
+    small enough to be measured with others like it at the window's end, which beats fusing."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    numel = module.weight.numel() + (module.bias.numel() if module.bias is not None else 0)
+    return tap.stacks_if(x.numel() + rows * module.out_features, tap._batch or x.shape[0], numel)
 
 
 def _elementwise_forward(module: nn.Module, tap: "Tap", *args, **kwargs):

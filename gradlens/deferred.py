@@ -5,7 +5,8 @@
   their factors, concatenated along positions when their parameters are used together) and
   measured once the backward has passed them all.
 * **Small single uses, stacked** (:func:`stack`): when the plan asks only for per-sample norms
-  of a use (``batch_l2``, and the window gradient sum_n g_n), uses whose kernel maths
+  of a use (``batch_l2``, and the sums over samples: the window gradient sum_n g_n and the
+  sum of squares sum_n g_n * g_n), uses whose kernel maths
   depend on nothing but their shapes (:meth:`gradlens.kernels.Kernel.stack_key`: Linear,
   Conv1D, LayerNorm, ...) are kept until the window's end and measured together: each site's
   inputs and output gradients over the window's micro-steps, and the sites one after the
@@ -13,7 +14,10 @@
   "samples" (the samples of a layer are independent, so each use's norms are its rows). On a
   model of many small layers this replaces ``k * K`` calls (K micro-steps), each a dozen small
   tensor operations, by one; only uses of at most :data:`SMALL_USE` elements are kept, at
-  most :data:`STACK_BUDGET` in all (beyond: measured at once). Their window gradients come
+  most :data:`STACK_BUDGET` in all (beyond: measured at once). Sums of squares need the
+  per-sample gradients: one materialising pass per stacked call (only for uses whose
+  ``[B, *param]`` is small) gives them with the norms and window gradients. Otherwise the
+  window gradients come
   from one batched call too (:meth:`~gradlens.kernels.Kernel.stacked_grad_sum`,
   ``[k, *param]``) where that costs little (:func:`sums_here`): the Tap then hooks no
   autograd node of the use for its dL/dp.
@@ -34,8 +38,8 @@ from gradlens.kernels import OpLinear
 from gradlens.units import MicroStep
 
 __all__ = [
-    "SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "carry", "measure", "settle", "stack", "stack_key",
-    "sums_here",
+    "SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "carry", "fits", "measure", "settle", "stack",
+    "stack_key", "sums_here",
 ]
 
 #: largest use (elements of its input and output gradient) kept for stacking
@@ -46,6 +50,13 @@ STACK_BUDGET = 1 << 22
 #: formed here rather than taken from autograd through a node hook (which costs about as much
 #: as a product of this size on a CPU)
 SMALL_SUM = 1 << 19
+
+
+def fits(elements: int, batch: int, materialised: int = 0) -> bool:
+    """Whether a use may be kept for stacking by its size: ``elements`` numbers of its input
+    and output gradient, ``batch`` samples of ``materialised`` gradient elements each where
+    the plan wants sums of squares (0: not formed)."""
+    return elements <= SMALL_USE and batch * materialised <= SMALL_USE
 
 
 def sums_here(site: Site, a: Tensor, out: Tensor) -> bool:
@@ -77,15 +88,19 @@ def stack_key(site: Site, split: list) -> tuple | None:
     return (type(site.kernel), key, tuple(tuple(names) for _, names in split)), split
 
 
-def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple, via=(), made: bool = False) -> bool:
+def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple, via=(), made: bool = False,
+          materialised: int = 0) -> bool:
     """Keep a single use for :func:`settle` (True) if it fits; False: measure it now.
     ``delta``: its output gradient as autograd gave it (:func:`settle` applies the micro-step's
     per-sample scale); ``static``: its :func:`stack_key`; ``via``: attributes whose window
     gradient a hook on the use's autograd node delivers (not summed here); ``made``: ``a`` was
     made by this forward's autograd graph (else it is copied: a later forward may write into
-    data or a buffer before the window ends)."""
+    data or a buffer before the window ends); ``materialised``: the elements of one sample's
+    gradient when the plan wants sums of squares (:func:`settle` then forms the per-sample
+    gradients: a use whose ``[B, *param]`` exceeds :data:`SMALL_USE` is measured now, by its
+    kernel's own, possibly factored, maths)."""
     size = a.numel() + delta.numel()
-    if size > SMALL_USE or micro.stacked_elements + size > STACK_BUDGET:
+    if not fits(size, delta.shape[0], materialised) or micro.stacked_elements + size > STACK_BUDGET:
         return False
     key, split = static
     micro.stacked.setdefault((key, a.shape[1:], delta.shape[1:], a.dtype, delta.dtype), []).append(
@@ -140,16 +155,17 @@ def settle(meter, window) -> None:
     """Measure the stacked uses carried so far into ``window`` (the Lens' window, whose
     micro-steps they belong to). Per stack key and set of sites, the uses are concatenated
     site by site (each site's samples over the window, then the next site's) and scaled to
-    per-sample units (each micro-step its own scale), so that every site's norms come from one
-    call (:meth:`~gradlens.kernels.Kernel.stacked_reduce`) and its window gradient from one
-    product over all its samples; the ``[N]`` norms are added to the micro-steps'
-    ``batch_l2`` (and ``group_l2``) vectors."""
+    per-sample units (each micro-step its own scale), so that every site's norms, window
+    gradient and sum of squares (what the plan wants) come from one call
+    (:meth:`~gradlens.kernels.Kernel.stacked_reduce`); the ``[N]`` norms are added to the
+    micro-steps' ``batch_l2`` (and ``group_l2``) vectors, the sums into the window's
+    accumulators."""
     carried = meter.carried
     if not carried:
         return
     meter.carried, meter.carried_elements = {}, 0
     acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}  # (untouched)
-    sums = "grad_sum" in meter.use_sums
+    totals, squares = "grad_sum" in meter.use_sums, "sum_grad_squared" in meter.use_sums
     parts: dict[tuple, dict] = {}  # micro-steps (their indices) -> group -> [N] norms
     scales: dict[tuple, Tensor | None] = {}  # (micro-steps, dtype, device) -> [1, N, 1] per-sample scale
     for blocks in carried.values():
@@ -167,10 +183,11 @@ def settle(meter, window) -> None:
             if s is not None:  # (cat made d: scaled in place)
                 d.view(k, n, -1).mul_(s)
             site0, split0 = first[0][0], first[0][3]
-            attrs = [attr for attr in site0.params if any(attr not in u[4] for u in first)] if sums else []
-            l2, got = site0.kernel.stacked_reduce(site0.module, a, d, k, [names for _, names in split0], attrs, acc)
-            if got:
-                _add_stacked_sums(first, got, acc["grad_sum"], meter.sum_blocks)
+            want = {"grad_sum": [attr for attr in site0.params if any(attr not in u[4] for u in first)] if totals else [],
+                    "sum_grad_squared": list(site0.params) if squares else []}
+            l2, got = site0.kernel.stacked_reduce(site0.module, a, d, k, [names for _, names in split0], want, acc)
+            for q, by_attr in got.items():
+                _add_stacked_sums(first, q, by_attr, acc[q], meter.sum_blocks)
             into = parts.setdefault(steps, {})
             for j in range(len(split0)):  # the same attributes per group in every use
                 groups = [u[3][j][0] for u in first]
@@ -212,16 +229,19 @@ def _add_pieces(vectors: list, steps: tuple, pieces) -> None:
         vectors[i] = vectors[i] + piece
 
 
-def _add_stacked_sums(uses: list, got: dict[str, Tensor], acc: dict, blocks: dict) -> None:
-    """sum_n g_n of each stacked use (``got``: attribute -> ``[k, *param]``, per-sample units)
-    into the window's ``acc``. A ``[k, *param]`` block becomes the uses' accumulators (row i
-    is use i's; remembered in ``blocks``, the Meter's); a later one for the same uses (the
-    window settled before, e.g. for a checkpoint) is added onto it in one operation (if
-    ``acc`` still holds those rows)."""
+def _add_stacked_sums(uses: list, quantity: str, got: dict[str, Tensor], acc: dict, blocks: dict) -> None:
+    """Each stacked use's sum over its samples of ``quantity`` (``"grad_sum"``: sum_n g_n,
+    ``"sum_grad_squared"``: sum_n g_n * g_n; ``got``: attribute -> ``[k, *param]``, per-sample
+    units) into the window's ``acc``. A ``[k, *param]`` block becomes the uses' accumulators
+    (row i is use i's; remembered in ``blocks``, the Meter's); a later one for the same uses
+    (the window settled before, e.g. for a checkpoint) is added onto it in one operation (if
+    ``acc`` still holds those rows). A use's window gradient of an attribute that autograd's
+    node hook delivers (its ``via``) is not added here."""
     for attr, g in got.items():
-        qs = tuple(u[0].params[attr] for u in uses if attr not in u[4])
+        skip = [quantity == "grad_sum" and attr in u[4] for u in uses]
+        qs = tuple(u[0].params[attr] for u, s in zip(uses, skip) if not s)
         if len(qs) == len(uses):
-            block = blocks.get((attr, qs))
+            block = blocks.get((quantity, attr, qs))
             if block is not None and all(acc.get(q) is r for q, r in zip(qs, block[1])):
                 block[0].add_(g)
                 continue
@@ -229,10 +249,10 @@ def _add_stacked_sums(uses: list, got: dict[str, Tensor], acc: dict, blocks: dic
         if len(qs) == len(uses) and not any(q in acc for q in qs):
             if len(blocks) > 256:  # (stale entries fail the check above: dropping them is safe)
                 blocks.clear()
-            blocks[attr, qs] = (g, rows)
+            blocks[quantity, attr, qs] = (g, rows)
         dst, src = [], []
-        for u, row in zip(uses, rows):
-            if attr in u[4]:
+        for u, row, s in zip(uses, rows, skip):
+            if s:
                 continue
             q = u[0].params[attr]
             if q in acc:

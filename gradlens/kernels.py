@@ -177,13 +177,49 @@ class Kernel:
         measuring it costs beside autograd's own dL/dp (:mod:`gradlens.deferred`)."""
         return a.numel()
 
-    def stacked_reduce(self, module, a, delta, k: int, groups: list[dict[str, str]], attrs, acc) -> tuple[list, dict]:
+    def stacked_reduce(self, module, a, delta, k: int, groups: list[dict[str, str]], sums: dict, acc) -> tuple[list, dict]:
         """What :mod:`gradlens.deferred` measures of ``k`` stacked uses (see
         :meth:`stacked_grad_sum`): the ``[k * b]`` ||g_n||^2 parts of each of ``groups``
         (attribute -> name dicts, as :meth:`reduce` returns them; ``acc`` as there, only its
-        scratch buffers used) and, for ``attrs``, the ``[k, *param]`` window gradients."""
+        scratch buffers used) and, for the attributes ``sums[q]`` of each quantity ``q``
+        (``"grad_sum"``, ``"sum_grad_squared"``), each use's sum over its samples: ``{q: {attr:
+        [k, *param]}}`` (quantities without attributes left out). The sums of squares need
+        the per-sample gradients: one materialising pass (:meth:`_stacked_materialised`) then
+        gives the norms and window gradients too."""
+        if sums.get("sum_grad_squared"):
+            return self._stacked_materialised(module, a, delta, k, groups, sums)
         l2 = [self.reduce(module, a, delta, {"batch_l2"}, names, acc, ()) for names in groups]
-        return l2, (self.stacked_grad_sum(module, a, delta, k, attrs) if attrs else {})
+        attrs = sums.get("grad_sum")
+        return l2, ({"grad_sum": self.stacked_grad_sum(module, a, delta, k, attrs)} if attrs else {})
+
+    def _stacked_materialised(self, module, a, delta, k: int, groups, sums: dict) -> tuple[list, dict]:
+        """:meth:`stacked_reduce` from the per-sample gradients, formed for a few uses at a time
+        (at most :data:`CHUNK_ELEMENTS` numbers): each attribute's squares serve its norms and
+        its sum of squares."""
+        wanted = list(dict.fromkeys([*(attr for names in groups for attr in names),
+                                     *(attr for attrs in sums.values() for attr in attrs)]))
+        n = delta.shape[0] // k
+        step = max(1, CHUNK_ELEMENTS // max(n * self.numel(module, wanted), 1))
+        l2: list[list[Tensor]] = [[] for _ in groups]
+        got: dict[str, dict[str, list[Tensor]]] = {q: {attr: [] for attr in attrs} for q, attrs in sums.items() if attrs}
+        shapes = {}
+        for s in range(0, k, step):
+            e = min(k, s + step)
+            g = self.per_sample(module, a, delta, s * n, e * n, attrs=wanted)
+            norms = {}
+            for attr in wanted:
+                rows = g[attr].reshape((e - s) * n, -1)
+                shapes[attr] = g[attr].shape[1:]
+                sq = rows.square()
+                norms[attr] = sq.sum(1)
+                if attr in got.get("sum_grad_squared", ()):
+                    got["sum_grad_squared"][attr].append(sq.view(e - s, n, -1).sum(1))
+                if attr in got.get("grad_sum", ()):
+                    got["grad_sum"][attr].append(rows.reshape(e - s, n, -1).sum(1))
+            for j, names in enumerate(groups):
+                l2[j].append(sum(norms[attr] for attr in names))
+        out = {q: {attr: _cat(parts, dim=0).view(k, *shapes[attr]) for attr, parts in by.items()} for q, by in got.items()}
+        return [[_cat(parts, dim=0)] for parts in l2], out
 
     def outer_factors(self, module, a, delta) -> dict[str, tuple[Tensor, Tensor]]:
         """Parameters whose per-sample gradient is the outer product ``delta_n a_n^T``:
@@ -1142,12 +1178,9 @@ class _NormKernel(Kernel):
         flat = [g[attr].flatten(1) for attr in names]
         return (torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)
 
-    def stacked_reduce(self, module, a, delta, k, groups, attrs, acc):
+    def stacked_reduce(self, module, a, delta, k, groups, sums, acc):
         # one per-sample pass (as small as the normalised features) for the norms and the sums
-        wanted = list(dict.fromkeys([*attrs, *(attr for names in groups for attr in names)]))
-        g = self.per_sample(module, a, delta, 0, delta.shape[0], attrs=wanted)
-        l2 = [[self._joint_l2(g, names)] for names in groups]
-        return l2, {attr: g[attr].reshape(k, -1, *g[attr].shape[1:]).sum(1) for attr in attrs}
+        return self._stacked_materialised(module, a, delta, k, groups, sums)
 
     def batch_l2(self, module, a, delta):
         return {attr: g.flatten(1).square().sum(1) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}

@@ -147,11 +147,12 @@ class Meter(WindowGradient):
             self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
         #: the sums the uses' measurement computes (decided once, not per use)
         self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
-        #: small uses may be stacked (gradlens.deferred): the plan wants only their norms
-        self._stacks = (not plan.per_sample and not plan.layer and "batch_l2" in self.use_sums
-                        and "sum_grad_squared" not in self.use_sums)
+        #: small uses may be stacked (gradlens.deferred): the plan wants only their norms and
+        #: sums (window gradient, sum of squares), nothing per sample or per layer
+        self._stacks = not plan.per_sample and not plan.layer and "batch_l2" in self.use_sums
         if self._stacks:  # small uses' window gradients come with their stacked norms
             self.tap.sums_here = deferred.sums_here
+            self.tap.stacks_if = deferred.fits
         #: the window gradients of stacked uses, as blocks of rows (see gradlens.deferred)
         self.sum_blocks: dict = {}
         #: stacked uses of the window's folded micro-steps, not measured yet (deferred.carry;
@@ -497,8 +498,10 @@ class Meter(WindowGradient):
         if got is None or got[0] is not site:
             if len(self._stacking) > 4096:  # sites of functional calls are made per forward
                 self._stacking.clear()
-            got = self._stacking[id(site)] = (site, deferred.stack_key(site, self._split(site.params, True)))
-        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1], via, made):
+            # one sample's gradient elements, where settle materialises them (sums of squares)
+            numel = site.kernel.numel(site.module, site.params) if "sum_grad_squared" in self.use_sums else 0
+            got = self._stacking[id(site)] = (site, deferred.stack_key(site, self._split(site.params, True)), numel)
+        if got[1] is None or not deferred.stack(micro, site, a, delta, got[1], via, made, got[2]):
             return False
         self.sites[site.name] = site
         return True

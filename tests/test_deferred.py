@@ -11,7 +11,7 @@ from torch import nn
 
 import gradlens
 from gradlens import Lens, deferred
-from gradlens.instruments import BatchL2, GradNorm, NormTest
+from gradlens.instruments import BatchL2, GradNorm, NormTest, SumGradSquared
 from oracle import close, flat, per_sample
 
 N = 12
@@ -51,8 +51,9 @@ def _oracle(model, x, y, reduction):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("make", [lambda: [BatchL2()], lambda: [BatchL2(), GradNorm()], lambda: [NormTest()]],
-                         ids=["BatchL2", "BatchL2+GradNorm", "NormTest"])
+@pytest.mark.parametrize("make", [lambda: [BatchL2()], lambda: [BatchL2(), GradNorm()], lambda: [NormTest()],
+                                  lambda: [BatchL2(), SumGradSquared(), GradNorm()]],
+                         ids=["BatchL2", "BatchL2+GradNorm", "NormTest", "BatchL2+SumGradSquared+GradNorm"])
 @pytest.mark.parametrize("groups", [None, "param", "module"])
 @pytest.mark.parametrize("budget", ["all", "some"])
 def test_stacked_norms_equal_the_oracle(make, reduction, groups, budget, monkeypatch):
@@ -88,6 +89,10 @@ def test_stacked_norms_equal_the_oracle(make, reduction, groups, budget, monkeyp
     if "grad_norm" in rec:
         g = G.mean(0) if reduction == "mean" else G.sum(0)
         close(rec["grad_norm"], g.norm())
+    if "sum_grad_squared" in rec:
+        assert sorted(rec["sum_grad_squared"]) == sorted(gs)
+        for q, g in gs.items():
+            close(rec["sum_grad_squared"][q], g.square().sum(0))  # per-sample units
     if "norm_test" in rec:
         mean = G.mean(0)
         tr = (l2.sum() - N * mean.square().sum()) / (N - 1)

@@ -364,15 +364,21 @@ def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel) -> None:
         xs, ds = x[: k * b], delta[: k * b]
         groups = [names] + ([{attrs[0]: names[attrs[0]]}] if len(attrs) > 1 else [])
         acc = {"sum_grad_squared": Accumulators({}), "grad_sum": Accumulators({})}
-        l2, got = kernel.stacked_reduce(m, xs, ds, k, groups, attrs, acc)
-        for names_j, parts in zip(groups, l2):
-            rep.close(f"stacked_reduce batch_l2 {sorted(names_j)}", sum(parts),
-                      sum(want[a][: k * b].flatten(1).square().sum(1) for a in names_j))
-        for a in attrs:
-            per_use = want[a][: k * b].reshape(k, b, *want[a].shape[1:]).sum(1)
-            rep.close(f"stacked_reduce grad_sum[{a}]", got.get(a), per_use)
-            rep.close(f"stacked_grad_sum[{a}]", kernel.stacked_grad_sum(m, xs, ds, k, [a]).get(a), per_use)
-        rep.close("stacked_reduce without sums", kernel.stacked_reduce(m, xs, ds, k, groups, [], acc)[1], {})
+        for squares in ([], attrs, attrs[-1:]):  # without sums of squares, with all, with one
+            l2, got = kernel.stacked_reduce(m, xs, ds, k, groups, {"grad_sum": attrs, "sum_grad_squared": squares}, acc)
+            where = f" (squares of {squares})"
+            for names_j, parts in zip(groups, l2):
+                rep.close(f"stacked_reduce batch_l2 {sorted(names_j)}{where}", sum(parts),
+                          sum(want[a][: k * b].flatten(1).square().sum(1) for a in names_j))
+            rep.close(f"stacked_reduce quantities{where}", sorted(got), ["grad_sum"] + (["sum_grad_squared"] if squares else []))
+            for a in attrs:
+                per_use = want[a][: k * b].reshape(k, b, *want[a].shape[1:])
+                rep.close(f"stacked_reduce grad_sum[{a}]{where}", got["grad_sum"].get(a), per_use.sum(1))
+                rep.close(f"stacked_grad_sum[{a}]", kernel.stacked_grad_sum(m, xs, ds, k, [a]).get(a), per_use.sum(1))
+                if squares:
+                    rep.close(f"stacked_reduce sum_grad_squared[{a}]{where}", got["sum_grad_squared"].get(a),
+                              per_use.square().sum(1) if a in squares else None)
+        rep.close("stacked_reduce without sums", kernel.stacked_reduce(m, xs, ds, k, groups, {}, acc)[1], {})
     rep.run("stacked_reduce/stacked_grad_sum", stacked)
 
     subsets = [attrs] + ([[attrs[-1]]] if len(attrs) > 1 else [])
