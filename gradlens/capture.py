@@ -315,10 +315,10 @@ def trainable_split(model: nn.Module, exclude: tuple[str, ...] = ()) -> tuple[di
     """(the parameters :func:`tracked_parameters` returns, without checking ``exclude``; the
     number of trainable elements of ``model``, excluded ones included), in one walk."""
     params, total = {}, 0
-    for n, p in model.named_parameters():
+    for n, p in compat.named_parameters(model):
         if p.requires_grad:
             total += p.numel()
-            if not _excluded(n, exclude):
+            if not exclude or not _excluded(n, exclude):
                 params[n] = p
     return params, total
 

@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
     ) from err
 
 __all__ = [
-    "BatchNormBase", "conv_forward", "mha_packed_in_proj", "compiled_original",
+    "BatchNormBase", "named_parameters", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
     "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
@@ -41,6 +41,41 @@ __all__ = [
 #: ``torch.nn.modules.batchnorm._BatchNorm``: the base of BatchNorm1d/2d/3d (and SyncBatchNorm,
 #: LazyBatchNorm*); the one class that says "a BatchNorm with running statistics".
 BatchNormBase = _BatchNorm
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """What ``model.named_parameters()`` yields (each parameter once, under its first name, in
+    the same order), read from the modules' ``_modules`` and ``_parameters`` dicts: several
+    times faster than torch's chain of generators, for a walk done at every tracked window.
+    A model with a module class that overrides ``named_parameters`` or ``named_modules`` gets
+    torch's own."""
+    out: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()  # parameters and modules met
+    plain = _PLAIN_WALK
+
+    def visit(prefix: str, m: nn.Module) -> bool:
+        seen.add(id(m))
+        cls = type(m)
+        ok = plain.get(cls)
+        if ok is None:
+            ok = plain[cls] = (cls.named_parameters is nn.Module.named_parameters
+                               and cls.named_modules is nn.Module.named_modules)
+        if not ok:
+            return False
+        for k, p in m._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((prefix + k, p))
+        for k, c in m._modules.items():
+            if c is not None and id(c) not in seen and not visit(prefix + k + ".", c):
+                return False
+        return True
+
+    return out if visit("", model) else list(model.named_parameters())
+
+
+#: module class -> whether it walks its parameters as nn.Module does (named_parameters)
+_PLAIN_WALK: dict[type, bool] = {}
 
 
 def conv_forward(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

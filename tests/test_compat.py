@@ -240,6 +240,30 @@ def test_is_view():
     _check("is_view", got == (False, True, True, False), f"(tensor, view, slice, clone) gave {got}")
 
 
+def test_named_parameters():
+    class Odd(nn.Module):  # overrides named_parameters: torch's own is used
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def named_parameters(self, *args, **kwargs):
+            yield from super().named_parameters(*args, **kwargs)
+
+    shared = nn.Linear(3, 3)
+    inner = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), shared, nn.BatchNorm1d(3))
+    model = nn.Sequential(inner, nn.Linear(3, 3, bias=False), shared, inner)  # shared layer, shared module
+    model[1].register_parameter("extra", None)
+    model.add_module("none", None)
+    model.register_parameter("top", nn.Parameter(torch.zeros(1)))
+    model[1].tied = model[0][0].weight  # one parameter under two names
+    with_odd = nn.ModuleDict({"model": model, "odd": Odd()})
+    for m in (model, with_odd):
+        with _entry("named_parameters"):
+            got = [(n, id(p)) for n, p in compat.named_parameters(m)]
+        want = [(n, id(p)) for n, p in m.named_parameters()]
+        _check("named_parameters", got == want, f"gave {[n for n, _ in got]}, named_parameters() gives {[n for n, _ in want]}")
+
+
 def test_view_base():
     t = torch.zeros(2, 3)
     with _entry("view_base"):
