@@ -703,9 +703,9 @@ class Tap:
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
-        #: sequence ``nn.Linear`` calls take dL/dW from the Meter's per-sample pass (set by the
-        #: Meter from its plan when it materialises those gradients anyway; before install)
-        self.fuse_weight_grad = False
+        #: the layer classes (:data:`LINEAR`, :data:`CONV1D`) whose sequence calls take dL/dW
+        #: from the Meter (set by the Meter from its plan, before install)
+        self.fuse_weight_grad: frozenset = frozenset()
         #: ``(site, input, output) -> bool``: a routed use whose dL/dp the Meter forms itself
         #: (small stacked uses, :func:`gradlens.deferred.sums_here`) gets no autograd-node
         #: hook; None: every routed use is hooked (set by the Meter)
@@ -783,9 +783,9 @@ class Tap:
             if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
                 mod.forward = _TrackedForward(fwd, mod, self)
                 self._replaced.append(mod)
-            elif self.fuse_weight_grad and type(mod) is nn.Linear and site_mod and entry[1] is not None \
-                    and "weight" in entry[1].params and "forward" not in mod.__dict__:
-                mod.forward = _TrackedForward(_fused_linear_forward, mod, self)
+            elif self.fuse_weight_grad and _class_name(mod) in self.fuse_weight_grad and site_mod \
+                    and entry[1] is not None and "weight" in entry[1].params and "forward" not in mod.__dict__:
+                mod.forward = _TrackedForward(_FUSED[_class_name(mod)], mod, self)
                 self._replaced.append(mod)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
@@ -926,7 +926,7 @@ class Tap:
         stacks = routed and site.kernel.stack_key(mod, tuple(site.params)) is not None
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
         is_embedding = isinstance(mod, nn.Embedding)
-        may_fuse = type(mod) is nn.Linear  # (only nn.Linear runs a fused forward)
+        may_fuse = _class_name(mod) in _FUSED  # (only these run a fused forward)
         data = self._data
 
         def use(module, args, output):
@@ -1354,12 +1354,17 @@ class WeightGrad:
 class _FusedLinear(torch.autograd.Function):
     """``F.linear`` whose backward takes dL/dW from its :class:`WeightGrad` when the Meter formed
     it (the output's hook, which measures the call, runs before this backward), so that the
-    weight-gradient matmul is not computed twice. Input and bias gradients as ``F.linear``."""
+    weight-gradient matmul is not computed twice. Input and bias gradients as ``F.linear``.
+    ``transposed``: the weight is ``[d_in, d_out]`` (transformers' ``Conv1D``, ``y = x W + b``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, holder):
+    def forward(ctx, x, weight, bias, holder, transposed=False):
         ctx.save_for_backward(x, weight)
-        ctx.holder, ctx.has_bias = holder, bias is not None
+        ctx.holder, ctx.has_bias, ctx.transposed = holder, bias is not None, transposed
+        if transposed:  # as Conv1D computes it: addmm of the rows with W
+            out = x.reshape(-1, x.shape[-1])
+            out = torch.mm(out, weight) if bias is None else torch.addmm(bias, out, weight)
+            return out.view(*x.shape[:-1], weight.shape[1])
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -1368,16 +1373,17 @@ class _FusedLinear(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = g.matmul(weight)
+            gx = g.matmul(weight.t() if ctx.transposed else weight)
         if ctx.needs_input_grad[1]:
             gw, ctx.holder.value = ctx.holder.value, None
             if gw is None or torch.is_grad_enabled():
                 # not measured (a shared weight, an empty batch), or a differentiable backward
-                # (create_graph=True): what F.linear does, so double backward works
-                gw = x.reshape(-1, x.shape[-1]).t().mm(g2).t()
+                # (create_graph=True): what the layer's own backward does, so double backward works
+                gw = x.reshape(-1, x.shape[-1]).t().mm(g2)
+                gw = gw if ctx.transposed else gw.t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def _autocast(x: Tensor) -> bool:
@@ -1389,13 +1395,21 @@ def _autocast(x: Tensor) -> bool:
         return torch.is_autocast_enabled()
 
 
+def _fuses(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:
+    """Whether a call of a Linear-like layer on ``x`` runs fused: a sequence input in a tracked
+    forward, gradients on, no autocast, no torch.func transform, and not small enough to be
+    stacked (``tap.stacks_if``: measured with others like it at the window's end, which beats
+    fusing; ``d_out`` the output width)."""
+    return (tap._mode_depth and x.dim() > 2 and module.weight.requires_grad and x.dtype == module.weight.dtype
+            and torch.is_grad_enabled() and not _in_functorch() and not _autocast(x)
+            and not (tap.stacks_if is not None and _stacks(module, tap, x, d_out)))
+
+
 def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
     """``nn.Linear.forward`` during tracked windows of a Lens that materialises the per-sample
     weight gradients of sequence inputs ``[B, T, d]`` anyway (sum of squares): the call is a
     :class:`_FusedLinear` whose :class:`WeightGrad` rides on the output for the site hook."""
-    if (tap._mode_depth and x.dim() > 2 and module.weight.requires_grad and x.dtype == module.weight.dtype
-            and torch.is_grad_enabled() and not _in_functorch() and not _autocast(x)
-            and not (tap.stacks_if is not None and _stacks(module, tap, x))):
+    if _fuses(module, tap, x, module.weight.shape[0]):
         holder = WeightGrad()
         out = _FusedLinear.apply(x, module.weight, module.bias, holder)
         out._gradlens_weight_grad = holder
@@ -1403,12 +1417,35 @@ def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _stacks(module: nn.Module, tap: "Tap", x: Tensor) -> bool:
-    """Whether the Meter may stack this Linear call by its size (``tap.stacks_if``): it is
+def _fused_conv1d_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
+    """transformers' ``Conv1D.forward`` (``x W + b``, ``W [d_in, d_out]``) fused as
+    :func:`_fused_linear_forward`; its own forward where that one would not fuse."""
+    if _fuses(module, tap, x, module.weight.shape[1]):
+        holder = WeightGrad()
+        out = _FusedLinear.apply(x, module.weight, module.bias, holder, True)
+        out._gradlens_weight_grad = holder
+        return out
+    return type(module).forward(module, x)
+
+
+#: qualified names of the layer classes whose calls may run fused (exactly these classes, whose
+#: forward is known: a subclass may compute something else)
+LINEAR, CONV1D = "torch.nn.modules.linear.Linear", "transformers.pytorch_utils.Conv1D"
+#: class name -> its tracked-window forward
+_FUSED = {LINEAR: _fused_linear_forward, CONV1D: _fused_conv1d_forward}
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _stacks(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:
+    """Whether the Meter may stack this Linear-like call by its size (``tap.stacks_if``): it is
     small enough to be measured with others like it at the window's end, which beats fusing."""
     rows = x.numel() // max(x.shape[-1], 1)
     numel = module.weight.numel() + (module.bias.numel() if module.bias is not None else 0)
-    return tap.stacks_if(x.numel() + rows * module.out_features, tap._batch or x.shape[0], numel)
+    return tap.stacks_if(x.numel() + rows * d_out, tap._batch or x.shape[0], numel)
 
 
 def _elementwise_forward(module: nn.Module, tap: "Tap", *args, **kwargs):

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from gradlens import compat, deferred, ops, slices
-from gradlens.capture import LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
+from gradlens.capture import CONV1D, LINEAR, LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
 from gradlens.groups import group_params
@@ -51,8 +51,12 @@ class Plan:
             (BatchDot): no per-use ``delta * scale`` copy.
         light: instruments of the window gradient only (GradNorm, NoiseScaleTwoBatch):
             parameter hooks (ParamTap), no per-sample capture.
-        fuse_weight_grad: sequence ``nn.Linear`` calls take dL/dW from the per-sample pass
-            (the sum of squares, exact per-sample instruments and BatchDot materialise them).
+        fuse_weight_grad: the layer classes (qualified names) whose sequence calls take dL/dW
+            from the measurement instead of a second matmul: ``nn.Linear`` where anything forms
+            it (the sum of squares' and exact per-sample instruments' slices, BatchDot's
+            backward Gram), transformers' ``Conv1D`` where slices do (BatchDot's row blocks,
+            formed in each micro-step's backward, cost a window of several micro-steps more
+            than the product they save: measured on GPT-2).
         groups: the checked ``Lens(groups=...)`` spec (:mod:`gradlens.groups`), or None: each
             use's ``batch_l2`` contributions also go to its parameters' groups
             (:attr:`WindowStats.group_l2`); instruments with ``per_group`` finalize per group.
@@ -66,7 +70,7 @@ class Plan:
     micro: tuple
     carry_scale: bool
     light: bool
-    fuse_weight_grad: bool
+    fuse_weight_grad: frozenset
     groups: Any = None
 
     @classmethod
@@ -86,9 +90,9 @@ class Plan:
             carry_scale=bool(layer) and not (needs - {"layer"})
             and all(getattr(i, "carries_scale", False) for i in layer),
             light=not (needs - LIGHT_QUANTITIES),
-            fuse_weight_grad="sum_grad_squared" in needs
-            or bool(exact)
-            or any(getattr(i, "fills_weight_grad", False) for i in layer),
+            fuse_weight_grad=frozenset(
+                ([LINEAR, CONV1D] if "sum_grad_squared" in needs or exact else [])
+                + ([LINEAR] if any(getattr(i, "fills_weight_grad", False) for i in layer) else [])),
             groups=groups,
         )
 

@@ -282,3 +282,141 @@ def test_fused_call_is_twice_differentiable_when_not_measured():
 
     assert torch.autograd.gradcheck(fused, (x, w, b))
     assert torch.autograd.gradgradcheck(fused, (x, w, b))
+
+
+class Conv1D(nn.Module):
+    """``transformers.pytorch_utils.Conv1D`` as that class computes it (``x W + b``, ``W [d_in,
+    d_out]``), named as it so that gradlens' registry and fused forward take it for the real one
+    (transformers is not installed in the default test environment; the frameworks test below
+    runs the real class)."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.5)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+Conv1D.__module__ = "transformers.pytorch_utils"
+
+
+class _SeqConv1D(nn.Module):
+    """_Seq with transformers' Conv1D layers: two single-use sequence calls (fused), one called
+    twice (shared: its own backward), a 2-D nn.Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = Conv1D(6, 4)
+        self.twice = Conv1D(6, 6)
+        self.mid = Conv1D(5, 6)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):  # [B, T, 4]
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        return self.head(torch.tanh(self.mid(h)).mean(1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("small", ["fused", "stacked"])
+def test_fused_conv1d_weight_grad_equals_autograd_and_the_oracle(reduction, small, monkeypatch):
+    """transformers' Conv1D runs fused as nn.Linear does (its dL/dW in W's [d_in, d_out]
+    layout from the sum of squares' slices), or stacked when small: p.grad equals a plain
+    float64 backward, the statistics the per-sample loop."""
+    from gradlens import deferred
+    from gradlens.kernels import TransposedLinearKernel
+
+    assert isinstance(gradlens.registry.kernel_for(Conv1D(2, 3)), TransposedLinearKernel)
+    if small == "fused":
+        monkeypatch.setattr(deferred, "SMALL_USE", 0)
+    torch.manual_seed(0)
+    model = _SeqConv1D().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    splits = (slice(0, 2), slice(2, 3), slice(3, B))
+    filled = _spy_fused(monkeypatch)
+    rec = _lens_then_autograd(
+        model, ref, [BatchL2(), SumGradSquared(), GradNorm()], [(x[sl], y[sl]) for sl in splits],
+        lambda out, tgt: F.cross_entropy(out, tgt, reduction=reduction), reduction,
+    )
+    if small == "fused":  # inp and mid filled; twice's two calls (shared) take their own product
+        assert filled.count(True) == 2 * len(splits) and filled.count(False) == 2 * len(splits)
+    else:
+        assert filled == []
+    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
+    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
+    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
+    window = G.mean(0) if reduction == "mean" else G.sum(0)
+    assert rec["grad_norm"] == pytest.approx(float(window.norm()), rel=1e-10)
+
+
+class _WideConv1D(nn.Module):
+    """_Wide with a Conv1D input layer: BatchDot's Gram from materialised weight row blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = Conv1D(10, 8)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):  # [B, 4, 8]
+        return self.head(torch.tanh(self.inp(x)).mean(1))
+
+
+@pytest.mark.parametrize("splits", [(slice(0, B),), (slice(0, 2), slice(2, 3), slice(3, B))])
+def test_batch_dot_gives_a_fused_conv1d_its_weight_grad(splits, monkeypatch):
+    """BatchDot with GradHist1d (whose slices make Conv1D calls fused) on a Conv1D whose Gram
+    comes from weight row blocks: BatchDot, measuring first, gives the fused call their sum
+    (transposed to W's layout) as dL/dW. BatchDot alone leaves Conv1D unfused. p.grad equals
+    plain autograd, the Gram and the counts the float64 oracle."""
+    from gradlens.instruments import BatchDot, GradHist1d
+    from gradlens.kernels import TransposedLinearKernel
+
+    from oracle import hist_oracle
+
+    sums = []
+    real = TransposedLinearKernel.gram_with_sum
+    monkeypatch.setattr(TransposedLinearKernel, "gram_with_sum", lambda *a: sums.append(real(*a)[1]) or real(*a))
+    for make in (lambda: [BatchDot()], lambda: [BatchDot(), GradHist1d(bins=9, range=(-0.3, 0.3))]):
+        torch.manual_seed(0)
+        model = _WideConv1D().double()
+        ref = copy.deepcopy(model)
+        torch.manual_seed(2)
+        x, y = torch.randn(B, 4, 8, dtype=torch.float64), torch.randint(0, 3, (B,))
+        filled = _spy_fused(monkeypatch)
+        sums.clear()
+        instruments = make()
+        rec = _lens_then_autograd(model, ref, instruments, [(x[sl], y[sl]) for sl in splits], F.cross_entropy)
+        G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
+        torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
+        if len(instruments) == 1:
+            assert filled == [] and sums == []
+            continue
+        assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.3, 0.3, 9)[0])
+        # every call fused and given dL/dW; by BatchDot's row blocks where its Gram came from
+        # them (the first micro-step; one sample alone takes T x T products, then the slices)
+        assert filled == [True] * len(splits) and len(sums) == len(splits) and sums[0] is not None
+
+
+def test_histogram_slices_give_a_fused_conv1d_its_weight_grad(monkeypatch):
+    """GradHist1d alone: the Conv1D slices' sum is the fused call's dL/dW; counts as the oracle's."""
+    from gradlens.instruments import GradHist1d
+
+    from oracle import hist_oracle
+
+    torch.manual_seed(0)
+    model = _SeqConv1D().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    splits = (slice(0, 3), slice(3, B))
+    filled = _spy_fused(monkeypatch)
+    rec = _lens_then_autograd(
+        model, ref, [GradHist1d(bins=11, range=(-0.2, 0.2))], [(x[sl], y[sl]) for sl in splits], F.cross_entropy
+    )
+    assert filled.count(True) == 2 * len(splits)
+    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
+    assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradlens
-from gradlens import Lens
+from gradlens import Lens, capture
 from gradlens.capture import ParamTap
 from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
 from gradlens.measure import Meter, Plan
@@ -32,7 +32,8 @@ def test_plan_groups_the_instruments_by_what_they_declare():
     assert light.needs == frozenset({"grad_sum"})
     factors = Plan.compile([l2, norm])
     assert not factors.light and not factors.fuse_weight_grad and not factors.carry_scale
-    assert Plan.compile([sgs]).fuse_weight_grad  # the sum of squares materialises sequence slices
+    # the sum of squares materialises sequence slices: nn.Linear and Conv1D take dL/dW from them
+    assert Plan.compile([sgs]).fuse_weight_grad == {capture.LINEAR, capture.CONV1D}
     mixed = Plan.compile([l2, hist, drawn, dot])
     assert mixed.per_sample == (hist, drawn)
     assert mixed.exact == (hist,) and mixed.sampled == (drawn,)
@@ -42,6 +43,8 @@ def test_plan_groups_the_instruments_by_what_they_declare():
     assert not only_drawn.fuse_weight_grad  # sampled entries come from the factors
     alone = Plan.compile([dot])
     assert alone.carry_scale and alone.micro == (dot,)
+    # BatchDot's backward Gram fills nn.Linear's dL/dW, not Conv1D's (it costs more than it saves)
+    assert Plan.compile([BatchDot(mode="exact")]).fuse_weight_grad <= {capture.LINEAR}
     with pytest.raises(dataclasses.FrozenInstanceError):
         alone.light = True
 
