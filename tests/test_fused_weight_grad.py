@@ -420,3 +420,43 @@ def test_histogram_slices_give_a_fused_conv1d_its_weight_grad(monkeypatch):
     assert filled.count(True) == 2 * len(splits)
     G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
     assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])
+
+
+@pytest.mark.frameworks
+def test_fused_hugging_face_conv1d_equals_autograd_and_the_oracle(monkeypatch):
+    """The real transformers Conv1D (GPT-2) fused, as the stand-in above: p.grad equals a plain
+    float64 backward, the norms and sums of squares the per-sample loop."""
+    from oracle_models import hf_gpt2
+
+    from gradlens import deferred
+
+    monkeypatch.setattr(deferred, "SMALL_USE", 0)  # nothing stacked: every single call fused
+    torch.manual_seed(0)
+    model = hf_gpt2().double()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (5, 8))
+    splits = (slice(0, 2), slice(2, 5))
+    filled = _spy_fused(monkeypatch)
+    m = gradlens.extend(model)
+    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm()])
+    for sl in splits:
+        loss = m(ids[sl], labels=ids[sl]).loss  # a token mean: every sample has 7 targets
+        with lens.capture(reduction="mean", loss=loss):
+            loss.backward()
+    rec = lens.flush()
+    lens.close()
+    # per micro-step the tied lm_head (an nn.Linear sharing wte's weight: its own product), then
+    # the 2 x 4 Conv1D calls (c_attn, c_proj, c_fc, c_proj per layer), given their dL/dW
+    assert filled == ([False] + [True] * 8) * len(splits)
+    for sl in splits:
+        ref(ids[sl], labels=ids[sl]).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    params = list(ref.parameters())
+    G = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        ref(ids[n:n + 1], labels=ids[n:n + 1]).loss, params)]) for n in range(ids.shape[0])])
+    # (Hugging Face's loss upcasts the logits to float32: 1e-6, as in test_models_oracle)
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-6, atol=1e-12)
+    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
+    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-6, atol=1e-12)
+    assert rec["grad_norm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-6)
