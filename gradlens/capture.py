@@ -1395,14 +1395,20 @@ def _autocast(x: Tensor) -> bool:
         return torch.is_autocast_enabled()
 
 
+#: fewest multiply-adds of a call's weight gradient for it to run fused: below, the Python
+#: autograd Function's own cost (forward and backward) exceeds the product it saves
+FUSE_MIN = 1 << 20
+
+
 def _fuses(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:
     """Whether a call of a Linear-like layer on ``x`` runs fused: a sequence input in a tracked
-    forward, gradients on, no autocast, no torch.func transform, and not small enough to be
-    stacked (``tap.stacks_if``: measured with others like it at the window's end, which beats
-    fusing; ``d_out`` the output width)."""
-    return (tap._mode_depth and x.dim() > 2 and module.weight.requires_grad and x.dtype == module.weight.dtype
-            and torch.is_grad_enabled() and not _in_functorch() and not _autocast(x)
-            and not (tap.stacks_if is not None and _stacks(module, tap, x, d_out)))
+    forward, gradients on, no autocast, no torch.func transform, a weight gradient of at least
+    :data:`FUSE_MIN` multiply-adds, and not small enough to be stacked (``tap.stacks_if``:
+    measured with others like it at the window's end, which beats fusing; ``d_out`` the output
+    width)."""
+    return (tap._mode_depth and x.dim() > 2 and x.numel() * d_out >= FUSE_MIN and module.weight.requires_grad
+            and x.dtype == module.weight.dtype and torch.is_grad_enabled() and not _in_functorch()
+            and not _autocast(x) and not (tap.stacks_if is not None and _stacks(module, tap, x, d_out)))
 
 
 def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:

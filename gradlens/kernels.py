@@ -37,7 +37,7 @@ everything from materialised slices, chunked by :func:`sample_chunks`):
   attribute -> ``[*param]`` (Linear, Conv, eval BatchNorm: one forward of the layer along D).
 - ``gram(module, pieces, attrs)``: ``[n, n]`` g_n . g_m for ``pieces`` = list of ``(a, delta)``
   (micro-steps, samples concatenated in order).
-- ``gram_with_sum(module, a, delta, attrs)`` (Linear, Conv1D): one micro-step's Gram and, where it
+- ``gram_with_sum(module, a, delta, attrs)`` (Linear): one micro-step's Gram and, where it
   materialises weight row blocks, their sum over samples (a fused call's dL/dW, see
   :func:`gradlens.capture._fused_linear_forward`).
 - ``gram_materialises(module, a, delta)``: whether :meth:`Kernel.gram` forms ``[n, D_l]``.
@@ -1348,10 +1348,6 @@ class TransposedLinearKernel(_LinearSums):
 
     def gram(self, module, pieces, attrs):
         return _LINEAR.gram(self._AsLinear(module), pieces, attrs)
-
-    def gram_with_sum(self, module, a, delta, attrs):
-        k, wsum = _LINEAR.gram_with_sum(self._AsLinear(module), a, delta, attrs)
-        return k, None if wsum is None else wsum.t()  # W^T's sum -> W's [d_in, d_out] layout
 
     def gram_materialises(self, module, a, delta):
         return False  # T x T blocks or bounded row blocks, as nn.Linear's

@@ -52,11 +52,7 @@ class Plan:
         light: instruments of the window gradient only (GradNorm, NoiseScaleTwoBatch):
             parameter hooks (ParamTap), no per-sample capture.
         fuse_weight_grad: the layer classes (qualified names) whose sequence calls take dL/dW
-            from the measurement instead of a second matmul: ``nn.Linear`` where anything forms
-            it (the sum of squares' and exact per-sample instruments' slices, BatchDot's
-            backward Gram), transformers' ``Conv1D`` where slices do (BatchDot's row blocks,
-            formed in each micro-step's backward, cost a window of several micro-steps more
-            than the product they save: measured on GPT-2).
+            from the measurement instead of a second matmul (:func:`_fused_classes`).
         groups: the checked ``Lens(groups=...)`` spec (:mod:`gradlens.groups`), or None: each
             use's ``batch_l2`` contributions also go to its parameters' groups
             (:attr:`WindowStats.group_l2`); instruments with ``per_group`` finalize per group.
@@ -90,11 +86,20 @@ class Plan:
             carry_scale=bool(layer) and not (needs - {"layer"})
             and all(getattr(i, "carries_scale", False) for i in layer),
             light=not (needs - LIGHT_QUANTITIES),
-            fuse_weight_grad=frozenset(
-                ([LINEAR, CONV1D] if "sum_grad_squared" in needs or exact else [])
-                + ([LINEAR] if any(getattr(i, "fills_weight_grad", False) for i in layer) else [])),
+            fuse_weight_grad=_fused_classes(needs, exact, layer),
             groups=groups,
         )
+
+
+def _fused_classes(needs: frozenset, exact: tuple, layer: tuple) -> frozenset:
+    """:attr:`Plan.fuse_weight_grad`: nn.Linear where the sum of squares, exact per-sample
+    instruments or a layer instrument (BatchDot's backward Gram) form dL/dW; transformers'
+    Conv1D where the first two do and no layer instrument would (BatchDot measures a use
+    before its slices are formed: its backward Gram would fill the call, which costs a window
+    of several micro-steps more than the product it saves, measured on GPT-2)."""
+    slices = "sum_grad_squared" in needs or bool(exact)
+    by_layer = any(getattr(i, "fills_weight_grad", False) for i in layer)
+    return frozenset(([LINEAR] if slices or by_layer else []) + ([CONV1D] if slices and not by_layer else []))
 
 
 class Meter(WindowGradient):
