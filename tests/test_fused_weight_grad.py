@@ -84,16 +84,18 @@ def _per_sample(ref, loss_of_sample) -> torch.Tensor:
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("small", ["fused", "stacked"])
-def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, small, monkeypatch):
+@pytest.mark.parametrize("layer", ["Linear", "Conv1D"])
+def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, small, layer, monkeypatch):
     """``small="stacked"``: these calls are small enough to be measured with others like them at
     the window's end (gradlens.deferred), which beats fusing them: they run unfused; "fused":
-    nothing is small (the fused path as for larger calls)."""
+    nothing is small (the fused path as for larger calls). ``layer``: nn.Linear, or
+    transformers' Conv1D (its dL/dW in W's [d_in, d_out] layout)."""
     from gradlens import deferred
 
     if small == "fused":
         monkeypatch.setattr(deferred, "SMALL_USE", 0)
     torch.manual_seed(0)
-    model = _Seq().double()
+    model = (_Seq if layer == "Linear" else _SeqConv1D)().double()
     ref = copy.deepcopy(model)
     x, y = _data()
     splits = (slice(0, 2), slice(2, 3), slice(3, B))
@@ -202,15 +204,17 @@ def test_batch_dot_forms_the_micro_step_gram_in_backward_with_the_weight_grad(sp
     torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
 
 
-def test_histogram_slices_give_the_fused_weight_grad(monkeypatch):
-    """GradHist1d alone materialises the sequence Linear slices: the fused call takes their sum
-    as dL/dW (p.grad equals plain autograd) and the counts equal the float64 oracle's."""
+@pytest.mark.parametrize("layer", ["Linear", "Conv1D"])
+def test_histogram_slices_give_the_fused_weight_grad(layer, monkeypatch):
+    """GradHist1d alone materialises the sequence Linear (or Conv1D) slices: the fused call
+    takes their sum as dL/dW (p.grad equals plain autograd) and the counts equal the float64
+    oracle's."""
     from gradlens.instruments import GradHist1d
 
     from oracle import hist_oracle
 
     torch.manual_seed(0)
-    model = _Seq().double()
+    model = (_Seq if layer == "Linear" else _SeqConv1D)().double()
     ref = copy.deepcopy(model)
     x, y = _data()
     splits = (slice(0, 3), slice(3, B))
@@ -267,19 +271,23 @@ def test_tied_sequence_projection_adds_its_uses_in_place(monkeypatch):
     torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)
 
 
-def test_fused_call_is_twice_differentiable_when_not_measured():
-    """Outside a measured use (no dL/dW handed over) the fused call is F.linear, first and
-    second derivatives included (create_graph=True takes the differentiable formula)."""
+@pytest.mark.parametrize("transposed", [False, True], ids=["Linear", "Conv1D"])
+def test_fused_call_is_twice_differentiable_when_not_measured(transposed):
+    """Outside a measured use (no dL/dW handed over) the fused call is F.linear (Conv1D: x W +
+    b), first and second derivatives included (create_graph=True takes the differentiable
+    formula)."""
     from gradlens.capture import WeightGrad, _FusedLinear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    w = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(*((4, 5) if transposed else (5, 4)), dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
 
     def fused(x, w, b):
-        return _FusedLinear.apply(x, w, b, WeightGrad())
+        return _FusedLinear.apply(x, w, b, WeightGrad(), transposed)
 
+    out = fused(x, w, b)
+    torch.testing.assert_close(out, x @ w + b if transposed else F.linear(x, w, b), rtol=0, atol=1e-14)
     assert torch.autograd.gradcheck(fused, (x, w, b))
     assert torch.autograd.gradgradcheck(fused, (x, w, b))
 
@@ -319,40 +327,6 @@ class _SeqConv1D(nn.Module):
         h = torch.tanh(self.inp(x))
         h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
         return self.head(torch.tanh(self.mid(h)).mean(1))
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("small", ["fused", "stacked"])
-def test_fused_conv1d_weight_grad_equals_autograd_and_the_oracle(reduction, small, monkeypatch):
-    """transformers' Conv1D runs fused as nn.Linear does (its dL/dW in W's [d_in, d_out]
-    layout from the sum of squares' slices), or stacked when small: p.grad equals a plain
-    float64 backward, the statistics the per-sample loop."""
-    from gradlens import deferred
-    from gradlens.kernels import TransposedLinearKernel
-
-    assert isinstance(gradlens.registry.kernel_for(Conv1D(2, 3)), TransposedLinearKernel)
-    if small == "fused":
-        monkeypatch.setattr(deferred, "SMALL_USE", 0)
-    torch.manual_seed(0)
-    model = _SeqConv1D().double()
-    ref = copy.deepcopy(model)
-    x, y = _data()
-    splits = (slice(0, 2), slice(2, 3), slice(3, B))
-    filled = _spy_fused(monkeypatch)
-    rec = _lens_then_autograd(
-        model, ref, [BatchL2(), SumGradSquared(), GradNorm()], [(x[sl], y[sl]) for sl in splits],
-        lambda out, tgt: F.cross_entropy(out, tgt, reduction=reduction), reduction,
-    )
-    if small == "fused":  # inp and mid filled; twice's two calls (shared) take their own product
-        assert filled.count(True) == 2 * len(splits) and filled.count(False) == 2 * len(splits)
-    else:
-        assert filled == []
-    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
-    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)
-    sgs = torch.cat([rec["sum_grad_squared"][k].reshape(-1) for k, _ in model.named_parameters()])
-    torch.testing.assert_close(sgs, G.square().sum(0), rtol=1e-10, atol=1e-14)
-    window = G.mean(0) if reduction == "mean" else G.sum(0)
-    assert rec["grad_norm"] == pytest.approx(float(window.norm()), rel=1e-10)
 
 
 class _WideConv1D(nn.Module):
@@ -410,24 +384,6 @@ def test_only_calls_with_a_large_weight_gradient_run_fused(monkeypatch):
         filled = _spy_fused(monkeypatch)
         _lens_then_autograd(model, ref, [SumGradSquared()], [(x[:2], y[:2]), (x[2:], y[2:])], F.cross_entropy)
         assert bool(filled) == fused
-def test_histogram_slices_give_a_fused_conv1d_its_weight_grad(monkeypatch):
-    """GradHist1d alone: the Conv1D slices' sum is the fused call's dL/dW; counts as the oracle's."""
-    from gradlens.instruments import GradHist1d
-
-    from oracle import hist_oracle
-
-    torch.manual_seed(0)
-    model = _SeqConv1D().double()
-    ref = copy.deepcopy(model)
-    x, y = _data()
-    splits = (slice(0, 3), slice(3, B))
-    filled = _spy_fused(monkeypatch)
-    rec = _lens_then_autograd(
-        model, ref, [GradHist1d(bins=11, range=(-0.2, 0.2))], [(x[sl], y[sl]) for sl in splits], F.cross_entropy
-    )
-    assert filled.count(True) == 2 * len(splits)
-    G = _per_sample(ref, lambda n: F.cross_entropy(ref(x[n:n + 1]), y[n:n + 1]))
-    assert torch.equal(rec["grad_hist_1d"].counts, hist_oracle(G, -0.2, 0.2, 11)[0])
 
 
 @pytest.mark.frameworks
