@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradlens import axes, compat, ops
 from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
-from gradlens.registry import elementwise, forward_for, kernel_for
+from gradlens.registry import elementwise, forward_for, kernel_for, qualname
 
 __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
 
@@ -783,9 +783,9 @@ class Tap:
             if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
                 mod.forward = _TrackedForward(fwd, mod, self)
                 self._replaced.append(mod)
-            elif self.fuse_weight_grad and _class_name(mod) in self.fuse_weight_grad and site_mod \
-                    and entry[1] is not None and "weight" in entry[1].params and "forward" not in mod.__dict__:
-                mod.forward = _TrackedForward(_FUSED[_class_name(mod)], mod, self)
+            elif site_mod and qualname(type(mod)) in self.fuse_weight_grad and entry[1] is not None \
+                    and "weight" in entry[1].params and "forward" not in mod.__dict__:
+                mod.forward = _TrackedForward(_FUSED[qualname(type(mod))], mod, self)
                 self._replaced.append(mod)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
@@ -926,7 +926,7 @@ class Tap:
         stacks = routed and site.kernel.stack_key(mod, tuple(site.params)) is not None
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
         is_embedding = isinstance(mod, nn.Embedding)
-        may_fuse = _class_name(mod) in _FUSED  # (only these run a fused forward)
+        may_fuse = qualname(type(mod)) in _FUSED  # (only these run a fused forward)
         data = self._data
 
         def use(module, args, output):
@@ -1439,11 +1439,6 @@ def _fused_conv1d_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
 LINEAR, CONV1D = "torch.nn.modules.linear.Linear", "transformers.pytorch_utils.Conv1D"
 #: class name -> its tracked-window forward
 _FUSED = {LINEAR: _fused_linear_forward, CONV1D: _fused_conv1d_forward}
-
-
-def _class_name(module: nn.Module) -> str:
-    cls = type(module)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _stacks(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:

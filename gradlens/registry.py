@@ -78,7 +78,9 @@ def register_forward(module_type: type, forward: Callable, description: str = ""
     _FORWARDS[module_type] = (forward, description)
 
 
-def _qualname(cls: type) -> str:
+def qualname(cls: type) -> str:
+    """``"module.QualName"`` of a class: how a layer registered by name (a library gradlens does
+    not import, e.g. ``"transformers.pytorch_utils.Conv1D"``) is matched."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -89,7 +91,7 @@ def kernel_for(module: nn.Module) -> "K.Kernel | None":
     ``forward`` (then its operations are followed instead)."""
     for cls in type(module).__mro__:
         for key, factory, _ in _KERNELS:
-            if key is cls or (isinstance(key, str) and key == _qualname(cls)):
+            if key is cls or (isinstance(key, str) and key == qualname(cls)):
                 if type(module).forward is not cls.forward:
                     return None
                 return _checked(factory(module))
@@ -141,7 +143,7 @@ def elementwise(module: nn.Module) -> bool:
     """Whether ``module`` is a parameter-free elementwise module of :data:`_ELEMENTWISE` (its
     exact class; no parameters of its own)."""
     cls = type(module)
-    if cls not in _ELEMENTWISE and _qualname(cls) not in _ELEMENTWISE:
+    if cls not in _ELEMENTWISE and qualname(cls) not in _ELEMENTWISE:
         return False
     return next(module.parameters(), None) is None
 
@@ -149,7 +151,7 @@ def elementwise(module: nn.Module) -> bool:
 def _display(key: type | str) -> str:
     if isinstance(key, str):
         return key
-    return f"nn.{key.__name__}" if key.__module__.startswith("torch.nn") else _qualname(key)
+    return f"nn.{key.__name__}" if key.__module__.startswith("torch.nn") else qualname(key)
 
 
 def supported_layers() -> list[tuple[str, str]]:
