@@ -166,7 +166,7 @@ def settle(meter, window) -> None:
     meter.carried, meter.carried_elements = {}, 0
     acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}  # (untouched)
     totals, squares = "grad_sum" in meter.use_sums, "sum_grad_squared" in meter.use_sums
-    parts: dict[tuple, dict] = {}  # micro-steps (their indices) -> group -> [N] norms
+    parts: dict[tuple, dict] = {}  # micro-steps (their indices) -> group -> [k, N] norms of uses
     scales: dict[tuple, Tensor | None] = {}  # (micro-steps, dtype, device) -> [1, N, 1] per-sample scale
     for blocks in carried.values():
         runs: dict[tuple, list] = {}  # the blocks of the same sites, in window order
@@ -194,14 +194,15 @@ def settle(meter, window) -> None:
                 for part in l2[j]:
                     rows = part.view(k, n)
                     if len(set(groups)) == 1:
-                        _add(into, groups[0], rows.sum(0) if k > 1 else rows[0])
+                        into.setdefault(groups[0], []).append(rows)
                     else:
                         for i, g in enumerate(groups):
-                            _add(into, g, rows[i])
+                            into.setdefault(g, []).append(rows[i:i + 1])
     for steps, by_group in parts.items():
         sizes = [int(window.batch_l2[i].shape[0]) for i in steps]
         total = None
-        for g, v in by_group.items():
+        for g, rows in by_group.items():  # [k, n] blocks of uses: one sum over all of them
+            v = (torch.cat(rows) if len(rows) > 1 else rows[0]).sum(0)
             total = v if total is None else total + v
             if g is not None:
                 _add_pieces(window.group_l2[g], steps, v.split(sizes))
@@ -216,10 +217,6 @@ def _per_sample(run: list, like: Tensor) -> Tensor | None:
         return None
     col = [torch.as_tensor(c, dtype=like.dtype, device=like.device).expand(blk[3]) for c, blk in zip(scales, run)]
     return (torch.cat(col) if len(col) > 1 else col[0]).view(1, -1, 1)
-
-
-def _add(into: dict, group, v: Tensor) -> None:
-    into[group] = v if group not in into else into[group] + v
 
 
 def _add_pieces(vectors: list, steps: tuple, pieces) -> None:

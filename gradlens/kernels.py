@@ -206,6 +206,10 @@ class Kernel:
         for s in range(0, k, step):
             e = min(k, s + step)
             g = self.per_sample(module, a, delta, s * n, e * n, attrs=wanted)
+            if not got:  # norms only: each group's in one pass over its attributes
+                for j, names in enumerate(groups):
+                    l2[j].append(joint_sq_norm(g, names))
+                continue
             norms = {}
             for attr in wanted:
                 rows = g[attr].reshape((e - s) * n, -1)
@@ -217,7 +221,8 @@ class Kernel:
                 if attr in got.get("grad_sum", ()):
                     got["grad_sum"][attr].append(rows.reshape(e - s, n, -1).sum(1))
             for j, names in enumerate(groups):
-                l2[j].append(sum(norms[attr] for attr in names))
+                parts = [norms[attr] for attr in names]
+                l2[j].append(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0))
         out = {q: {attr: _cat(parts, dim=0).view(k, *shapes[attr]) for attr, parts in by.items()} for q, by in got.items()}
         return [[_cat(parts, dim=0)] for parts in l2], out
 
@@ -484,6 +489,13 @@ def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
         acc[key] = v
 
 
+def joint_sq_norm(g: dict[str, Tensor], names) -> Tensor:
+    """``[B]`` ||g_n||^2 over the attributes ``names`` of the per-sample gradients ``g``
+    (attribute -> ``[B, *param]``), in one pass."""
+    flat = [g[attr].flatten(1) for attr in names]
+    return (torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)
+
+
 def _add_row_sum(acc: Tensor, ones: Tensor, f: Tensor) -> None:
     """``acc += sum_n f_n`` (``f [b, numel]``, ``ones [1, b]``) as one ``1^T f`` product
     written into ``acc`` (any accumulator layout or dtype: then through a temporary)."""
@@ -689,7 +701,8 @@ class _LinearSums(Kernel):
                         out.append(gx.mul_(gd).sum((1, 2)))
                 else:
                     out.append(self.batch_l2(module, a, delta)["weight"])
-        if b:
+        if b and ("sum_grad_squared" in want or b_l2 and "batch_l2" in want
+                  or "grad_sum" in want and ("grad_sum", "bias") not in skip):
             db = d.sum(1)  # [B, O]: the bias gradient of each sample
             if "sum_grad_squared" in want:
                 add_into(acc["sum_grad_squared"], b, db.square().sum(0))
@@ -1170,13 +1183,7 @@ class _NormKernel(Kernel):
                         add_into(acc[q], key, g[attr].square().sum(0) if q == "sum_grad_squared" else g[attr].sum(0))
         if "batch_l2" not in want:
             return []
-        return [self._joint_l2(g, names)]
-
-    @staticmethod
-    def _joint_l2(g: dict[str, Tensor], names) -> Tensor:
-        """``[B]`` ||g_n||^2 over the attributes ``names`` of the per-sample gradients ``g``."""
-        flat = [g[attr].flatten(1) for attr in names]
-        return (torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)
+        return [joint_sq_norm(g, names)]
 
     def stacked_reduce(self, module, a, delta, k, groups, sums, acc):
         # one per-sample pass (as small as the normalised features) for the norms and the sums
