@@ -322,6 +322,7 @@ class Lens:
 
     def _open_window(self) -> None:
         self._meter.drop_carried()  # a window closed (settled) or dropped
+        self._empty_micro_steps = 0  # (a dropped window's go with it)
         self._curvature.release(self._meter)  # the previous window's graphs go
         self._ranks.drop_issued()  # issued for a window dropped since: every rank waits
         if self.is_tracked():
@@ -433,7 +434,6 @@ class Lens:
         if not self._ranks.hold(self.step, self._window, self._states, self._empty_micro_steps):
             record = self._emit(self.step, self._window, self._states, self._empty_micro_steps)
         self._counter.close(updated=True)
-        self._empty_micro_steps = 0
         self._open_window()
         return record
 

@@ -153,6 +153,34 @@ def test_an_empty_micro_batch_adds_nothing():
     assert rec.meta["empty_micro_steps"] == 1
 
 
+@pytest.mark.parametrize("drop", ["discard_window", "error"])
+def test_a_dropped_window_keeps_its_empty_micro_steps(drop):
+    """A window dropped without a record (a skipped update, an exception inside the capture)
+    takes its empty micro-steps with it: the next window's record counts only its own."""
+    m = gradlens.extend(_model())
+    ce = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
+    lens = Lens(m, [BatchL2()])
+    x, y, _ = _data()
+    for xb, yb in ((x, y), (x[:0], y[:0])):
+        loss = ce(m(xb), yb)
+        with lens.capture():
+            loss.backward()
+    if drop == "discard_window":
+        lens.discard_window()
+    else:
+        loss = ce(m(x), y)
+        with pytest.warns(RuntimeWarning, match="statistics are dropped"), pytest.raises(KeyError):
+            with lens.capture():
+                loss.backward()
+                raise KeyError("interrupted")
+    loss = ce(m(x), y)
+    with lens.capture():
+        loss.backward()
+    rec = lens.flush()
+    assert rec.micro_steps == 1 and rec.num_samples == B
+    assert "empty_micro_steps" not in rec.meta  # (the key is there when the count is not 0)
+
+
 class _Branchy(nn.Module):
     """A trunk and a head; ``skip=True`` leaves the head out of the forward."""
 
