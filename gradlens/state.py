@@ -35,7 +35,6 @@ names or shapes to check) is not read; its error says so.
 from __future__ import annotations
 
 import io
-import math
 import pickle
 from typing import Any
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 # (annotations name the instruments' and the Lens' classes without importing them: no cycle)
@@ -25,8 +24,10 @@ class StateDictError(ValueError, TypeError):
 
 # =============================================================================== instruments
 def label(inst: "Instrument") -> str:
-    """``"GradHist1d (record key 'grad_hist_1d')"``: how messages name an instrument."""
-    return f"{type(inst).__name__} (record key {inst.key!r})"
+    """``"GradHist1d (record key 'grad_hist_1d')"``: how messages name an instrument (a monitor
+    without a record key, e.g. NoiseScaleDDP, by its class)."""
+    key = getattr(inst, "key", None)
+    return type(inst).__name__ if key is None else f"{type(inst).__name__} (record key {key!r})"
 
 
 #: a check of one state value: (predicate, what the value must be, in words)

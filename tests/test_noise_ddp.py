@@ -247,6 +247,18 @@ def _errors_run(rank: int, world: int, out_dir: str) -> None:
                            (3.0 + 0.5 * v["trace_sigma"]) / (1.0 + 0.5 * v["grad_sq"]),
                            resumed.state_dict()["windows"])
     resumed.remove()
+    # a state it did not write is refused before anything is set, naming what is wrong
+    before = resumed.state_dict()
+    for key, bad in {"lacks": {"beta": 0.5, "grad_sq_ema": 2.0, "trace_sigma_ema": 6.0},
+                     "beta": {"beta": 1.5, "grad_sq_ema": 2.0, "trace_sigma_ema": 6.0, "windows": 7},
+                     "windows": {"beta": 0.5, "grad_sq_ema": 2.0, "trace_sigma_ema": 6.0, "windows": -1},
+                     "ema": {"beta": 0.5, "grad_sq_ema": float("nan"), "trace_sigma_ema": 6.0, "windows": 7},
+                     "not_dict": [0.5, 2.0, 6.0, 7]}.items():
+        try:
+            resumed.load_state_dict(bad)
+        except ValueError as err:  # (a StateDictError)
+            messages["load_" + key] = f"{type(err).__name__}: {err}"
+    messages["load_kept"] = resumed.state_dict() == before
     # the monitor holds its DDP module weakly: flushing after it is freed says so
     gone = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
     orphan = NoiseScaleDDP(gone, batch_size=4)
@@ -291,6 +303,12 @@ def test_errors_name_the_fix():
     assert "pending=1" in msg["accepted"]
     assert "Join" in msg["join"] and "noise.remove()" in msg["join"]
     assert msg["join_after_remove"]
+    assert "lacks key(s) ['windows']" in msg["load_lacks"] and msg["load_lacks"].startswith("StateDictError")
+    assert "beta=1.5" in msg["load_beta"] and "[0, 1)" in msg["load_beta"]
+    assert "windows=-1" in msg["load_windows"] and "an int >= 0" in msg["load_windows"]
+    assert "grad_sq_ema=nan" in msg["load_ema"] and "NoiseScaleDDP" in msg["load_ema"]
+    assert "takes the dict from its state_dict()" in msg["load_not_dict"]
+    assert msg["load_kept"]
     window, smoothed, expected, windows = msg["resumed"]
     assert window == 7 and windows == 8 and math.isclose(smoothed, expected, rel_tol=1e-12)
 

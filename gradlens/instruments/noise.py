@@ -57,7 +57,7 @@ from gradlens.accumulate import GradientAccumulateOptimizer
 from gradlens.fsdp import check_monitor as check_fsdp_monitor
 from gradlens.instruments.base import Instrument, WindowStats
 from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
-from gradlens.state_checks import FLOAT, check_state
+from gradlens.state_checks import COUNT, FLOAT, check_state, is_float
 from gradlens.window import WindowCounter
 
 __all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
@@ -70,6 +70,10 @@ def two_batch_estimates(S: float, Q: float, T: float, N: float) -> tuple[float, 
     if not den > 0:
         return math.nan, math.nan
     return (T - S) / den, (N * N * S - Q * T) / (N * den)
+
+
+#: a smoothing factor as :class:`_Smoother` takes it (a state's check)
+_BETA = (lambda v: is_float(v) and 0.0 <= v < 1.0, "a number in [0, 1)")
 
 
 class _Smoother:
@@ -567,6 +571,11 @@ class NoiseScaleDDP:
         return {"beta": sm.beta, "grad_sq_ema": sm.g2, "trace_sigma_ema": sm.tr, "windows": self._windows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s dict (its ``beta`` too); a dict that lacks or adds
+        keys, or holds values no monitor writes, is a :class:`~gradlens.state.StateDictError`
+        before anything is set."""
+        check_state(self, state, {"beta": _BETA, "grad_sq_ema": FLOAT, "trace_sigma_ema": FLOAT,
+                                  "windows": COUNT})
         self._smoother = _Smoother(state["beta"])
         self._smoother.g2 = float(state["grad_sq_ema"])
         self._smoother.tr = float(state["trace_sigma_ema"])
