@@ -456,7 +456,7 @@ class Meter(WindowGradient):
             torch.set_grad_enabled(False)
         try:
             dtype = g.dtype if g.dtype in _MEASURED else torch.float32
-            raw = g.detach()
+            raw = g.detach() if g.requires_grad else g  # (a backward with create_graph=True)
             if raw.dtype != dtype:
                 raw = raw.to(dtype)
             scale = micro.scale()
@@ -523,7 +523,7 @@ class Meter(WindowGradient):
             return
         tap = self.tap
         dtype = self._dtype(g)
-        delta = (g.detach().to(dtype) * micro.scale())
+        delta = (g.detach() if g.requires_grad else g).to(dtype) * micro.scale()
         per_q: dict[str, Tensor] = {}
         for pos, t, names in use.inputs:
             names = [q for q in names if q in tap.params]
@@ -533,7 +533,7 @@ class Meter(WindowGradient):
             if use.factor == 1:
                 direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
                 if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
-                    add_into(per_q, names[0], direct.detach())
+                    add_into(per_q, names[0], direct)  # (of delta: no graph)
                     continue
             gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
             if use.factor != 1:  # rows n * f + j of the axis: sample n's gradient sums its f rows

@@ -161,25 +161,29 @@ def per_sample_wrt(
 def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tensor, params: list[Tensor],
                    delta: Tensor, b: int) -> Tensor | None:
     """``[B, V, D]`` per-sample gradient of the table ``W`` of ``t = F.embedding(ids, W)`` when
-    ``ids`` span the sample axis without being data (position ids expanded to ``[B, T]``) and an
+    ``ids`` span the sample axis without being data (position ids expanded to ``[B, T]``), or
+    have size 1 there and are broadcast over it (transformers' ``[1, T]`` position ids), and an
     elementwise ``add``/``sub``/``mul`` combines ``t`` with the batch; None otherwise.
 
     Sample n's gradient with respect to ``t`` is ``delta_n`` (times the other operand) in slice n
-    and zero elsewhere, so taken back through the lookup it is the scatter of that slice into
-    the rows ``ids[n]``: one ``index_add`` over all samples, without the ``[B, *t.shape]``
-    one-sample restrictions that :func:`per_sample_wrt` and :func:`chain_to_params` would form
-    (B backward passes of the operation)."""
+    (of a broadcast ``t``: its one slice) and zero elsewhere, so taken back through the lookup it
+    is the scatter of that slice into the rows of sample n's ids: one ``index_add`` over all
+    samples, without the ``[B, *t.shape]`` one-sample restrictions that :func:`per_sample_wrt`
+    and :func:`chain_to_params` would form."""
     name = _name(func)
     if not (isinstance(pos, int) and pos in (0, 1) and len(args) >= 2) or len(params) != 1:
         return None
-    if name not in _ADD | _SUB | _RSUB | _MUL or t.dim() != delta.dim() or t.shape[b] != delta.shape[b]:
+    if name not in _ADD | _SUB | _RSUB | _MUL or t.dim() != delta.dim() or t.shape[b] not in (1, delta.shape[b]):
         return None
     fn = t.grad_fn
     weight = params[0]
     if compat.node_name(fn) != "EmbeddingBackward0" or weight.dim() != 2 or b >= t.dim() - 1:
         return None
     leaf = fn.next_functions[0][0] if fn.next_functions else None
-    if getattr(leaf, "variable", None) is not weight or compat.embedding_saved(fn)[2]:
+    if getattr(leaf, "variable", None) is not weight:
+        return None
+    ids, pad, by_freq = compat.embedding_saved(fn)  # (once: each read unpacks the saved ids)
+    if by_freq:
         return None
     if name in _MUL:
         other = args[1 - pos]
@@ -195,19 +199,20 @@ def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tenso
         g = delta if alpha == 1.0 else delta * alpha
     else:
         g = delta
-    dims = [d for d in range(t.dim()) if t.shape[d] == 1 and g.shape[d] != 1]
-    if dims:  # t broadcast along these axes (never the sample axis: it spans it)
+    dims = [d for d in range(t.dim()) if d != b and t.shape[d] == 1 and g.shape[d] != 1]
+    if dims:  # t broadcast along these axes (other than the sample axis: each sample its own)
         g = g.sum(dims, keepdim=True)
-    if g.shape != t.shape:
+    n = delta.shape[b]
+    if g.shape != t.shape[:b] + (n,) + t.shape[b + 1:]:
         return None
-    ids = compat.embedding_saved(fn)[0]
     if ids.shape != t.shape[:-1]:
         return None
-    n, (v, width) = t.shape[b], weight.shape
-    rows = ids.movedim(b, 0).reshape(n, -1) + torch.arange(n, device=ids.device).unsqueeze(1) * v
+    v, width = weight.shape
+    if b:
+        ids, g = ids.movedim(b, 0), g.movedim(b, 0)
+    rows = ids.reshape(t.shape[b], -1) + torch.arange(0, n * v, v, device=ids.device).unsqueeze(1)
     out = g.new_zeros(n, v, width)
-    out.view(n * v, width).index_add_(0, rows.reshape(-1), g.movedim(b, 0).reshape(-1, width))
-    pad = compat.embedding_saved(fn)[1]
+    out.view(n * v, width).index_add_(0, rows.reshape(-1), g.reshape(-1, width))
     if 0 <= pad < v:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out
@@ -238,13 +243,15 @@ def _embedding_lookup(t: Tensor, params: list[Tensor], g: Tensor) -> Tensor | No
         return None
     weight = params[0]
     leaf = fn.next_functions[0][0] if fn.next_functions else None
-    if getattr(leaf, "variable", None) is not weight or compat.embedding_saved(fn)[2] or weight.dim() != 2:
+    if getattr(leaf, "variable", None) is not weight or weight.dim() != 2:
+        return None
+    ids, pad, by_freq = compat.embedding_saved(fn)
+    if by_freq:
         return None
     b = g.shape[0]
-    ids = compat.embedding_saved(fn)[0].reshape(-1)
+    ids = ids.reshape(-1)
     out = g.new_zeros(b, *weight.shape)
     out.index_add_(1, ids, g.reshape(b, ids.numel(), weight.shape[1]))
-    pad = compat.embedding_saved(fn)[1]
     if 0 <= pad < weight.shape[0]:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out
