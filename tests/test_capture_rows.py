@@ -139,7 +139,8 @@ def test_parameters_frozen_and_unfrozen_later_are_followed():
     assert sorted(lens.flush()["sum_grad_squared"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
-def test_an_empty_micro_batch_adds_nothing():
+def _full_then_empty_micro_step():
+    """A Lens whose window holds a micro-step of all B samples, then one of none."""
     m = gradlens.extend(_model())
     ce = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
     lens = Lens(m, [BatchL2()])
@@ -148,6 +149,11 @@ def test_an_empty_micro_batch_adds_nothing():
         loss = ce(m(xb), yb)
         with lens.capture():
             loss.backward()
+    return m, ce, lens, x, y
+
+
+def test_an_empty_micro_batch_adds_nothing():
+    m, ce, lens, x, y = _full_then_empty_micro_step()
     rec = lens.flush()
     assert rec.num_samples == B and rec.micro_steps == 1 and rec["loss"] == pytest.approx(float(ce(m(x), y)))
     assert rec.meta["empty_micro_steps"] == 1
@@ -157,14 +163,7 @@ def test_an_empty_micro_batch_adds_nothing():
 def test_a_dropped_window_keeps_its_empty_micro_steps(drop):
     """A window dropped without a record (a skipped update, an exception inside the capture)
     takes its empty micro-steps with it: the next window's record counts only its own."""
-    m = gradlens.extend(_model())
-    ce = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
-    lens = Lens(m, [BatchL2()])
-    x, y, _ = _data()
-    for xb, yb in ((x, y), (x[:0], y[:0])):
-        loss = ce(m(xb), yb)
-        with lens.capture():
-            loss.backward()
+    m, ce, lens, x, y = _full_then_empty_micro_step()
     if drop == "discard_window":
         lens.discard_window()
     else:
