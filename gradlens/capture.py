@@ -558,7 +558,7 @@ class _UseMode(TorchFunctionMode):
         first = None  # the first data argument
         fax = None  # its sample axis
         tracked = None
-        lead = True  # the first data argument is args[0], and no other argument holds a tensor
+        lead = True  # the first data argument is args[0], the others are plain (ints, shapes, ...)
         i = -1
         for x in args:
             i += 1
@@ -586,7 +586,10 @@ class _UseMode(TorchFunctionMode):
                                 first, fax, is_data = y, e[1], True
                         else:
                             items.append(((i, j), y))
+                    elif type(y) not in _PLAIN:
+                        lead = False
             else:
+                lead = False  # an argument of another kind: not kept in the axes' memo
                 continue
             for pos, y in items:
                 got = tap._not_data(pos, y)
@@ -679,7 +682,8 @@ def _kind(func) -> int:
 
 
 #: (func, axis, batch, input shape, output shape, other arguments) -> the output's axis, for the
-#: calls whose only tensor is their first argument (a view, transpose, slice of the data)
+#: calls whose only tensor is their first argument and whose other arguments are plain values
+#: (a view, transpose, slice of the data): the memo holds no tensor and no object of the model
 _AXES: dict = {}
 
 

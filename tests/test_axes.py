@@ -79,3 +79,30 @@ def test_other_operations_keep_an_unambiguous_axis_only():
     assert _run(torch.rot90, sq, (0, 1)) == [(1, 1)]
     assert _run(torch.rot90, sq, (0, 1), 2) == [(0, 1)]
     assert _run(torch.flip, sq, (0, 1), [1]) == [(0, 1)]
+
+
+def test_the_modes_memo_of_rule_answers_matches_the_rules_and_keeps_no_tensor():
+    """The mode keeps the answer of a rule per (function, axis, batch, shapes, plain arguments)
+    (capture._carried): the same answers as the rules, a distinct entry wherever any of those
+    differ, and only plain values in its keys and answers."""
+    from gradlens import capture
+
+    capture._AXES.clear()
+    x = torch.randn(4, 6, 8)
+    calls = [
+        (torch.Tensor.view, (x, 4, 48), (0, 1), 4),
+        (torch.Tensor.view, (x, 24, 8), (0, 1), 4),  # the samples lead a merged dim
+        (torch.Tensor.view, (x, 24, 8), (1, 1), 6),  # the same call, another axis
+        (torch.Tensor.transpose, (x, 0, 2), (0, 1), 4),
+        (torch.Tensor.transpose, (x, 0, 2), (0, 1), 2),  # another batch size
+        (torch.Tensor.reshape, (x, (2, 2, 48)), (0, 1), 4),
+        (torch.Tensor.__getitem__, (x, (slice(None), 0)), (0, 1), 4),  # a slice: hashable from 3.12
+    ]
+    for _ in range(2):  # the second pass reads the memo
+        for func, args, ax, batch in calls:
+            out = func(*args)
+            assert capture._carried(func, args, x, ax, out, batch) == carry(func, args, {}, x, ax, [out], batch)[0]
+    kept = [v for key, got in capture._AXES.items() for v in (*key, got)]
+    assert len(capture._AXES) >= 6
+    assert not any(isinstance(v, torch.Tensor) for v in kept)
+    assert not any(isinstance(a, torch.Tensor) for key in capture._AXES for a in key[5])
