@@ -40,6 +40,7 @@ light hooks for tracked windows only.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -1397,7 +1398,7 @@ class _TrackedForward:
 
 
 class WeightGrad:
-    """One call of a fused ``nn.Linear`` (:func:`_fused_linear_forward`): its dL/dW when the
+    """One call of a fused ``nn.Linear`` (:func:`_fused_forward`): its dL/dW when the
     Meter formed it while measuring the call (the sum of the per-sample gradients it
     materialised anyway, divided by the per-sample scale), else None and the call's backward
     computes it. Written only by the output hook of :meth:`Tap._site_use` (from the value
@@ -1469,24 +1470,15 @@ def _fuses(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:
             and not _autocast(x) and not (tap.stacks_if is not None and _stacks(module, tap, x, d_out)))
 
 
-def _fused_linear_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
-    """``nn.Linear.forward`` during tracked windows of a Lens that materialises the per-sample
-    weight gradients of sequence inputs ``[B, T, d]`` anyway (sum of squares): the call is a
-    :class:`_FusedLinear` whose :class:`WeightGrad` rides on the output for the site hook."""
-    if _fuses(module, tap, x, module.weight.shape[0]):
+def _fused_forward(module: nn.Module, tap: "Tap", x: Tensor, transposed: bool = False) -> Tensor:
+    """``nn.Linear.forward`` (``transposed``: transformers' ``Conv1D.forward``, ``x W + b`` with
+    ``W [d_in, d_out]``) during tracked windows of a Lens that materialises the per-sample weight
+    gradients of sequence inputs ``[B, T, d]`` anyway (sum of squares): where :func:`_fuses`
+    says so, the call is a :class:`_FusedLinear` whose :class:`WeightGrad` rides on the output
+    for the site hook; elsewhere the layer's own forward."""
+    if _fuses(module, tap, x, module.weight.shape[1 if transposed else 0]):
         holder = WeightGrad()
-        out = _FusedLinear.apply(x, module.weight, module.bias, holder)
-        out._gradlens_weight_grad = holder
-        return out
-    return F.linear(x, module.weight, module.bias)
-
-
-def _fused_conv1d_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
-    """transformers' ``Conv1D.forward`` (``x W + b``, ``W [d_in, d_out]``) fused as
-    :func:`_fused_linear_forward`; its own forward where that one would not fuse."""
-    if _fuses(module, tap, x, module.weight.shape[1]):
-        holder = WeightGrad()
-        out = _FusedLinear.apply(x, module.weight, module.bias, holder, True)
+        out = _FusedLinear.apply(x, module.weight, module.bias, holder, transposed)
         out._gradlens_weight_grad = holder
         return out
     return type(module).forward(module, x)
@@ -1496,7 +1488,7 @@ def _fused_conv1d_forward(module: nn.Module, tap: "Tap", x: Tensor) -> Tensor:
 #: forward is known: a subclass may compute something else)
 LINEAR, CONV1D = "torch.nn.modules.linear.Linear", "transformers.pytorch_utils.Conv1D"
 #: class name -> its tracked-window forward
-_FUSED = {LINEAR: _fused_linear_forward, CONV1D: _fused_conv1d_forward}
+_FUSED = {LINEAR: _fused_forward, CONV1D: functools.partial(_fused_forward, transposed=True)}
 
 
 def _stacks(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:

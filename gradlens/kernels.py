@@ -39,7 +39,7 @@ everything from materialised slices, chunked by :func:`sample_chunks`):
   (micro-steps, samples concatenated in order).
 - ``gram_with_sum(module, a, delta, attrs)`` (Linear): one micro-step's Gram and, where it
   materialises weight row blocks, their sum over samples (a fused call's dL/dW, see
-  :func:`gradlens.capture._fused_linear_forward`).
+  :func:`gradlens.capture._fused_forward`).
 - ``gram_materialises(module, a, delta)``: whether :meth:`Kernel.gram` forms ``[n, D_l]``.
 - ``mean_via_gram(module, a, delta, n)``: whether ``g_n . G`` (G the mean of n samples) is
   cheaper as row sums of the Gram than through G.
@@ -701,14 +701,16 @@ class _LinearSums(Kernel):
                         out.append(gx.mul_(gd).sum((1, 2)))
                 else:
                     out.append(self.batch_l2(module, a, delta)["weight"])
-        if b and ("sum_grad_squared" in want or b_l2 and "batch_l2" in want
-                  or "grad_sum" in want and ("grad_sum", "bias") not in skip):
+        # the bias' quantities still to form (its norms may already be in the Gram sum)
+        squares, total, norms = ("sum_grad_squared" in want, "grad_sum" in want and ("grad_sum", "bias") not in skip,
+                                 "batch_l2" in want and b_l2)
+        if b and (squares or total or norms):
             db = d.sum(1)  # [B, O]: the bias gradient of each sample
-            if "sum_grad_squared" in want:
+            if squares:
                 add_into(acc["sum_grad_squared"], b, db.square().sum(0))
-            if "grad_sum" in want and ("grad_sum", "bias") not in skip:
+            if total:
                 add_into(acc["grad_sum"], b, db.sum(0))
-            if "batch_l2" in want and b_l2:
+            if norms:
                 out.append(db.square().sum(1))
         return out if "batch_l2" in want else []
 

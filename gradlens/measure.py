@@ -533,7 +533,7 @@ class Meter(WindowGradient):
             if use.factor == 1:
                 direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
                 if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
-                    add_into(per_q, names[0], direct)  # (of delta: no graph)
+                    add_into(per_q, names[0], direct.detach() if direct.requires_grad else direct)
                     continue
             gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
             if use.factor != 1:  # rows n * f + j of the axis: sample n's gradient sums its f rows
