@@ -3,9 +3,19 @@ correct on CUDA, and the peak memory of one step."""
 
 from __future__ import annotations
 
+import atexit
+import importlib
+import io
 import math
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -75,6 +85,41 @@ def interleaved_ms(
                 sync()
                 times[k].append(clock() - t0)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def reference_package(rev: str, name: str = "gradlens_ref"):
+    """gradlens as of git revision ``rev`` of this checkout, imported as package ``name`` beside
+    the working tree's ``gradlens``, so that a benchmark can time both in one process, rounds
+    interleaved (the before / after of a change, without the drift between two runs).
+
+    The revision's ``gradlens/`` is extracted (``git archive``) into a temporary directory
+    (removed at exit) and every whole word ``gradlens`` in its sources is renamed to ``name``:
+    its imports then resolve to the copy. The two packages share nothing but torch."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        blob = subprocess.run(["git", "-C", str(root), "archive", rev, "gradlens"], capture_output=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        raise SystemExit(f"--against {rev}: cannot read gradlens/ at that revision with git archive "
+                         f"({err.decode(errors='replace').strip() or e})") from None
+    tmp = Path(tempfile.mkdtemp(prefix="gradlens-ref-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        try:
+            tar.extractall(tmp, filter="data")
+        except TypeError:  # Python without extraction filters (the archive is git's own)
+            tar.extractall(tmp)
+    pkg = tmp / name
+    (tmp / "gradlens").rename(pkg)
+    word = re.compile(r"\bgradlens\b")
+    for src in pkg.rglob("*.py"):
+        src.write_text(word.sub(name, src.read_text()))
+    sys.path.insert(0, str(tmp))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp))
 
 
 def memory_note(device) -> str:

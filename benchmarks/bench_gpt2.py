@@ -1,7 +1,7 @@
 """Per-use cost on Hugging Face GPT-2: windows of K small micro-batches, ratio to a plain window.
 
 Run:  python benchmarks/bench_gpt2.py [--rounds 7] [--sizes 1,3,2] [--model both|256|32] [--threads 2]
-      [--clock wall|cpu]
+      [--clock wall|cpu] [--against REV]
 (needs ``transformers``: the ``models`` extra, in the environment of the ``frameworks`` tests)
 
 How accumulation is used in practice: micro-batches small enough to fit. Each window is K = 3
@@ -15,7 +15,10 @@ download; the model's own token-mean loss from ``labels=``), then one SGD update
 Rows: the instrument sets of issue 19 (BatchL2; + GradNorm; + SumGradSquared; GradHist1d;
 BatchDot; BatchL2, SumGradSquared, GradNorm, GradHist1d, BatchDot and Alpha together), each timed
 as a whole window (median over ``--rounds`` interleaved rounds after warm-up, the plain window
-twice per round) and printed as its ratio to the plain window of the same process.
+twice per round) and printed as its ratio to the plain window of the same process. ``--against
+REV`` adds each row again for gradlens as of git revision REV (imported beside the working tree's
+as a renamed copy), timed in the same rounds: on a shared machine two runs drift apart by more
+than most changes move a row, rows of one run do not.
 
 A second table: the narrow-range histograms of issue 19 on a GELU MLP 256-512-512-10 (batch 128
 as 4 micro-batches of 32) whose per-sample gradients spread over many bins of a +-0.1 range with
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import interleaved_ms
+from _common import interleaved_ms, reference_package
 
 warnings.filterwarnings("ignore")
 
@@ -57,10 +60,19 @@ def per_sequence_losses(logits, ids):
     return F.cross_entropy(lg.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
-def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds, clock):
+def _packages(against):
+    """``[(row suffix, gradlens package)]``: the working tree's, and with ``--against REV`` that
+    revision's (:func:`_common.reference_package`), timed in the same interleaved rounds."""
     import gradlens
-    from gradlens import Lens
-    from gradlens.instruments import Alpha, BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
+
+    pkgs = [("", gradlens)]
+    if against:
+        pkgs.append((f" @{against}", reference_package(against)))
+    return pkgs
+
+
+def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds, clock, against=None):
+    import importlib
 
     torch.manual_seed(0)
     base = gpt2(d, layers, heads, t, vocab)
@@ -78,12 +90,13 @@ def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds, clock):
 
         return step
 
-    def tracked(make):
-        model = gradlens.extend(copy.deepcopy(base))
+    def tracked(pkg, make):
+        ins = importlib.import_module(pkg.__name__ + ".instruments")
+        model = pkg.extend(copy.deepcopy(base))
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        insts = make()
-        lens = Lens(model, insts, optimizer=opt, keep_records=1)
-        alpha = any(isinstance(i, Alpha) for i in insts)
+        insts = make(ins)
+        lens = pkg.Lens(model, insts, optimizer=opt, keep_records=1)
+        alpha = any(isinstance(i, ins.Alpha) for i in insts)
 
         def step():
             for ids in batches:
@@ -96,42 +109,42 @@ def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds, clock):
 
         return step
 
-    hist = lambda: GradHist1d(bins=64, range=(-1.0, 1.0))  # noqa: E731
+    hist = lambda I: I.GradHist1d(bins=64, range=(-1.0, 1.0))  # noqa: E731
     configs = {
-        "BatchL2": lambda: [BatchL2()],
-        "BatchL2 + GradNorm": lambda: [BatchL2(), GradNorm()],
-        "BatchL2 + SumGradSquared + GradNorm": lambda: [BatchL2(), SumGradSquared(), GradNorm()],
-        "GradHist1d": lambda: [hist()],
-        "BatchDot": lambda: [BatchDot()],
-        "all six": lambda: [BatchL2(), SumGradSquared(), GradNorm(), hist(), BatchDot(), Alpha()],
+        "BatchL2": lambda I: [I.BatchL2()],
+        "BatchL2 + GradNorm": lambda I: [I.BatchL2(), I.GradNorm()],
+        "BatchL2 + SumGradSquared + GradNorm": lambda I: [I.BatchL2(), I.SumGradSquared(), I.GradNorm()],
+        "GradHist1d": lambda I: [hist(I)],
+        "BatchDot": lambda I: [I.BatchDot()],
+        "all six": lambda I: [I.BatchL2(), I.SumGradSquared(), I.GradNorm(), hist(I), I.BatchDot(), I.Alpha()],
     }
     steps = {"plain": plain(), "plain (again)": plain()}
     for name, make in configs.items():
-        steps[name] = tracked(make)
+        for suffix, pkg in _packages(against):
+            steps[name + suffix] = tracked(pkg, make)
     ms = interleaved_ms(steps, rounds=rounds, warmup=2, clock=clock)
     ref = (ms["plain"] + ms["plain (again)"]) / 2
     return ref, {k: v / ref for k, v in ms.items()}
 
 
-def narrow_hist_rows(rounds, clock):
-    import gradlens
-    from gradlens import Lens
-    from gradlens.instruments import GradHist1d, GradHist2d
+def narrow_hist_rows(rounds, clock, against=None):
+    import importlib
 
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
     x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
     parts = list(zip(x.split(32), y.split(32)))
 
-    def build(make):
+    def build(pkg, make):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         loss_fn = nn.CrossEntropyLoss()
         lens = None
         if make is not None:
-            model = gradlens.extend(model)
-            loss_fn = gradlens.extend(loss_fn)
-            lens = Lens(model, make(), optimizer=opt, keep_records=1)
+            ins = importlib.import_module(pkg.__name__ + ".instruments")
+            model = pkg.extend(model)
+            loss_fn = pkg.extend(loss_fn)
+            lens = pkg.Lens(model, make(ins), optimizer=opt, keep_records=1)
 
         def step():
             for xb, yb in parts:
@@ -146,17 +159,16 @@ def narrow_hist_rows(rounds, clock):
 
         return step
 
-    steps = {
-        "plain": build(None),
-        "plain (again)": build(None),
-        "GradHist1d +-0.1, 64 bins": build(lambda: [GradHist1d(bins=64, range=(-0.1, 0.1))]),
-        "GradHist2d +-0.1, 64 grad bins": build(
-            lambda: [GradHist2d(bins=(40, 64), range=((-0.2, 0.2), (-0.1, 0.1)))]
-        ),
-    }
+    steps = {"plain": build(None, None), "plain (again)": build(None, None)}
+    for suffix, pkg in _packages(against):
+        steps[HIST1D + suffix] = build(pkg, lambda I: [I.GradHist1d(bins=64, range=(-0.1, 0.1))])
+        steps[HIST2D + suffix] = build(pkg, lambda I: [I.GradHist2d(bins=(40, 64), range=((-0.2, 0.2), (-0.1, 0.1)))])
     ms = interleaved_ms(steps, rounds=rounds, warmup=2, clock=clock)
     ref = (ms["plain"] + ms["plain (again)"]) / 2
     return ref, {k: v / ref for k, v in ms.items()}
+
+
+HIST1D, HIST2D = "GradHist1d +-0.1, 64 bins", "GradHist2d +-0.1, 64 grad bins"
 
 
 def main() -> None:
@@ -168,6 +180,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (at most the machine's)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall time, or this process's CPU time (steadier on a shared machine; use --threads 1)")
+    ap.add_argument("--against", metavar="REV", default=None,
+                    help="also time gradlens as of this git revision, in the same interleaved rounds "
+                         "(rows marked @REV): a change's before / after without the drift between runs")
     args = ap.parse_args()
     torch.set_num_threads(min(args.threads, torch.get_num_threads()))
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -176,9 +191,10 @@ def main() -> None:
           f"micro-batches {sizes}; median of {args.rounds} interleaved rounds")
     shapes = {"256": (256, 4, 4, 64, 512), "32": (32, 2, 2, 12, 128)}
     chosen = ["256", "32"] if args.model == "both" else [args.model]
+    suffixes = [""] + ([f" @{args.against}"] if args.against else [])
     results = {}
     for key in chosen:
-        results[key] = gpt2_rows(*shapes[key], sizes, args.rounds, clock)
+        results[key] = gpt2_rows(*shapes[key], sizes, args.rounds, clock, args.against)
     names = [k for k in next(iter(results.values()))[1] if not k.startswith("plain")]
     head = " | ".join(f"d_model {k} (plain window {results[k][0]:.1f} ms)" for k in chosen)
     print(f"\n| GPT2LMHeadModel, ratio to a plain window | {head} |")
@@ -187,16 +203,18 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{results[k][1][name]:.2f}x" for k in chosen) + " |")
     for k in chosen:
         r = results[k][1]
-        print(f"GradNorm adds {r['BatchL2 + GradNorm'] - r['BatchL2']:+.2f}x to BatchL2 at d_model {k}")
+        for sfx in suffixes:
+            print(f"GradNorm adds {r['BatchL2 + GradNorm' + sfx] - r['BatchL2' + sfx]:+.2f}x to BatchL2 "
+                  f"at d_model {k}" + (f" ({sfx.strip()})" if sfx else ""))
     if not args.skip_mlp:
-        ref, r = narrow_hist_rows(args.rounds, clock)
+        ref, r = narrow_hist_rows(args.rounds, clock, args.against)
         print(f"\n| GELU MLP 256-512-512-10, 128 = 4 x 32 (plain window {ref:.1f} ms) | ratio |")
         print("|---|---|")
         for name, v in r.items():
             if not name.startswith("plain"):
                 print(f"| {name} | {v:.2f}x |")
-        h1, h2 = r["GradHist1d +-0.1, 64 bins"], r["GradHist2d +-0.1, 64 grad bins"]
-        print(f"| GradHist2d / GradHist1d | {h2 / h1:.2f} |")
+        for sfx in suffixes:
+            print(f"| GradHist2d / GradHist1d{sfx} | {r[HIST2D + sfx] / r[HIST1D + sfx]:.2f} |")
 
 
 if __name__ == "__main__":
