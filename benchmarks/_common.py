@@ -4,6 +4,7 @@ correct on CUDA, and the peak memory of one step."""
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import io
 import math
@@ -87,6 +88,7 @@ def interleaved_ms(
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
+@functools.lru_cache(maxsize=None)
 def reference_package(rev: str, name: str = "gradlens_ref"):
     """gradlens as of git revision ``rev`` of this checkout, imported as package ``name`` beside
     the working tree's ``gradlens``, so that a benchmark can time both in one process, rounds
@@ -94,7 +96,8 @@ def reference_package(rev: str, name: str = "gradlens_ref"):
 
     The revision's ``gradlens/`` is extracted (``git archive``) into a temporary directory
     (removed at exit) and every whole word ``gradlens`` in its sources is renamed to ``name``:
-    its imports then resolve to the copy. The two packages share nothing but torch."""
+    its imports then resolve to the copy. The two packages share nothing but torch. Once per
+    ``(rev, name)`` in a process."""
     root = Path(__file__).resolve().parent.parent
     try:
         blob = subprocess.run(["git", "-C", str(root), "archive", rev, "gradlens"], capture_output=True,

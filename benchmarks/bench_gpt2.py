@@ -119,8 +119,9 @@ def gpt2_rows(d, layers, heads, t, vocab, sizes, rounds, clock, against=None):
         "all six": lambda I: [I.BatchL2(), I.SumGradSquared(), I.GradNorm(), hist(I), I.BatchDot(), I.Alpha()],
     }
     steps = {"plain": plain(), "plain (again)": plain()}
+    pkgs = _packages(against)
     for name, make in configs.items():
-        for suffix, pkg in _packages(against):
+        for suffix, pkg in pkgs:
             steps[name + suffix] = tracked(pkg, make)
     ms = interleaved_ms(steps, rounds=rounds, warmup=2, clock=clock)
     ref = (ms["plain"] + ms["plain (again)"]) / 2

@@ -81,7 +81,7 @@ class _Smoother:
     bias corrections of the two averages are equal, so their ratio needs none."""
 
     def __init__(self, beta: float):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+        if not _BETA[0](beta):
             raise ValueError(
                 f"beta (the smoothing factor of the moving averages) must be a number in [0, 1), "
                 f"got {beta!r}; e.g. beta=0.9 averages over about 10 windows"
