@@ -30,7 +30,7 @@ over the n runs (ratios: the median of the per-run ratios, with their range), wh
 the ratios on a loaded machine.
 
 Under DDP with equal batch sizes the Lens reads the global gradient sum from DDP's all-reduced
-``p.grad`` (see :class:`gradlens.distributed.DDPGradRoute`), so the merge all-reduces only the
+``p.grad`` (see :class:`gradlens.distributed.merge.DDPGradRoute`), so the merge all-reduces only the
 other sums (the norm set: ``sum_grad_squared``; the two-batch noise scale: a few scalars).
 """
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradlens import GradientAccumulateModel, GradientAccumulateOptimizer, convert_accum_batchnorm
-from gradlens.agc import adaptive_clip_grad_
+from gradlens.training.agc import adaptive_clip_grad_
 
 ACCUM_STEPS = 4
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gradlens.plot import dashboard, hist1d, hist2d
-from gradlens.sinks import load_log
+from gradlens.output.plot import dashboard, hist1d, hist2d
+from gradlens.output.sinks import load_log
 
 
 def main() -> None:

@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> None:
-    from gradlens.plot import SAVE_SUFFIXES
+    from gradlens.output.plot import SAVE_SUFFIXES
 
     output, key = args.output, args.layerwise
     what = "dashboard" if key is None else "layerwise figure"
@@ -175,7 +175,7 @@ def _cmd_plot(args: argparse.Namespace) -> None:
     records = _load_log_reporting_warnings(args.log, "gradlens plot")
     if not records:
         raise CliError(f"{str(args.log)!r} holds no records; nothing to plot")
-    from gradlens.plot import dashboard, layerwise
+    from gradlens.output.plot import dashboard, layerwise
 
     if key is None:
         dashboard(records, path=output)
@@ -185,7 +185,7 @@ def _cmd_plot(args: argparse.Namespace) -> None:
 
 
 def _load_log_reporting_warnings(path: Path, prog: str) -> list:
-    from gradlens.sinks import load_log
+    from gradlens.output.sinks import load_log
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -369,8 +369,8 @@ def write_demo_outputs(records: Sequence[Any], out: Path) -> list[Path]:
 
     Returns the paths written, the log (written during training) first when it exists.
     """
-    from gradlens.plot import dashboard, hist1d, hist2d
-    from gradlens.records import Hist1d, Hist2d
+    from gradlens.output.plot import dashboard, hist1d, hist2d
+    from gradlens.core.records import Hist1d, Hist2d
 
     out = Path(out)
     written = [out / DEMO_FILES["log"]] if (out / DEMO_FILES["log"]).exists() else []

@@ -295,7 +295,7 @@ def ddp_comm_hook(ddp: Any) -> str | None:
 def ddp_average_departure(ddp: Any) -> str | None:
     """Why the ``p.grad`` that DistributedDataParallel ``ddp`` all-reduces is not the plain
     average of the ranks' gradients (a comm hook, mixed precision), or None when it is. The
-    one plain-DDP check of gradlens (:class:`gradlens.distributed.DDPGradRoute` adds what the Lens needs besides)."""
+    one plain-DDP check of gradlens (:class:`gradlens.distributed.merge.DDPGradRoute` adds what the Lens needs besides)."""
     hook = ddp_comm_hook(ddp)
     if hook is None:
         return "a comm hook state this torch does not expose (gradlens.compat.ddp_comm_hook)"

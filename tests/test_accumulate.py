@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gradlens import GradientAccumulateModel, GradientAccumulateOptimizer
-from gradlens.agc import adaptive_clip_grad_
+from gradlens.training.agc import adaptive_clip_grad_
 
 from oracle import (
     ACCUM_SPLITS,
@@ -750,7 +750,7 @@ def test_grad_scaler_given_to_the_wrapper_uses_only_public_api():
 def test_wrapper_keeps_no_torch_private_internals():
     import inspect
 
-    import gradlens.accumulate as acc
+    import gradlens.training.accumulate as acc
 
     src = inspect.getsource(acc)
     for private in ("_patch_step_function", "_optimizer_step_pre_hooks", "found_inf", "hooked"):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.functional import mse_loss
 
 from gradlens import GradientAccumulateOptimizer, adaptive_clip_grad, compute_norm, unitwise_norm
-from gradlens.agc import adaptive_clip_grad_
+from gradlens.training.agc import adaptive_clip_grad_
 
 from oracle import make_data, make_mlp, rel_err
 

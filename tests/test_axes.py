@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradlens.axes import carry, reshaped
+from gradlens.capture.axes import carry, reshaped
 
 B = 4
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gradlens import AccumBatchNorm1d, AccumBatchNorm2d, AccumBatchNorm3d, convert_accum_batchnorm
-from gradlens.batchnorm import flush_accum_batchnorm
+from gradlens.training.batchnorm import flush_accum_batchnorm
 
 # (accum class, reference class, per-sample shape); each sample's channels have their own offset
 LAYOUTS = [

@@ -263,7 +263,7 @@ def test_position_embeddings_of_non_data_ids_are_exact_in_closed_form(batched_id
     closed form (no batched VJP), equal to the float64 per-sample loop. Ids expanded to
     ``[B, T]`` (what Opacus needs) or broadcast from ``[1, T]`` (transformers') take the batched
     lookup (one index_add, no one-sample restrictions of the add)."""
-    from gradlens import ops
+    from gradlens.capture import ops
     from gradlens.instruments import GradHist1d
 
     from oracle import hist_oracle

@@ -128,7 +128,7 @@ def test_a_run_resumed_onto_its_log_shows_each_step_once(tmp_path, reduction):
     rec4 = next(r for r in back if r.step == 4)
     torch.testing.assert_close(rec4["batch_l2"], (g * g).sum(1), rtol=1e-10, atol=1e-12)
     lens.close()
-    from gradlens.plot import _load_records  # what `gradlens plot` and dashboard() read
+    from gradlens.output.plot import _load_records  # what `gradlens plot` and dashboard() read
 
     assert [r.step for r in _load_records(str(log))[0]] == [0, 1, 2, 4, 5, 6, 8, 9]
 
@@ -149,7 +149,7 @@ def _child(folder, mode, total, kill_at):
         start = load_checkpoint(ckpt, model=model, optimizer=opt, lens=lens)["micro_step"]
     count = [0]
     if mode == "save":
-        import gradlens.checkpoint as C
+        import gradlens.training.checkpoint as C
 
         real = C.torch.save
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gradlens.cli import main, write_demo_outputs
-from gradlens.records import Hist1d, Hist2d, Record
-from gradlens.sinks import JsonlSink, load_log
+from gradlens.core.records import Hist1d, Hist2d, Record
+from gradlens.output.sinks import JsonlSink, load_log
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

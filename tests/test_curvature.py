@@ -559,7 +559,7 @@ def test_hutchinson_diagonal_is_unbiased_and_tic_diag_says_estimated():
 def test_tracked_micro_steps_make_no_host_read(model):
     """tests/test_sync.py's probe on the curvature instruments' hot path (the parameter hooks
     and the fold of each micro-step's graph gradient); the window's end may read."""
-    from gradlens.sync import forced_device_paths
+    from gradlens.core.sync import forced_device_paths
     from test_sync import MODELS as SYNC_MODELS, HostReads
 
     make, data = SYNC_MODELS[model]

@@ -1,4 +1,4 @@
-"""The global gradient sum read from DDP's all-reduced ``p.grad`` (gradlens.distributed.DDPGradRoute).
+"""The global gradient sum read from DDP's all-reduced ``p.grad`` (gradlens.distributed.merge.DDPGradRoute).
 
 Equal per-rank and per-micro-step batch sizes under DistributedDataParallel (gloo, CPU): after
 the first window ``grad_sum`` no longer travels (the all_reduce shrinks by the tracked size), and

@@ -1,4 +1,4 @@
-"""Small uses stacked at the end of a micro-step (gradlens.deferred): a plan that asks only for
+"""Small uses stacked at the end of a micro-step (gradlens.measure.deferred): a plan that asks only for
 per-sample norms measures same-shaped Linear / LayerNorm / GroupNorm uses in one call on their
 concatenated samples. Each window's records equal the float64 oracle, with K unequal
 micro-steps, mean and sum losses, groups, a tied parameter, and a budget that stacks only some."""
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import gradlens
-from gradlens import Lens, deferred
+from gradlens import Lens
+from gradlens.measure import deferred
 from gradlens.instruments import BatchL2, GradNorm, NormTest, SumGradSquared
 from oracle import close, flat, per_sample
 

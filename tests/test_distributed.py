@@ -471,7 +471,7 @@ def test_one_collective_per_tracked_window_and_none_untracked():
     for key in ("norms", "two_batch", "hist_adapt"):
         assert out[key] == [one, none, one, none], (key, out[key])
     # from the second tracked window on, the gathered shapes are predicted (same batch sizes) and
-    # the small per-sample vectors travel inside the all_reduce (gradlens.distributed.exchange)
+    # the small per-sample vectors travel inside the all_reduce (gradlens.distributed.merge.exchange)
     assert out["per_sample"] == [two, none, one, none]
     calls, n = out["local"]
     assert calls == none and n == 12  # process_group=False: this rank's samples only
@@ -542,8 +542,8 @@ def _config_cases(rank: int, tmp: str):
 def _agree_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     _init(rank, world, port)
     try:
-        from gradlens.records import Record
-        from gradlens.sinks import JsonlSink
+        from gradlens.core.records import Record
+        from gradlens.output.sinks import JsonlSink
 
         if rank == 0:
             with JsonlSink(os.path.join(out_dir, "resumed.jsonl")) as sink:

@@ -18,7 +18,7 @@ from gradlens import Lens
 from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
 from oracle import MODELS, SPLITS, flat, make_problem, per_sample_grads
 
-from gradlens.accumulate import GradientAccumulateOptimizer
+from gradlens.training.accumulate import GradientAccumulateOptimizer
 
 RTOL = 1e-10
 KEYS = ("batch_dot", "inner_test", "ortho_test")
@@ -502,7 +502,7 @@ def test_sketch_routes_agree():
     """The factor route and the materialising route compute the same sketch."""
     from gradlens.capture import Site
     from gradlens.instruments.crosssample import _Sketcher
-    from gradlens.registry import kernel_for
+    from gradlens.capture.registry import kernel_for
 
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 5, 3, padding=1).double()

@@ -87,10 +87,10 @@ def _per_sample(ref, loss_of_sample) -> torch.Tensor:
 @pytest.mark.parametrize("layer", ["Linear", "Conv1D"])
 def test_fused_weight_grad_equals_autograd_and_the_oracle(reduction, small, layer, monkeypatch):
     """``small="stacked"``: these calls are small enough to be measured with others like them at
-    the window's end (gradlens.deferred), which beats fusing them: they run unfused; "fused":
+    the window's end (gradlens.measure.deferred), which beats fusing them: they run unfused; "fused":
     nothing is small (the fused path as for larger calls). ``layer``: nn.Linear, or
     transformers' Conv1D (its dL/dW in W's [d_in, d_out] layout)."""
-    from gradlens import deferred
+    from gradlens.measure import deferred
 
     if small == "fused":
         monkeypatch.setattr(deferred, "SMALL_USE", 0)
@@ -371,7 +371,8 @@ def test_only_calls_with_a_large_weight_gradient_run_fused(monkeypatch):
     """At gradlens' own threshold (the suite's conftest lowers it to 0), a call whose weight
     gradient is below FUSE_MIN multiply-adds runs unfused (the Function's cost exceeds the
     product), a larger one fused; both give plain autograd's p.grad."""
-    from gradlens import capture, deferred
+    from gradlens import capture
+    from gradlens.measure import deferred
 
     monkeypatch.setattr(deferred, "SMALL_USE", 0)
     # the smallest call: inp on the first micro-step, [2, t, 4] -> 6: 48 t multiply-adds
@@ -392,7 +393,7 @@ def test_fused_hugging_face_conv1d_equals_autograd_and_the_oracle(monkeypatch):
     float64 backward, the norms and sums of squares the per-sample loop."""
     from oracle_models import hf_gpt2
 
-    from gradlens import deferred
+    from gradlens.measure import deferred
 
     monkeypatch.setattr(deferred, "SMALL_USE", 0)  # nothing stacked: every single call fused
     torch.manual_seed(0)

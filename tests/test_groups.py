@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradlens
-from gradlens.sinks import JsonlSink
+from gradlens.output.sinks import JsonlSink
 from gradlens import Lens, load_log
 from gradlens.instruments import (
     BatchDot,
@@ -39,7 +39,7 @@ from gradlens.instruments import (
     OrthoTest,
     SumGradSquared,
 )
-from gradlens.records import TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json
+from gradlens.core.records import TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json
 from oracle_models import CASES, SPLITS, per_sample_grads, problem, tracked_names
 from oracle import hist_oracle
 from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, HIST2D_BINS, HIST_BINS, _ambiguous, run_lens
@@ -496,7 +496,7 @@ def test_ranks_with_different_groups_are_refused():
 
 
 # ------------------------------------------------------------------------------ no host reads
-from gradlens.sync import forced_device_paths  # noqa: E402
+from gradlens.core.sync import forced_device_paths  # noqa: E402
 from test_sync import MODELS as SYNC_MODELS  # noqa: E402
 from test_sync import SETS, HostReads  # noqa: E402
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gradlens import load_log
-from gradlens.records import Hist1d, Record, TensorSummary, record_from_json, record_to_json
-from gradlens.sinks import JsonlSink
+from gradlens.core.records import Hist1d, Record, TensorSummary, record_from_json, record_to_json
+from gradlens.output.sinks import JsonlSink
 
 
 def _hist(seed: int) -> Hist1d:

@@ -34,7 +34,7 @@ def test_lens_with_accumulating_adam_over_windows(tmp_path):
     model = gradlens.extend(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), accum_steps=3)
-    log = gradlens.sinks.JsonlSink(tmp_path / "run.jsonl", full=True)  # full tensors: .arrays
+    log = gradlens.output.sinks.JsonlSink(tmp_path / "run.jsonl", full=True)  # full tensors: .arrays
     lens = Lens(model, _instruments(r), optimizer=opt, log=log)
     snapshots = []
     for window in range(3):

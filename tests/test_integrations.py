@@ -256,7 +256,7 @@ def test_record_scalars_and_histograms():
 # ------------------------------------------------------------------ imports
 def test_import_gradlens_imports_no_framework():
     code = (
-        "import sys, gradlens, gradlens.lens, gradlens.integrations, gradlens.sinks\n"
+        "import sys, gradlens, gradlens.lens.lens, gradlens.integrations, gradlens.output.sinks\n"
         "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'wandb', 'accelerate')"
         " if m in sys.modules]\n"
         "print(bad)\n"

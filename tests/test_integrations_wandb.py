@@ -140,7 +140,7 @@ def test_wandb_sink_refuses_too_many_bins_and_bad_input(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    from gradlens.records import Hist1d, Record
+    from gradlens.core.records import Hist1d, Record
 
     run = wandb.init(project="gradlens-test")
     try:

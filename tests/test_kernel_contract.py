@@ -1,6 +1,6 @@
 """Kernel contract suite: every registered kernel against a float64 ``torch.func`` oracle.
 
-For each layer type in the registry (:data:`gradlens.registry._KERNELS`, iterated, so a new
+For each layer type in the registry (:data:`gradlens.capture.registry._KERNELS`, iterated, so a new
 registration without a case here fails), a table of shapes builds the module (float64), an
 input ``a [B, ...]`` and an output gradient ``delta [B, ...]``. The oracle is
 ``vmap(grad(<m(x_n), delta_n>))`` of the layer's own forward, one sample at a time (for layers
@@ -23,7 +23,7 @@ from torch.func import functional_call, grad, vmap
 
 import gradlens.kernels as K
 from gradlens.instruments.base import Accumulators
-from gradlens.registry import _KERNELS, _display
+from gradlens.capture.registry import _KERNELS, _display
 
 DT = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -357,7 +357,7 @@ def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel) -> None:
             rep.close("seq_factors (sum_t Dl X^T)", got, full[:, :, cols])
     rep.run("matrix_dims/positions/seq_factors", factor_forms)
 
-    def stacked():  # k uses of this module, samples concatenated (gradlens.deferred)
+    def stacked():  # k uses of this module, samples concatenated (gradlens.measure.deferred)
         if kernel.stack_key(m, tuple(attrs)) is None or mixes or B < 2:
             return
         k, b = 2, B // 2

@@ -16,7 +16,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens, load_log
 from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
-from gradlens.sinks import JsonlSink
+from gradlens.output.sinks import JsonlSink
 
 from oracle import flat, mlp, per_sample_grads
 

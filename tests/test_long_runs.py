@@ -93,8 +93,8 @@ def _resnet18_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def test_resnet18_sized_record_is_small_by_default_and_full_where_asked(tmp_path):
-    from gradlens.records import Hist1d, Record
-    from gradlens.sinks import JsonlSink, load_log
+    from gradlens.core.records import Hist1d, Record
+    from gradlens.output.sinks import JsonlSink, load_log
 
     shapes = _resnet18_shapes()
     assert 11_600_000 < sum(torch.Size(s).numel() for s in shapes.values()) < 11_700_000
@@ -141,7 +141,7 @@ def _train(lens_kwargs, windows, model_seed=0, start_window=0):
 
 
 def test_lens_log_resumes_and_never_truncates(tmp_path):
-    from gradlens.sinks import load_log
+    from gradlens.output.sinks import load_log
 
     path = tmp_path / "run.jsonl"
     first = _train({"log": path}, 10)
@@ -218,7 +218,7 @@ def _run(model, loss_fn, opt, lens, micro_steps):
 def test_resumed_lens_gives_the_records_of_the_uninterrupted_run(tmp_path, stop):
     import io
 
-    from gradlens.sinks import load_log
+    from gradlens.output.sinks import load_log
 
     total = 18  # 6 windows of 3 micro-steps; window 3 is not tracked
     full_log = tmp_path / "full.jsonl"

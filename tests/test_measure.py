@@ -18,7 +18,7 @@ import gradlens
 from gradlens import Lens, capture
 from gradlens.capture import ParamTap
 from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
-from gradlens.measure import Meter, Plan
+from gradlens.measure.meter import Meter, Plan
 
 B, T = 7, 5
 SPLITS = {"one": (slice(0, B),), "unequal": (slice(0, 2), slice(2, 3), slice(3, B))}
@@ -160,13 +160,13 @@ def test_grad_sum_of_one_call_layers_comes_from_their_autograd_node_and_excludes
         reduction, route, monkeypatch):
     """grad_sum of single-use Embedding, LayerNorm and Linear calls is autograd's dL/dp of that
     call (node hooks; no kernel sum), or, for uses this small, formed with the stacked uses
-    (gradlens.deferred; only the Embedding, which does not stack, is hooked); either way a
+    (gradlens.measure.deferred; only the Embedding, which does not stack, is hooked); either way a
     regulariser added to the loss stays out of it: the window gradient's norm equals the
     float64 oracle's over K = 3 unequal micro-steps."""
     from oracle import per_sample
 
     if route == "autograd":  # no use's product counts as small: every routed use is hooked
-        monkeypatch.setattr(gradlens.deferred, "SMALL_SUM", -1)
+        monkeypatch.setattr(gradlens.measure.deferred, "SMALL_SUM", -1)
 
     torch.manual_seed(0)
     model = _NormedSeq().double()

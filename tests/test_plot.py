@@ -1,4 +1,4 @@
-"""gradlens.plot: the drawn data equal the recorded counts, labels are present, nothing overlaps."""
+"""gradlens.output.plot: the drawn data equal the recorded counts, labels are present, nothing overlaps."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.collections import QuadMesh  # noqa: E402
 from matplotlib.patches import Rectangle, StepPatch  # noqa: E402
 
-from gradlens.plot import Hist2dAxes, dashboard, hist1d, hist2d  # noqa: E402
-from gradlens.records import Hist1d, Hist2d, Record  # noqa: E402
-from gradlens.sinks import JsonlSink  # noqa: E402
+from gradlens.output.plot import Hist2dAxes, dashboard, hist1d, hist2d  # noqa: E402
+from gradlens.core.records import Hist1d, Hist2d, Record  # noqa: E402
+from gradlens.output.sinks import JsonlSink  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -355,5 +355,5 @@ def test_import_gradlens_is_light():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
     # the sinks and the command line (for --help) do not need matplotlib either; they import
     # torch, whose torch.hub imports tqdm, so tqdm is not checked here
-    code = "import gradlens.sinks, gradlens.cli, sys; assert 'matplotlib' not in sys.modules"
+    code = "import gradlens.output.sinks, gradlens.cli, sys; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)

@@ -1,4 +1,4 @@
-"""gradlens.plot.layerwise and the dashboard's layout: one heatmap row per group holding the
+"""gradlens.output.plot.layerwise and the dashboard's layout: one heatmap row per group holding the
 documented summary of each record's group value, readable with 150 groups, from records or a
 log; the dashboard draws only what was tracked and no legend covers the tallest bars."""
 
@@ -13,9 +13,9 @@ import torch
 from matplotlib.collections import QuadMesh  # a gradlens dependency: no skip
 from matplotlib.colors import LogNorm, Normalize
 
-from gradlens.plot import dashboard, hist1d, layerwise  # noqa: E402
-from gradlens.records import Hist1d, Record  # noqa: E402
-from gradlens.sinks import JsonlSink  # noqa: E402
+from gradlens.output.plot import dashboard, hist1d, layerwise  # noqa: E402
+from gradlens.core.records import Hist1d, Record  # noqa: E402
+from gradlens.output.sinks import JsonlSink  # noqa: E402
 from test_plot import PNG_MAGIC, _all_axes, _overlapping_texts, make_records  # noqa: E402
 
 

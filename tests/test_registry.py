@@ -13,7 +13,7 @@ import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, SumGradSquared
 from gradlens.kernels import Kernel
-from gradlens.registry import _KERNELS, kernel_for
+from gradlens.capture.registry import _KERNELS, kernel_for
 
 
 class Scale(nn.Module):

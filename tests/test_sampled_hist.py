@@ -17,7 +17,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens, kernels
 from gradlens.instruments import GradHist1d, GradHist2d
-from gradlens.records import record_from_json, record_to_json
+from gradlens.core.records import record_from_json, record_to_json
 
 from oracle import bins_oracle, flat, hist_oracle, per_sample_grads
 

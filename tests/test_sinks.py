@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from gradlens.records import Hist1d, Hist2d, Record
-from gradlens.sinks import JsonlSink, TensorBoardSink, load_log
+from gradlens.core.records import Hist1d, Hist2d, Record
+from gradlens.output.sinks import JsonlSink, TensorBoardSink, load_log
 
 
 def _hist1d(x: torch.Tensor, bins: int = 16, lo: float = -1.0, hi: float = 1.0) -> Hist1d:
@@ -112,7 +112,7 @@ def _no_dicts(record):
 
 
 def test_jsonl_summarises_per_parameter_tensors_by_default(tmp_path):
-    from gradlens.records import TensorSummary
+    from gradlens.core.records import TensorSummary
 
     records = make_records(2)
     path = tmp_path / "log.jsonl"
@@ -303,7 +303,7 @@ def test_records_are_json_lines(tmp_path):
 
 
 def test_segments_replace_the_records_after_a_resume_and_new_runs_are_told_apart(tmp_path):
-    from gradlens.sinks import _last_run
+    from gradlens.output.sinks import _last_run
 
     path = tmp_path / "run.jsonl"
     records = [_no_dicts(r) for r in make_records(5)]  # steps 0, 3, 6, 9, 12
@@ -461,7 +461,7 @@ def test_every_sink_and_logger_gets_the_same_flat_names(monkeypatch):
     """TensorBoard, W&B and the helpers that Lightning's and the Trainer's callbacks log get the
     same scalar and histogram names and values from one record of every instrument."""
     from gradlens.integrations import record_histograms, record_scalars
-    from gradlens.records import flatten, flatten_histograms
+    from gradlens.core.records import flatten, flatten_histograms
 
     rec = _record_of_every_instrument()
     scalars, hists = flatten(rec), flatten_histograms(rec)
@@ -503,7 +503,7 @@ def test_every_sink_and_logger_gets_the_same_flat_names(monkeypatch):
     assert {k: v for k, v in data.items() if not isinstance(v, _Histogram)} == {"gradlens/step": rec.step, **scalars}
     assert {k: v.counts.tolist() for k, v in data.items() if isinstance(v, _Histogram)} == {t: c.tolist() for t, (c, e) in hists.items()}
 
-    # what LensCallback (Lightning) and LensTrainerCallback log: gradlens.records.flatten
+    # what LensCallback (Lightning) and LensTrainerCallback log: gradlens.core.records.flatten
     assert record_scalars(rec) == scalars
     assert record_histograms(rec).keys() == hists.keys()
     with pytest.raises(TypeError, match=r"TensorBoardSink.write\(record=\.\.\.\) needs a gradlens Record, got dict"):

@@ -1,4 +1,4 @@
-"""Lens checkpoints (gradlens.state, issue 19 item 2 / issue 20): a resumed run gives exactly the
+"""Lens checkpoints (gradlens.lens.state, issue 19 item 2 / issue 20): a resumed run gives exactly the
 records of the uninterrupted one, and a state of another Lens is refused at load_state_dict."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gradlens.instruments import (
     OrthoTest,
     SumGradSquared,
 )
-from gradlens.state import StateDictError
+from gradlens.lens.state import StateDictError
 
 from oracle import flat, hist_oracle, per_sample_grads
 
@@ -264,7 +264,7 @@ def _fresh(instruments, model=None, **kw):
 @pytest.fixture
 def no_unpickling(monkeypatch):
     """The header is checked before anything is unpickled: a mismatch never reaches the blob."""
-    from gradlens import state
+    from gradlens.lens import state
 
     def refuse(*a, **k):
         raise AssertionError("the blob was unpickled before the header was checked")

@@ -2,7 +2,7 @@
 
 During a tracked micro-step (forward, loss, backward inside ``lens.capture()``) gradlens must not
 read a value back to the host: on a GPU that stalls the device once per layer. The CPU has no
-device, so the test runs gradlens' device paths on the CPU (:func:`gradlens.sync.forced_device_paths`)
+device, so the test runs gradlens' device paths on the CPU (:func:`gradlens.core.sync.forced_device_paths`)
 and patches every torch entry point that syncs: ``Tensor.item``, ``__bool__``, ``__int__``,
 ``__float__``, ``__index__``, ``tolist``, ``nonzero`` / ``argwhere`` / ``masked_select``, boolean
 mask indexing, ``unique``, ``bincount`` (its output length is read back), ``repeat_interleave``
@@ -39,7 +39,7 @@ from gradlens.instruments import (
     OrthoTest,
     SumGradSquared,
 )
-from gradlens.sync import device_paths, forced_device_paths
+from gradlens.core.sync import device_paths, forced_device_paths
 
 #: gradlens' own source folder: host reads are counted in frames from files under it only (not
 #: from a virtual environment or a checkout that happens to sit in a folder named gradlens)

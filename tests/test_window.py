@@ -1,4 +1,4 @@
-"""gradlens.window.WindowCounter: the window lifecycle shared by the Lens, the accumulating
+"""gradlens.core.counter.WindowCounter: the window lifecycle shared by the Lens, the accumulating
 optimizer, AccumBatchNorm and NoiseScaleMonitor (small behavioural specs)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradlens import GradientAccumulateOptimizer
-from gradlens.state import StateDictError
-from gradlens.window import WindowCounter
+from gradlens.lens.state import StateDictError
+from gradlens.core.counter import WindowCounter
 
 
 def test_micro_steps_samples_close_skip_reset():

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gradlens.instruments.base import WindowStats
 from gradlens.instruments.crosssample import _CrossSample, _DotState, _nbytes
-from gradlens.state_checks import COUNT, TENSORS, StateDictError, check_state, label, optional
+from gradlens.core.state_checks import COUNT, TENSORS, StateDictError, check_state, label, optional
 
 __all__ = ["Alpha", "alpha_fit"]
 
@@ -243,7 +243,7 @@ class Alpha(_CrossSample):
         if note and value is not None:
             record.meta["alpha_note"] = note
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The settings of :meth:`_CrossSample.state_dict` and what Alpha keeps between windows:
         ``token`` (the count of updates seen, which pairs a pending record with the next

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gradlens.compat import storage_use_count
-from gradlens.state_checks import check_state
+from gradlens.core.state_checks import check_state
 
 __all__ = ["Accumulators", "DistParts", "Instrument", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES", "check_instrument"]
 
@@ -50,7 +50,7 @@ _SMALL_NUMEL = 1 << 16
 
 @dataclass
 class DistParts:
-    """What one participant of a merge across ranks (:mod:`gradlens.distributed`) (the window's shared sums, or one instrument state) sends.
+    """What one participant of a merge across ranks (:mod:`gradlens.distributed.merge`) (the window's shared sums, or one instrument state) sends.
 
     Attributes:
         sums: tensors added across ranks (same shapes on every rank).
@@ -237,7 +237,7 @@ class WindowStats:
         total = float(self.loss_sum)
         return total / max(self.num_samples, 1) if self.reduction == "mean" else total
 
-    # ---- across ranks (gradlens.distributed) ---------------------------------------------
+    # ---- across ranks (gradlens.distributed.merge) ---------------------------------------------
     def to_buffers(self, ctx):
         """This rank's sums in a layout fixed by ``ctx`` (every tracked parameter, zeros where
         this rank has no entry, and a presence count), and ``batch_l2`` ``[N_r]`` to gather."""
@@ -480,10 +480,10 @@ class Instrument:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    # ---- across ranks (gradlens.distributed) -------------------------------------------
+    # ---- across ranks (gradlens.distributed.merge) -------------------------------------------
     def to_buffers(self, state: Any, ctx: Any) -> Any:
         """What this window ``state`` sends when ranks merge (a
-        :class:`gradlens.distributed.DistParts`: sums, per-rank values, pieces to gather).
+        :class:`gradlens.distributed.merge.DistParts`: sums, per-rank values, pieces to gather).
         Stateless instruments send nothing; an instrument with a state must override this."""
         if state is None:
             return DistParts()
@@ -498,7 +498,7 @@ class Instrument:
         (added), ``per_rank`` (``[R, ...]``), ``pieces`` (per piece, one tensor per rank)."""
         return state
 
-    # ---- checkpoints (gradlens.state) --------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) --------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What this instrument keeps BETWEEN windows (the window state itself is saved by the
         Lens), as plain data that ``torch.load(weights_only=True)`` reads: tensors, and dicts /
@@ -509,8 +509,8 @@ class Instrument:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Checks every key and value first
-        (:func:`gradlens.state_checks.check_state`): a state of another instrument or with other
-        settings raises :class:`gradlens.state_checks.StateDictError` (a ``ValueError``) naming this
+        (:func:`gradlens.core.state_checks.check_state`): a state of another instrument or with other
+        settings raises :class:`gradlens.core.state_checks.StateDictError` (a ``ValueError``) naming this
         instrument and the key."""
         check_state(self, state)
 

@@ -8,7 +8,7 @@ Counting (:func:`count_1d`, :func:`count_2d`) is one ``bincount`` over a chunk o
 whose cost per index dominates: the 1D counts pack two elements into one index (half the
 increments), the 2D ones count ``param_bin * (G + 2) + grad_bin`` in ``int16`` where it fits,
 and a chunk whose elements all lie in the range skips the clamping (its bins are shifted by one
-and the two bins beyond the range folded back). On the device paths (:mod:`gradlens.sync`) the
+and the two bins beyond the range folded back). On the device paths (:mod:`gradlens.core.sync`) the
 bins are counted by :func:`tally` without host reads.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradlens.sync import device_paths
+from gradlens.core.sync import device_paths
 
 __all__ = ["bin_of", "count_1d", "count_2d", "tally"]
 
@@ -52,7 +52,7 @@ def bin_of(x: Tensor, lo: float, hi: float, bins: int, dtype: torch.dtype = torc
 def tally(counts: Tensor, idx: Tensor) -> None:
     """``counts[k] += #{idx == k}`` for integer ``idx`` in ``[0, len(counts))``, in place.
 
-    CPU: one ``bincount``. Device paths (:mod:`gradlens.sync`): ``bincount`` reads the largest
+    CPU: one ``bincount``. Device paths (:mod:`gradlens.core.sync`): ``bincount`` reads the largest
     index back to size its output, so the indices are counted by ``torch.histc`` over their
     integer values instead (exact: each call stays below 2**24 elements)."""
     flat = idx.reshape(-1)

@@ -22,7 +22,7 @@ __all__ = ["CABS", "EarlyStopping"]
 def _plain_sgd(optimizer: Any) -> tuple[Any, bool]:
     """(the torch.optim.SGD doing the update, whether a GradientAccumulateOptimizer wraps it);
     raises ValueError naming why another optimizer does not fit CABS."""
-    from gradlens.accumulate import GradientAccumulateOptimizer
+    from gradlens.training.accumulate import GradientAccumulateOptimizer
 
     if optimizer is None:
         raise ValueError(

@@ -74,7 +74,7 @@ from torch import Tensor
 
 from gradlens.compat import tensor_version
 from gradlens.instruments.base import DistParts, Instrument, WindowStats
-from gradlens.state_checks import check_state
+from gradlens.core.state_checks import check_state
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 
@@ -550,7 +550,7 @@ class _CrossSample(Instrument):
     def meta(self, state: _DotState) -> dict[str, Any]:
         return {self.key: self.mode_name}
 
-    # ---- across ranks (gradlens.distributed) ------------------------------------------------
+    # ---- across ranks (gradlens.distributed.merge) ------------------------------------------------
     def to_buffers(self, state: _DotState, ctx):
         """Per rank: its sample count and flags (per-rank row); pieces to gather: the sketches
         ``[N_r, k]`` (sketch mode) or, per watched layer, ``a`` and ``delta`` of all its
@@ -636,7 +636,7 @@ class _CrossSample(Instrument):
         self._check_budget(out)
         return out
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict:
         """The settings that give window states their meaning, checked on load: ``mode``,
         ``k`` and ``seed`` (the sketch's random map is drawn again from them). Nothing else is

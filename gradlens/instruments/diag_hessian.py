@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradlens.sync import device_paths
+from gradlens.core.sync import device_paths
 
 __all__ = ["DiagHessianBackprop"]
 

@@ -15,12 +15,12 @@ binned once per window. On the CPU, rank-one layers (Linear without a sequence a
 shortcuts that touch far fewer than B x D elements (:mod:`gradlens.instruments.outer_hist` for
 1D; for 2D the rows of a sample whose products lie in one bin, or on both sides of the zero edge,
 are counted with small matmuls). On an accelerator the per-micro-step work makes no host read
-(:mod:`gradlens.sync`). The range is fixed within a window, so micro-step counts add; ``adapt``
+(:mod:`gradlens.core.sync`). The range is fixed within a window, so micro-step counts add; ``adapt``
 sets the next window's range from this window's extremes.
 
 Size: a histogram has at most :data:`MAX_BINS` bins (2D: ``param_bins * grad_bins``), checked
 at construction with the memory and log size in the message: its counts live in every window
-and micro-step state and every record, and a log line (:class:`gradlens.sinks.JsonlSink`)
+and micro-step state and every record, and a log line (:class:`gradlens.output.sinks.JsonlSink`)
 writes them in full, so ``bins=10**7`` would be a 174 MB line per window.
 """
 
@@ -38,9 +38,9 @@ from gradlens.instruments.binning import _affine, bin_of, count_1d, count_2d, ta
 from gradlens.instruments.outer_hist import outer_hist1d, row_extremes
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
 from gradlens.kernels import sample_chunks
-from gradlens.records import Hist1d, Hist2d
-from gradlens.state_checks import COUNT, RANGE, check_state
-from gradlens.sync import device_paths
+from gradlens.core.records import Hist1d, Hist2d
+from gradlens.core.state_checks import COUNT, RANGE, check_state
+from gradlens.core.sync import device_paths
 
 
 __all__ = ["GradHist1d", "GradHist2d"]
@@ -242,7 +242,7 @@ class _GroupedHist(Instrument):
 
 
 class GradHist1d(_GroupedHist):
-    """``record["grad_hist_1d"]``: :class:`~gradlens.records.Hist1d` of every element of every
+    """``record["grad_hist_1d"]``: :class:`~gradlens.core.records.Hist1d` of every element of every
     per-sample gradient g_n over the tracked parameters (N * D elements per window).
 
     Args:
@@ -387,7 +387,7 @@ class GradHist1d(_GroupedHist):
     def end_window(self, state: _Hist1dState) -> None:
         self.range = _adapted(self.range, _num(state.mn, math.inf), _num(state.mx, -math.inf), self.adapt)
 
-    # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
+    # ---- across ranks (gradlens.distributed.merge): counts add, extremes are shared per rank ----
     @staticmethod
     def _sums(state: _Hist1dState) -> list:
         if state.var is not None:  # independent ranks: estimates and variances add
@@ -416,7 +416,7 @@ class GradHist1d(_GroupedHist):
             out.parts[g] = _Hist1dState(state.lo, state.hi, c[0], c[1], c[2], var=c[3] if k == 4 else None)
         return out
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict:
         """Settings that give the kept state its meaning (``bins``, ``adapt``, ``sample``,
         ``seed``: checked on load) and what changes between windows: ``range`` (the next
@@ -486,7 +486,7 @@ class _Hist2dState:
 
 
 class GradHist2d(_GroupedHist):
-    """``record["grad_hist_2d"]``: :class:`~gradlens.records.Hist2d`, the joint histogram of
+    """``record["grad_hist_2d"]``: :class:`~gradlens.core.records.Hist2d`, the joint histogram of
     (theta_j, g_n,j) over all samples n and tracked entries j, theta being the parameter values
     at which the window's gradients were computed.
 
@@ -755,7 +755,7 @@ class GradHist2d(_GroupedHist):
             self.grad_range, _num(state.gmn, math.inf), _num(state.gmx, -math.inf), self.adapt
         )
 
-    # ---- across ranks (gradlens.distributed): counts add, extremes are shared per rank ----
+    # ---- across ranks (gradlens.distributed.merge): counts add, extremes are shared per rank ----
     # (theta is the same on every rank under data parallelism: the parameter side needs nothing)
     @staticmethod
     def _sums(state: _Hist2dState) -> list:
@@ -785,7 +785,7 @@ class GradHist2d(_GroupedHist):
             out.parts[g] = _Hist2dState(state.prange, state.grange, c[0], c[1], var=c[2] if k == 3 else None)
         return out
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict:
         """As :meth:`GradHist1d.state_dict`, with ``param_range`` and ``grad_range``."""
         return {

@@ -32,7 +32,7 @@ Three routes (the first two produce S, Q, T):
   DDP, before it is all-reduced), so the small batches are the micro-batches of every rank;
   T comes from the window's ``grad_sum`` (under DDP with equal batch sizes, read from DDP's
   all-reduced ``p.grad``, so the merge sends only a few scalars:
-  :class:`gradlens.distributed.DDPGradRoute`).
+  :class:`gradlens.distributed.merge.DDPGradRoute`).
 * :class:`NoiseScaleMonitor`, on a :class:`~gradlens.GradientAccumulateOptimizer`: reads
   ``p.grad`` at every micro-step and the running window sum (a few dot products per micro-step,
   no extra memory, one host sync per window); works for any model, no Lens needed.
@@ -53,12 +53,12 @@ import torch
 from torch import Tensor
 
 from gradlens import compat
-from gradlens.accumulate import GradientAccumulateOptimizer
-from gradlens.fsdp import check_monitor as check_fsdp_monitor
+from gradlens.training.accumulate import GradientAccumulateOptimizer
+from gradlens.distributed.fsdp import check_monitor as check_fsdp_monitor
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.sq_norms import sq_norm, sum_sq as _sum_sq
-from gradlens.state_checks import COUNT, FLOAT, check_state, is_float
-from gradlens.window import WindowCounter
+from gradlens.core.sq_norms import sq_norm, sum_sq as _sum_sq
+from gradlens.core.state_checks import COUNT, FLOAT, check_state, is_float
+from gradlens.core.counter import WindowCounter
 
 __all__ = ["NoiseScaleTwoBatch", "NoiseScaleMonitor", "NoiseScaleDDP", "ParamGradSquares", "two_batch_estimates", "rank_average_estimates"]
 
@@ -152,7 +152,7 @@ class NoiseScaleTwoBatch(Instrument):
             float(stats.num_samples), stats.micro_steps, self._smoother,
         )
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict:
         """``beta`` (checked on load) and the moving averages ``grad_sq_ema`` and
         ``trace_sigma_ema`` (the keys of :meth:`NoiseScaleDDP.state_dict`)."""
@@ -572,7 +572,7 @@ class NoiseScaleDDP:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s dict (its ``beta`` too); a dict that lacks or adds
-        keys, or holds values no monitor writes, is a :class:`~gradlens.state.StateDictError`
+        keys, or holds values no monitor writes, is a :class:`~gradlens.lens.state.StateDictError`
         before anything is set."""
         check_state(self, state, {"beta": _BETA, "grad_sq_ema": FLOAT, "trace_sigma_ema": FLOAT,
                                   "windows": COUNT})

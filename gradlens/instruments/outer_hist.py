@@ -154,7 +154,7 @@ def outer_hist1d(
     Args:
         delta: ``[B, O]`` per-sample output gradients (finite).
         a: ``[B, I]`` layer inputs (finite).
-        lo, hi, bins: the histogram (clamping rule of :class:`~gradlens.records.Hist1d`).
+        lo, hi, bins: the histogram (clamping rule of :class:`~gradlens.core.records.Hist1d`).
         max_cost: give up (return None) when the positions to find (one per bin edge inside a
             row's span, one per row reaching past ``lo`` or ``hi``) exceed this fraction of the
             ``B * O * I`` elements (a position costs about what binning a dozen materialised

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import DistParts, Instrument, WindowStats
-from gradlens.state_checks import check_state
+from gradlens.core.state_checks import check_state
 
 __all__ = ["NormTest", "MeanGSNR", "NoiseScale", "ShiftedMoments"]
 
@@ -175,7 +175,7 @@ class _TraceInstrument(Instrument):
         tr, g2 = _trace_cov(stats)
         return tr, g2, stats.num_samples
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict:
         """``per_sample`` (checked on load: it decides the window state); nothing else is kept
         between windows."""

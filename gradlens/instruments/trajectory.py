@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import DistParts, Instrument, WindowStats
-from gradlens.state_checks import TENSORS, check_state
+from gradlens.core.state_checks import TENSORS, check_state
 
 __all__ = ["Distance", "UpdateSize", "SquaredNorms"]
 
@@ -159,7 +159,7 @@ class Distance(_ParameterInstrument):
             state.sq = self._measure()
         return state.norm()
 
-    # ---- checkpoints (gradlens.state) ----------------------------------------------------
+    # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``theta0``: parameter name -> ``[*param]``, the start the distance is measured from."""
         return {"theta0": dict(self._theta0)}

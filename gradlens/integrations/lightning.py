@@ -44,8 +44,8 @@ import gradlens
 from gradlens import compat
 from gradlens.capture import pending_loss_calls
 from gradlens.instruments.base import Instrument
-from gradlens.lens import Lens
-from gradlens.records import Record, flatten
+from gradlens.lens.lens import Lens
+from gradlens.core.records import Record, flatten
 
 __all__ = ["LensCallback", "report_losses"]
 
@@ -75,10 +75,10 @@ class LensCallback(pl.Callback):
     ``training_step``. Every other instrument needs nothing more.
 
     **Where records go.** :attr:`records` (with ``keep_records``); the scalars of each record
-    (:func:`gradlens.records.flatten`: ``gradlens/loss``, ``gradlens/grad_norm``,
+    (:func:`gradlens.core.records.flatten`: ``gradlens/loss``, ``gradlens/grad_norm``,
     ...) to every logger of the Trainer with ``log_metrics(..., step=record.step)``, the
     TensorBoard logger getting scalars *and* histograms through
-    :class:`gradlens.sinks.TensorBoardSink` on its ``SummaryWriter``; plus ``log``,
+    :class:`gradlens.output.sinks.TensorBoardSink` on its ``SummaryWriter``; plus ``log``,
     ``tensorboard`` and ``sinks`` as for :class:`~gradlens.Lens`. A record that waits for the
     next window (``Alpha``) is logged when that window closes, at its own step.
 
@@ -335,7 +335,7 @@ class _LoggerSink:
 
 
 def _logger_sinks(trainer: pl.Trainer) -> list[Any]:
-    from gradlens.sinks import TensorBoardSink
+    from gradlens.output.sinks import TensorBoardSink
 
     sinks: list[Any] = []
     others = []

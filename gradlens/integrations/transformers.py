@@ -31,8 +31,8 @@ from torch import Tensor, nn
 import gradlens
 from gradlens.instruments import Alpha
 from gradlens.instruments.base import Instrument
-from gradlens.lens import Lens
-from gradlens.records import Record, flatten
+from gradlens.lens.lens import Lens
+from gradlens.core.records import Record, flatten
 
 __all__ = ["LensTrainerCallback"]
 
@@ -77,7 +77,7 @@ class LensTrainerCallback(TrainerCallback):
     Lightning callback or a plain loop with ``lens.capture(losses=...)``).
 
     **Where records go.** :attr:`records`; the scalars of each record
-    (:func:`gradlens.records.flatten`) into ``trainer.log`` at the end of the
+    (:func:`gradlens.core.records.flatten`) into ``trainer.log`` at the end of the
     step, so they appear in ``trainer.state.log_history`` (at ``step = record.step + 1``, the
     Trainer's count of updates done) and reach every ``report_to`` integration; histograms
     through ``tensorboard=`` or ``sinks=[WandbSink()]``. The Trainer's own entries (``loss``,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradlens.records import Record, flatten, flatten_histograms
+from gradlens.core.records import Record, flatten, flatten_histograms
 
 __all__ = ["WandbSink"]
 
@@ -22,10 +22,10 @@ class WandbSink:
       written late (``Alpha`` waits for the next window) land at their own step, and the sink
       does not fight with the steps of other loggers (Lightning's ``WandbLogger``, the
       ``Trainer``'s ``WandbCallback``) that log to the same run;
-    - the scalars of :func:`gradlens.records.flatten` (``gradlens/loss``,
+    - the scalars of :func:`gradlens.core.records.flatten` (``gradlens/loss``,
       ``gradlens/grad_norm``, ...);
     - ``wandb.Histogram(np_histogram=(counts, edges))`` for every histogram of
-      :func:`gradlens.records.flatten_histograms`, from the record's own counts and edges
+      :func:`gradlens.core.records.flatten_histograms`, from the record's own counts and edges
       (never re-binned; W&B allows at most 512 bins: use ``GradHist1d(bins<=512)``).
 
     Args:

@@ -19,7 +19,7 @@ once, when a Lens is built before the model's first forward: it unshards each
 makes), so that the unsharded parameters exist.
 
 What does not apply: ``p.grad`` is a sharded, reduce-scattered DTensor, so the DDP route of the
-global gradient sum (:class:`~gradlens.distributed.DDPGradRoute`) never applies: ``grad_sum``
+global gradient sum (:class:`~gradlens.distributed.merge.DDPGradRoute`) never applies: ``grad_sum``
 travels in the all_reduce. Instruments that read parameter values get the gathered full values:
 ``GradHist2d``'s parameter axis, binned once per tracked window (:meth:`ShardedView.bin_values`),
 ``Alpha``'s theta_t and theta_{t+1} (:meth:`ShardedView.present_values`); sampled ``GradHist2d``,

@@ -120,7 +120,7 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
 
 @dataclass
 class TensorSummary:
-    """What a log keeps of a large tensor by default (see :class:`gradlens.sinks.JsonlSink`):
+    """What a log keeps of a large tensor by default (see :class:`gradlens.output.sinks.JsonlSink`):
     its shape and dtype and five float64 numbers over all its elements.
 
     Attributes:

@@ -72,7 +72,7 @@ from torch import Tensor
 
 from gradlens import compat
 from gradlens.instruments.base import LIGHT_QUANTITIES, DistParts
-from gradlens.sq_norms import sum_sq
+from gradlens.core.sq_norms import sum_sq
 
 __all__ = [
     "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
@@ -246,7 +246,7 @@ def check_not_sharded(model: torch.nn.Module, who: str = "Lens") -> None:
     (tensor parallelism, a hand-made ``distribute_tensor``): the per-sample capture needs each
     use's full-shaped parameter, which FSDP2 provides during a module's forward and backward
     (gradlens/fsdp.py) and tensor parallelism never does."""
-    from gradlens.fsdp import unmanaged_dtensors
+    from gradlens.distributed.fsdp import unmanaged_dtensors
 
     sharded = unmanaged_dtensors(model)
     if sharded:

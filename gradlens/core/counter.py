@@ -14,7 +14,7 @@ ways:
 
 :class:`WindowCounter` holds these counters as one explicit state, as optax's ``MultiSteps``
 keeps ``mini_step`` and ``gradient_step`` in ``MultiStepsState``; what a component accumulates
-(tensors, sums) stays its own. A leaf module (``gradlens.state_checks`` only).
+(tensors, sums) stays its own. A leaf module (``gradlens.core.state_checks`` only).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from gradlens.state_checks import StateDictError, is_count, is_float
+from gradlens.core.state_checks import StateDictError, is_count, is_float
 
 __all__ = ["WindowCounter", "counter_property"]
 
@@ -99,7 +99,7 @@ class WindowCounter:
         (keyed like ``state``) when there is one.
 
         Raises:
-            gradlens.state.StateDictError (a ValueError and a TypeError): a missing key, or a
+            gradlens.lens.state.StateDictError (a ValueError and a TypeError): a missing key, or a
                 value of the wrong type or range, named with ``where`` (e.g.
                 ``"state_dict['gradlens_accumulate']"``).
         """

@@ -1,7 +1,7 @@
 """The record of a closed window: what the Lens writes when a tracked window closes.
 
 :func:`window_record` turns a window's merged statistics (:class:`~gradlens.instruments.base.WindowStats`)
-and the instruments' window states into one :class:`~gradlens.records.Record`: each instrument's
+and the instruments' window states into one :class:`~gradlens.core.records.Record`: each instrument's
 finalized value under its key (per group too, ``record.groups``), the window's mean loss and the
 meta data; :func:`keep_record` keeps it as ``Lens(keep_records=...)`` says; :class:`PendingRecord` holds one
 that waits for the next window (Alpha) until that window completes it.
@@ -13,7 +13,7 @@ import math
 from typing import Any, Sequence
 
 from gradlens.instruments.base import Instrument, WindowStats
-from gradlens.records import Record
+from gradlens.core.records import Record
 
 __all__ = ["RESERVED_KEYS", "PendingRecord", "end_window", "keep_record", "window_record"]
 

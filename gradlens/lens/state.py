@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.base import WindowStats
-from gradlens.records import Record
-from gradlens.state_checks import *  # noqa: F401,F403 - StateDictError and the validators, re-exported
+from gradlens.core.records import Record
+from gradlens.core.state_checks import *  # noqa: F401,F403 - StateDictError and the validators, re-exported
 
 # (annotations name the instruments' and the Lens' classes without importing them: no cycle)
 
@@ -53,7 +53,7 @@ LENS_STATE_VERSION = 2
 __all__ = ["LENS_STATE_VERSION", "StateDictError", "check_state", "lens_state_dict", "load_lens_state_dict"]
 
 _FORMAT = "gradlens.Lens"
-#: the header's keys of the Lens' window counters (:class:`~gradlens.window.WindowCounter`)
+#: the header's keys of the Lens' window counters (:class:`~gradlens.core.counter.WindowCounter`)
 _COUNTERS = {"updates": "step", "skipped": "skipped_windows"}
 _HEADER = {
     "format", "version", "step", "skipped_windows", "empty_micro_steps", "instruments",

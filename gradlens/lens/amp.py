@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.records import Record
-from gradlens.window import WindowCounter
+from gradlens.core.records import Record
+from gradlens.core.counter import WindowCounter
 
 __all__ = ["ScalerSkips", "warn_nonfinite"]
 

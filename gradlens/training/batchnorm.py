@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from gradlens.accumulate import check_accum_steps
+from gradlens.training.accumulate import check_accum_steps
 from gradlens.compat import BatchNormBase as _BatchNorm
-from gradlens.window import WindowCounter
+from gradlens.core.counter import WindowCounter
 
 __all__ = [
     "AccumBatchNorm1d",
@@ -76,7 +76,7 @@ class _AccumBatchNormMixin:
         window_steps: ``[]`` int64, training forwards folded in so far.
     They are saved in the state dict; loading a plain ``nn.BatchNorm`` state dict (without them)
     starts an empty window. Their Python mirror (no device sync per forward) is the window's
-    :class:`~gradlens.window.WindowCounter`: micro-steps = training forwards, samples = values
+    :class:`~gradlens.core.counter.WindowCounter`: micro-steps = training forwards, samples = values
     per channel.
     """
 

@@ -6,31 +6,31 @@ module report its reduction and batch size. A :class:`Tap` is installed *only wh
 window is open* (untracked steps cost what a plain step costs). During a tracked forward it
 follows every use of a tracked parameter:
 
-- a module with a closed-form kernel in :mod:`gradlens.registry` (Linear, Conv, Embedding, the
+- a module with a closed-form kernel in :mod:`gradlens.capture.registry` (Linear, Conv, Embedding, the
   norms, ...) is one *site*: its input is kept and its output hooked;
 - modules with a registered tracked-window forward (``nn.MultiheadAttention``, RNNs) run it, so
   that their parameters are used through batch-first ``F.linear`` calls;
 - every other operation is seen by a ``TorchFunctionMode``: tensors computed from the batch
   ("data") and from parameters only ("derived") are told apart, and the operation where a
   parameter (or a derived tensor) meets the batch is hooked; ``F.linear`` there is a site, the
-  rest follows the exact per-operation rules of :mod:`gradlens.ops`.
+  rest follows the exact per-operation rules of :mod:`gradlens.capture.ops`.
 
-In backward each hooked output hands its gradient down to the Meter (:mod:`gradlens.measure`),
+In backward each hooked output hands its gradient down to the Meter (:mod:`gradlens.measure.meter`),
 which rescales it to per-sample units and measures it. Where the Meter materialises a sequence ``nn.Linear``'s per-sample weight
 gradients anyway (sum of squares, exact histograms, BatchDot), that call runs as a
 ``_FusedLinear`` whose backward takes dL/dW from their sum instead of a second matmul. The sample axis of a use is followed from the model's input (dim 0, the
 ``batch_dim`` given to :func:`extend`, or dim 1 where the model says ``batch_first=False``)
-through every data operation (:mod:`gradlens.axes`), never guessed from sizes where they are
+through every data operation (:mod:`gradlens.capture.axes`), never guessed from sizes where they are
 ambiguous. A tracked window runs a compiled model eagerly (compiler stance ``force_eager``).
 
 What the mode costs is Python per torch call (its dispatch, then the lookups and marks here), so
 it sees only the calls whose capture needs it: a site's own inner calls, and the calls inside a
-parameter-free elementwise module (dropout, activations: :func:`gradlens.registry.elementwise`),
+parameter-free elementwise module (dropout, activations: :func:`gradlens.capture.registry.elementwise`),
 run with the mode off the torch-function stack (when it is the innermost mode; a user's own mode
 inside the forward keeps it on, the site's calls then passed through); their outputs get the
 marks that following those calls gives. The marks are tensor -> value maps read and written in
 place by the mode (:class:`_TensorMarks`), and the common operation (one output of its data
-argument's shape, no axis rule) is marked without the rules of :mod:`gradlens.axes`.
+argument's shape, no axis rule) is marked without the rules of :mod:`gradlens.capture.axes`.
 
 Why not BackPACK's own module hooks: ``backpack.extend`` installs full backward hooks that stay
 on the model and cost ~1.6x a plain step on a 784-512-512-10 MLP even outside a ``backpack``
@@ -54,9 +54,11 @@ from torch import Tensor, nn
 
 from torch.overrides import TorchFunctionMode
 
-from gradlens import axes, compat, ops
+from gradlens import compat
+
+from gradlens.capture import axes, ops
 from gradlens.kernels import EmbeddingKernel, Kernel, LayerNormKernel, LinearKernel, OpLinear
-from gradlens.registry import elementwise, forward_for, kernel_for, qualname
+from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
 
 __all__ = ["extend", "LossCall", "take_loss_calls", "Tap", "ParamTap", "Site", "tracked_parameters", "trainable_split"]
 
@@ -233,7 +235,7 @@ def extend(module: nn.Module, exclude: Iterable[str] = (), batch_dim: int | None
     hook that tells :meth:`gradlens.Lens.capture` the reduction and batch size of the loss.
 
     For a model: marks it and remembers ``exclude``; every trainable parameter not excluded is
-    tracked by each :class:`~gradlens.Lens` on it (see :mod:`gradlens.registry` for how each
+    tracked by each :class:`~gradlens.Lens` on it (see :mod:`gradlens.capture.registry` for how each
     layer is handled). No hook is left on the model: the Lens installs its hooks for tracked
     windows only.
 
@@ -347,7 +349,7 @@ class Site:
         return Site(self.name, self.module, self.kernel, {a: q for a, q in self.params.items() if a in attrs})
 
 
-#: Called in backward (:meth:`gradlens.measure.Meter.on_use`): (site, input a [B, ...], output
+#: Called in backward (:meth:`gradlens.measure.meter.Meter.on_use`): (site, input a [B, ...], output
 #: gradient [B, ...], the attributes whose dL/dp comes via the call's autograd node (a frozenset;
 #: see _hook_param_grads), micro-batch size seen in forward, id
 #: of that forward pass; keyword ``fused=True`` for a fused Linear call), returning that call's
@@ -358,7 +360,7 @@ OnUse = Callable[..., "Tensor | None"]
 @dataclass(eq=False)
 class OpUse:
     """An operation where tracked parameters (or tensors derived from parameters only) meet the
-    batch; per-sample gradients follow :func:`gradlens.ops.per_sample_wrt`."""
+    batch; per-sample gradients follow :func:`gradlens.capture.ops.per_sample_wrt`."""
 
     name: str
     func: Callable
@@ -711,7 +713,7 @@ class Tap:
     are idempotent; per micro-step state (use counts, parameters that received a gradient,
     parameters whose per-sample gradient is undefined) is read and reset by the Meter.
 
-    The callbacks are the :class:`gradlens.measure.Meter`'s event methods: capture calls down
+    The callbacks are the :class:`gradlens.measure.meter.Meter`'s event methods: capture calls down
     into the measurement, never up into the Lens.
 
     Args:
@@ -756,7 +758,7 @@ class Tap:
         #: autograd node -> sample axis ((dim, factor) or None) of the data tensors the model's
         #: last forward returned (until the capture ends)
         self.output_nodes: dict = {}
-        #: data tensor -> its sample axis (see :mod:`gradlens.axes`)
+        #: data tensor -> its sample axis (see :mod:`gradlens.capture.axes`)
         self._data = _TensorMarks()
         self._derived = _TensorMarks()
         self._visited: set = set()
@@ -766,11 +768,11 @@ class Tap:
         #: from the Meter (set by the Meter from its plan, before install)
         self.fuse_weight_grad: frozenset = frozenset()
         #: ``(site, input, output) -> bool``: a routed use whose dL/dp the Meter forms itself
-        #: (small stacked uses, :func:`gradlens.deferred.sums_here`) gets no autograd-node
+        #: (small stacked uses, :func:`gradlens.measure.deferred.sums_here`) gets no autograd-node
         #: hook; None: every routed use is hooked (set by the Meter)
         self.sums_here = None
         #: ``(elements, batch, materialised) -> bool``: whether a use of that size may be
-        #: stacked (:func:`gradlens.deferred.fits`; a fused Linear call is never stacked, so a
+        #: stacked (:func:`gradlens.measure.deferred.fits`; a fused Linear call is never stacked, so a
         #: small one runs unfused); None: nothing is stacked (set by the Meter)
         self.stacks_if = None
         self.set_params(params)
@@ -1402,7 +1404,7 @@ class WeightGrad:
     Meter formed it while measuring the call (the sum of the per-sample gradients it
     materialised anyway, divided by the per-sample scale), else None and the call's backward
     computes it. Written only by the output hook of :meth:`Tap._site_use` (from the value
-    :meth:`gradlens.measure.Meter.on_use` returns), read by :class:`_FusedLinear`."""
+    :meth:`gradlens.measure.meter.Meter.on_use` returns), read by :class:`_FusedLinear`."""
 
     __slots__ = ("value",)
 
@@ -1500,7 +1502,7 @@ def _stacks(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:
 
 
 def _elementwise_forward(module: nn.Module, tap: "Tap", *args, **kwargs):
-    """The forward of a parameter-free elementwise module (:func:`gradlens.registry.elementwise`:
+    """The forward of a parameter-free elementwise module (:func:`gradlens.capture.registry.elementwise`:
     dropout, activations) during tracked windows, instead of the Tap's module hooks: its own
     forward, run with the mode off the torch-function stack when the mode is the innermost one
     (back on after it, also on an exception); its output then takes the marks that following

@@ -1,7 +1,7 @@
 """Checks of saved state: :class:`StateDictError` and the validators with which every
 ``load_state_dict`` of gradlens (each instrument's, the Lens') checks a state before it changes
 anything. A leaf module (torch only), so that instruments and the Lens' checkpoint format
-(:mod:`gradlens.state`) both import it at module top."""
+(:mod:`gradlens.lens.state`) both import it at module top."""
 
 from __future__ import annotations
 

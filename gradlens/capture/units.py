@@ -48,13 +48,13 @@ class MicroStep:
     shared: dict[str, Tensor] = field(default_factory=dict)
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
-    #: small single uses kept to be measured together (:func:`gradlens.deferred.stack`): stack
+    #: small single uses kept to be measured together (:func:`gradlens.measure.deferred.stack`): stack
     #: key -> [(site, a, delta, split, via)], and their elements (carried to the window's end
     #: when the micro-step folds)
     stacked: dict = field(default_factory=dict)
     stacked_elements: int = 0
     #: small dL/dp of single-use layer calls (qualified name, gradient), added into the window's
-    #: gradient sum at the micro-step's end (:meth:`gradlens.measure.Meter.on_weight_grad`)
+    #: gradient sum at the micro-step's end (:meth:`gradlens.measure.meter.Meter.on_weight_grad`)
     grad_parts: list = field(default_factory=list)
     grad_sq: Tensor | None = None  # sum over tracked parameters of ||dL/dp||^2 ("micro_grad_sq")
     forwards: set[int] = field(default_factory=set)  # forward passes this backward reached

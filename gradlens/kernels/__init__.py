@@ -70,12 +70,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradlens import compat
-from gradlens.sync import device_paths
+from gradlens.core.sync import device_paths
 
 __all__ = ["Kernel", "KINDS", "CHUNK_ELEMENTS", "check_kernel", "sample_chunks"]
 
 #: elements of one transient block: a materialised ``[b, *param]`` slice, a ``T x T`` Gram
-#: chunk, a chunk of the per-operation vjp (:mod:`gradlens.ops`), a histogram product block
+#: chunk, a chunk of the per-operation vjp (:mod:`gradlens.capture.ops`), a histogram product block
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -160,12 +160,12 @@ class Kernel:
         """What this kernel's per-sample maths of ``module`` depend on besides the shapes of the
         input and output gradient (hashable), if uses of several modules with equal keys and
         shapes may be measured as one call on their concatenated samples
-        (:mod:`gradlens.deferred`); None: never stacked (the default: maths that read the
+        (:mod:`gradlens.measure.deferred`); None: never stacked (the default: maths that read the
         module's own statistics, parameters or buffers)."""
         return None
 
     def stacked_grad_sum(self, module, a, delta, k: int, attrs) -> dict[str, Tensor]:
-        """sum_n g_n of each of ``k`` stacked uses (:mod:`gradlens.deferred`; ``a``, ``delta``
+        """sum_n g_n of each of ``k`` stacked uses (:mod:`gradlens.measure.deferred`; ``a``, ``delta``
         their inputs and output gradients concatenated along the sample axis, ``k`` equal
         blocks): attribute -> ``[k, *param]``. Default: the per-sample gradients summed per
         block (stacked uses are small); kernels with a factor form override it."""
@@ -174,11 +174,11 @@ class Kernel:
 
     def sum_cost(self, module, a: Tensor, out: Tensor) -> int:
         """About the multiply-adds of sum_n g_n of one use (input ``a``, output ``out``): what
-        measuring it costs beside autograd's own dL/dp (:mod:`gradlens.deferred`)."""
+        measuring it costs beside autograd's own dL/dp (:mod:`gradlens.measure.deferred`)."""
         return a.numel()
 
     def stacked_reduce(self, module, a, delta, k: int, groups: list[dict[str, str]], sums: dict, acc) -> tuple[list, dict]:
-        """What :mod:`gradlens.deferred` measures of ``k`` stacked uses (see
+        """What :mod:`gradlens.measure.deferred` measures of ``k`` stacked uses (see
         :meth:`stacked_grad_sum`): the ``[k * b]`` ||g_n||^2 parts of each of ``groups``
         (attribute -> name dicts, as :meth:`reduce` returns them; ``acc`` as there, only its
         scratch buffers used) and, for the attributes ``sums[q]`` of each quantity ``q``
@@ -422,8 +422,8 @@ def check_kernel(kernel: object) -> None:
     :attr:`Kernel.mixes_samples`, :attr:`Kernel.per_micro_batch`) against what it implements;
     raises ``TypeError`` / ``ValueError`` naming the class, the attribute and the fix.
 
-    Called by :func:`gradlens.registry.register_kernel` for a kernel instance, and by
-    :func:`gradlens.registry.kernel_for` on the first kernel of each class a factory returns
+    Called by :func:`gradlens.capture.registry.register_kernel` for a kernel instance, and by
+    :func:`gradlens.capture.registry.kernel_for` on the first kernel of each class a factory returns
     (when a Lens is built)."""
     if isinstance(kernel, type):
         raise TypeError(

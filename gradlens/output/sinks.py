@@ -3,7 +3,7 @@
 A *sink* is any object with ``write(record)`` and ``close()``; the :class:`~gradlens.Lens` calls
 ``write`` once per tracked window (in step order) and ``close`` once when it is closed.
 
-- :class:`JsonlSink` writes one JSON object per line (:func:`gradlens.records.record_to_json`)
+- :class:`JsonlSink` writes one JSON object per line (:func:`gradlens.core.records.record_to_json`)
   and flushes after each line, so a log of a long run can be read while the run goes on.
 - :class:`TensorBoardSink` writes scalars and histograms through a
   ``torch.utils.tensorboard.SummaryWriter``.
@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from gradlens.records import (
+from gradlens.core.records import (
     Hist1d, Hist2d, Record, TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json,
 )
 
@@ -66,7 +66,7 @@ class JsonlSink:
     - scalars, histograms and tensors of at most ``max_elements`` elements (``batch_l2`` [N],
       ``batch_dot`` [N, N] for small N) in full;
     - a per-parameter dict of tensors (``sum_grad_squared``) and any larger tensor as a
-      :class:`~gradlens.records.TensorSummary` (shape, dtype, sum, L2 norm, min, max): a
+      :class:`~gradlens.core.records.TensorSummary` (shape, dtype, sum, L2 norm, min, max): a
       ResNet-18's record is a few KB instead of ~100 MB;
     - each group of ``record.groups`` by the same rules, key by key (its ``full`` values under
       ``"groups/<group>/<key>"`` in the binary file);
@@ -733,8 +733,8 @@ class TensorBoardSink:
       ``gradlens/<key>/grad`` and ``gradlens/<key>/param`` (TensorBoard has no 2D histogram),
       plus scalars ``gradlens/<key>/clamped_param`` and ``.../clamped_grad``.
 
-    The names are those of :func:`gradlens.records.flatten` and
-    :func:`gradlens.records.flatten_histograms`, as for every other sink and logger.
+    The names are those of :func:`gradlens.core.records.flatten` and
+    :func:`gradlens.core.records.flatten_histograms`, as for every other sink and logger.
 
     TensorBoard's histogram summary also wants min, max, sum and sum of squares of the samples;
     gradlens keeps only counts, so min/max are the outer edges of the first/last non-empty bins

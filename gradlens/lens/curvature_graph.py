@@ -46,7 +46,7 @@ class CurvatureGraph:
             i.bind_graph(states[id(i)], self.graph)
 
     def end_micro(self, micro: Any, drop: Callable[[], None]) -> None:
-        """A captured micro-step (a :class:`~gradlens.units.MicroStep`) ends: its gradient with
+        """A captured micro-step (a :class:`~gradlens.capture.units.MicroStep`) ends: its gradient with
         its graph joins the window's. Without a graph (``create_graph=False``) the window is
         dropped (``drop()``) and the RuntimeError goes through."""
         micro.resolve()

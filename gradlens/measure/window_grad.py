@@ -1,5 +1,5 @@
 """The window gradient sum_n g_n and the micro-steps' ||dL/dtheta||^2, from what autograd computes
-anyway: a mixin of :class:`gradlens.measure.Meter`.
+anyway: a mixin of :class:`gradlens.measure.meter.Meter`.
 
 * :meth:`WindowGradient.on_weight_grad`: autograd's dL/dp of one single-use layer call (Linear,
   Conv1D, LayerNorm, Embedding), from a hook on that call's own autograd node
@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from gradlens.capture import Site
-from gradlens.sq_norms import sq_norm
-from gradlens.units import MicroStep, check_reduction
+from gradlens.core.sq_norms import sq_norm
+from gradlens.capture.units import MicroStep, check_reduction
 
 __all__ = ["WindowGradient"]
 

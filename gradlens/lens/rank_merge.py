@@ -1,6 +1,6 @@
 """When a Lens' tracked window is merged across ranks: ``Lens(merge="sync" | "deferred")``.
 
-:mod:`gradlens.distributed` merges a window (one all_reduce, plus one all_gather); this module
+:mod:`gradlens.distributed.merge` merges a window (one all_reduce, plus one all_gather); this module
 keeps the Lens' bookkeeping of *when*: once per tracked window, at the real update that closes it.
 ``merge="sync"`` waits for the collective there, so the window's record is complete at once.
 ``merge="deferred"`` issues it there (what depends on ``p.grad`` is read before the update) and
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from gradlens.distributed import (
+from gradlens.distributed.merge import (
     DDPGradRoute, MergeContext, Pending, check_ranks_agree, check_timeout, lens_fingerprint, merge_window,
     merge_window_start,
 )
@@ -42,20 +42,20 @@ class RankMerge:
     Args:
         group: the process group (None: one process, nothing is merged).
         merge: ``"sync"`` or ``"deferred"`` (checked with :func:`check_merge`).
-        timeout: seconds each collective waits (checked: :func:`gradlens.distributed.check_timeout`).
+        timeout: seconds each collective waits (checked: :func:`gradlens.distributed.merge.check_timeout`).
         instruments: the Lens' instruments.
-        plan: their :class:`~gradlens.measure.Plan` (``light``: they read the window gradient
+        plan: their :class:`~gradlens.measure.meter.Plan` (``light``: they read the window gradient
             only; ``needs``: the quantities they need).
 
     Attributes:
         route: under DDP, when the instruments need ``grad_sum``: the
-            :class:`~gradlens.distributed.DDPGradRoute` that reads the global sum from DDP's
+            :class:`~gradlens.distributed.merge.DDPGradRoute` that reads the global sum from DDP's
             all-reduced ``p.grad`` when that is exact; else None.
         done: the current window was merged (or its collective issued): once per window.
         issued: ``merge="deferred"``: the current window's collective, issued and not finished.
         inflight: ``(step, window, states, empty micro-steps, issued)`` of a closed window whose
             collective still runs.
-        memo: the gathered shapes of the last merge (:func:`gradlens.distributed.exchange`).
+        memo: the gathered shapes of the last merge (:func:`gradlens.distributed.merge.exchange`).
     """
 
     def __init__(self, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument], plan: Any):
@@ -75,7 +75,7 @@ class RankMerge:
                     groups: Any) -> None:
         """Once, when the Lens is built under torch.distributed: every rank has the same
         instruments and settings, schedule, merge mode, grouping and tracked parameters (one
-        small all_reduce; :func:`gradlens.distributed.check_ranks_agree`). Nothing otherwise."""
+        small all_reduce; :func:`gradlens.distributed.merge.check_ranks_agree`). Nothing otherwise."""
         if self.group is None:
             return
         fingerprint = lens_fingerprint(instruments, every, step, self.mode, params)
@@ -89,7 +89,7 @@ class RankMerge:
 
     def context(self, params: dict, sites: list, needs: frozenset, route: Any, step: int,
                 groups: tuple) -> MergeContext:
-        """The :class:`~gradlens.distributed.MergeContext` of the window ``step``."""
+        """The :class:`~gradlens.distributed.merge.MergeContext` of the window ``step``."""
         return MergeContext(params, sites, needs, route=route, memo=self.memo, timeout=self.timeout,
                             step=step, groups=groups)
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradlens.capture import Site
 from gradlens.kernels import add_into, sample_chunks
-from gradlens.units import MicroStep
+from gradlens.capture.units import MicroStep
 
 __all__ = ["CPU_SLICE_ELEMENTS", "measure"]
 
@@ -29,7 +29,7 @@ CPU_SLICE_ELEMENTS = 1 << 20
 
 def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: list[str], done: set,
             from_chunks: frozenset, weight_via_node, weight_grad) -> None:
-    """The materialising pass of one use for ``meter`` (the :class:`gradlens.measure.Meter`):
+    """The materialising pass of one use for ``meter`` (the :class:`gradlens.measure.meter.Meter`):
     ``attrs`` the attributes to form, ``done`` the ``(id(instrument), attr)`` pairs already
     served (factors, sampled entries), ``from_chunks`` the sums to take from the chunks,
     ``weight_via_node`` the attributes whose window gradient autograd delivers, ``weight_grad``

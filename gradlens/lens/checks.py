@@ -11,11 +11,11 @@ from torch import Tensor, nn
 
 from gradlens.capture import is_extended, tracked_parameters
 from gradlens.compat import compiled_original
-from gradlens.distributed import check_not_sharded
-from gradlens.fsdp import ShardedView
-from gradlens.fsdp import check_instruments as check_sharded_instruments
+from gradlens.distributed.merge import check_not_sharded
+from gradlens.distributed.fsdp import ShardedView
+from gradlens.distributed.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
-from gradlens.window_record import RESERVED_KEYS
+from gradlens.lens.record import RESERVED_KEYS
 
 __all__ = ["check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build", "watched_model"]
 
@@ -47,7 +47,7 @@ def watched_model(model: nn.Module) -> nn.Module:
 def tracked_at_build(model: nn.Module, exclude: tuple[str, ...],
                      instruments: Sequence[Instrument]) -> tuple[dict[str, Tensor], ShardedView | None]:
     """The parameters a new Lens tracks (qualified name -> parameter) and, on a ``fully_shard``-ed
-    model, its :class:`~gradlens.fsdp.ShardedView` (the Lens then tracks the unsharded
+    model, its :class:`~gradlens.distributed.fsdp.ShardedView` (the Lens then tracks the unsharded
     parameters; None otherwise), checked: some are left after ``exclude``, the instruments are
     allowed under FSDP2, none is on the meta device."""
     params = tracked_parameters(model, exclude)
@@ -153,7 +153,7 @@ def check_sinks(sinks: Iterable[Any]) -> list[Any]:
         if missing:
             raise TypeError(
                 f"Lens(sinks=[...]): {type(sink).__name__} {sink!r} lacks {' and '.join(m + '()' for m in missing)}; "
-                "a sink is any object with write(record) and close() (see gradlens.sinks), e.g. "
-                "gradlens.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
+                "a sink is any object with write(record) and close() (see gradlens.output.sinks), e.g. "
+                "gradlens.output.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
             )
     return out

@@ -22,9 +22,9 @@
   ``[k, *param]``) where that costs little (:func:`sums_here`): the Tap then hooks no
   autograd node of the use for its dL/dp.
 
-:func:`measure` runs at the end of the micro-step (:meth:`gradlens.measure.Meter.finish`);
+:func:`measure` runs at the end of the micro-step (:meth:`gradlens.measure.meter.Meter.finish`);
 :func:`carry` keeps its stacked uses when it folds into the window, :func:`settle` measures
-them before anything reads the window (:meth:`gradlens.measure.Meter.settle`).
+them before anything reads the window (:meth:`gradlens.measure.meter.Meter.settle`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import Tensor
 from gradlens import compat
 from gradlens.capture import Site
 from gradlens.kernels import OpLinear
-from gradlens.units import MicroStep
+from gradlens.capture.units import MicroStep
 
 __all__ = [
     "SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "carry", "fits", "measure", "settle", "stack",
@@ -111,7 +111,7 @@ def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple,
 
 def measure(meter, micro: MicroStep) -> None:
     """Measure the shared parameters the micro-step kept (each one's g_n summed over its uses),
-    through ``meter`` (the :class:`gradlens.measure.Meter` whose micro-step ends). Its stacked
+    through ``meter`` (the :class:`gradlens.measure.meter.Meter` whose micro-step ends). Its stacked
     small uses wait for the window (:func:`carry`, :func:`settle`)."""
     linear: dict[tuple, list] = {}
     for site, a, delta in micro.linear_uses:

@@ -12,7 +12,7 @@ Every trainable parameter is tracked, whatever module or function uses it (see
   equivalent batch-first forward during tracked windows, so that their parameters are used
   through ``F.linear`` calls on ``[B, T, d]`` inputs (closed form again);
 - **per operation** (everything else): the capture follows each parameter to the operations
-  that consume it and applies the exact per-operation rule (see :mod:`gradlens.ops`).
+  that consume it and applies the exact per-operation rule (see :mod:`gradlens.capture.ops`).
 
 Parameter-free elementwise modules (dropout, activations; :func:`elementwise`) are a shortcut
 of the capture, not a kind of layer: their outputs are marked as following their operations
@@ -202,7 +202,7 @@ register_kernel(nn.Linear, K.LinearKernel(), "closed form (factors: no [B, *para
 
 
 def _register_forwards() -> None:
-    from gradlens.forwards import mha_forward, rnn_forward
+    from gradlens.capture.forwards import mha_forward, rnn_forward
 
     register_forward(nn.MultiheadAttention, mha_forward, "tracked-window forward: batch-first F.linear projections (closed form)")
     for t in (nn.LSTM, nn.GRU, nn.RNN):

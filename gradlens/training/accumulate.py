@@ -34,8 +34,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from gradlens import compat
-from gradlens.fsdp import check_fold as check_fsdp_fold
-from gradlens.window import WindowCounter, counter_property
+from gradlens.distributed.fsdp import check_fold as check_fsdp_fold
+from gradlens.core.counter import WindowCounter, counter_property
 
 __all__ = ["GradientAccumulateOptimizer", "GradientAccumulateModel", "AccumulationState"]
 
@@ -43,7 +43,7 @@ _STATE_KEY = "gradlens_accumulate"
 _STATE_VERSION = 2  # 2: accumulators as kept (running means) + last_weight; 1: sums
 _READS_VERSIONS = (1, 2)
 _REDUCTIONS = ("mean", "sum")
-#: the section's keys of the window counters (:class:`~gradlens.window.WindowCounter`), in order
+#: the section's keys of the window counters (:class:`~gradlens.core.counter.WindowCounter`), in order
 _SECTION_COUNTERS = {"micro_steps": "micro_step", "updates": "iterations", "skipped": "skipped_windows",
                      "has_updated": "has_updated", "samples": "weight"}
 
@@ -96,7 +96,7 @@ class AccumulationState:
     its history (optax ``MultiStepsState`` in spirit).
 
     Attributes:
-        counter: the window lifecycle (:class:`~gradlens.window.WindowCounter`): micro-steps and
+        counter: the window lifecycle (:class:`~gradlens.core.counter.WindowCounter`): micro-steps and
             their weight in the open window, real updates, skipped windows, ``has_updated``;
             the five attributes below are its counters under the wrapper's names.
         micro_step: micro-steps folded into the open window.
@@ -384,7 +384,7 @@ class GradientAccumulateOptimizer(Optimizer):
         clip: ``clip(params) -> Any``, called once per window, before the inner step, with the list
             of parameters whose ``.grad`` holds the unscaled window gradient; it must modify those
             ``.grad`` in place. E.g. ``functools.partial(torch.nn.utils.clip_grad_norm_,
-            max_norm=1.0)``, :func:`gradlens.agc.adaptive_clip_grad_`, or
+            max_norm=1.0)``, :func:`gradlens.training.agc.adaptive_clip_grad_`, or
             ``lambda _: adaptive_clip_grad_(model, exclude=("fc.weight",))``.
         skip_nonfinite: without a GradScaler, what a window whose gradient holds inf/nan does:
             ``False`` (default) updates with it and warns (``RuntimeWarning`` naming the

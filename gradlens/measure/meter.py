@@ -5,7 +5,7 @@ Calls go down: the Tap (or the ParamTap of light capture, :mod:`gradlens.capture
 plain events to the Meter: a use with its input and output gradient (:meth:`Meter.on_use`), an
 operation use (:meth:`Meter.on_op_use`), autograd's own dL/dW of a Linear call
 (:meth:`Meter.on_weight_grad`), a parameter's dL/dp (:meth:`Meter.on_param_grad`). The Meter
-rescales each output gradient to per-sample units (:class:`gradlens.units.MicroStep`) and
+rescales each output gradient to per-sample units (:class:`gradlens.capture.units.MicroStep`) and
 computes, once per use, what the :class:`Plan` asks for (the kernel's reductions, factor
 products, materialised slices, sums), handing the same pieces to every instrument that needs
 them. The Lens starts and ends micro-steps (:meth:`Meter.begin`, :meth:`Meter.finish`,
@@ -22,14 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradlens import compat, deferred, ops, slices
+from gradlens import compat
+
+from gradlens.measure import deferred, slices
+
+from gradlens.capture import ops
 from gradlens.capture import CONV1D, LINEAR, LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
 from gradlens.compat import queue_backward_callback
-from gradlens.groups import group_params
-from gradlens.window_grad import WindowGradient
+from gradlens.core.groups import group_params
+from gradlens.measure.window_grad import WindowGradient
 from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, add_into
-from gradlens.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
+from gradlens.capture.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
 
 __all__ = ["Plan", "Meter"]
 
@@ -53,7 +57,7 @@ class Plan:
             parameter hooks (ParamTap), no per-sample capture.
         fuse_weight_grad: the layer classes (qualified names) whose sequence calls take dL/dW
             from the measurement instead of a second matmul (:func:`_fused_classes`).
-        groups: the checked ``Lens(groups=...)`` spec (:mod:`gradlens.groups`), or None: each
+        groups: the checked ``Lens(groups=...)`` spec (:mod:`gradlens.core.groups`), or None: each
             use's ``batch_l2`` contributions also go to its parameters' groups
             (:attr:`WindowStats.group_l2`); instruments with ``per_group`` finalize per group.
     """
@@ -156,13 +160,13 @@ class Meter(WindowGradient):
             self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
         #: the sums the uses' measurement computes (decided once, not per use)
         self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
-        #: small uses may be stacked (gradlens.deferred): the plan wants only their norms and
+        #: small uses may be stacked (gradlens.measure.deferred): the plan wants only their norms and
         #: sums (window gradient, sum of squares), nothing per sample or per layer
         self._stacks = not plan.per_sample and not plan.layer and "batch_l2" in self.use_sums
         if self._stacks:  # small uses' window gradients come with their stacked norms
             self.tap.sums_here = deferred.sums_here
             self.tap.stacks_if = deferred.fits
-        #: the window gradients of stacked uses, as blocks of rows (see gradlens.deferred)
+        #: the window gradients of stacked uses, as blocks of rows (see gradlens.measure.deferred)
         self.sum_blocks: dict = {}
         #: stacked uses of the window's folded micro-steps, not measured yet (deferred.carry;
         #: measured by settle) and their elements
@@ -309,7 +313,7 @@ class Meter(WindowGradient):
 
     def settle(self, window: WindowStats) -> None:
         """Measure the stacked uses the window's micro-steps left for its end into ``window``
-        (:func:`gradlens.deferred.settle`): before anything reads the window's statistics."""
+        (:func:`gradlens.measure.deferred.settle`): before anything reads the window's statistics."""
         if self.carried:
             with torch.no_grad():
                 deferred.settle(self, window)
@@ -499,7 +503,7 @@ class Meter(WindowGradient):
 
     def _stack(self, micro: MicroStep, site: Site, a: Tensor, delta: Tensor, via, made: bool) -> bool:
         """Keep a single use to be measured with others like it at the window's end
-        (:func:`gradlens.deferred.stack`): only its norms and window gradient are wanted (the
+        (:func:`gradlens.measure.deferred.stack`): only its norms and window gradient are wanted (the
         latter from autograd for the attributes in ``via``). What a site's stacking depends on
         besides shapes is worked out once per site (a cache that a change of parameters or
         groups clears)."""
@@ -517,7 +521,7 @@ class Meter(WindowGradient):
 
     def on_op_use(self, use: OpUse, g: Tensor) -> None:
         """Backward reached an operation where parameters meet the batch: per-sample gradients
-        of each parameter through the exact per-operation rule (see :mod:`gradlens.ops`)."""
+        of each parameter through the exact per-operation rule (see :mod:`gradlens.capture.ops`)."""
         micro = self._begin_use(use.name, use.batch, use.forward)
         if micro is None:
             return

@@ -1,5 +1,5 @@
 """The Lens: watches a model (and optionally its optimizer), opens and closes windows, starts and
-ends each captured micro-step on its :class:`~gradlens.measure.Meter` (which measures the uses
+ends each captured micro-step on its :class:`~gradlens.measure.meter.Meter` (which measures the uses
 for the instruments), and keeps and streams one record per tracked window.
 
 A window is one real optimizer update (docs/design.md). With an ``optimizer``, the window closes in
@@ -7,11 +7,11 @@ the optimizer's step post-hook (with :class:`~gradlens.GradientAccumulateOptimiz
 fires on real updates only); without one, call :meth:`Lens.flush` at the end of each window.
 
 The Lens keeps the windows, their schedule, the optimizer hooks, the glue of rank merging, the
-sinks and the lifecycle; the rest are modules it calls: :mod:`gradlens.lens_checks` (its
-arguments), :mod:`gradlens.window` (the window counters), :mod:`gradlens.window_record` (a closed
-window's record, the pending record), :mod:`gradlens.rank_merge` (sync / deferred merging),
-:mod:`gradlens.amp` (windows a GradScaler skipped), :mod:`gradlens.compiled` (torch.compile),
-:mod:`gradlens.curvature_graph` (the curvature instruments' graph), :mod:`gradlens.state`
+sinks and the lifecycle; the rest are modules it calls: :mod:`gradlens.lens.checks` (its
+arguments), :mod:`gradlens.core.counter` (the window counters), :mod:`gradlens.lens.record` (a closed
+window's record, the pending record), :mod:`gradlens.lens.rank_merge` (sync / deferred merging),
+:mod:`gradlens.lens.amp` (windows a GradScaler skipped), :mod:`gradlens.lens.compiled` (torch.compile),
+:mod:`gradlens.lens.curvature_graph` (the curvature instruments' graph), :mod:`gradlens.lens.state`
 (checkpoints).
 """
 
@@ -26,34 +26,34 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradlens.amp import ScalerSkips, warn_nonfinite
+from gradlens.lens.amp import ScalerSkips, warn_nonfinite
 from gradlens.capture import Site, take_loss_calls, model_exclusions, trainable_split
 from gradlens.compat import compiled_in_place, compiled_original
-from gradlens.compiled import CompileNotice
-from gradlens.curvature_graph import CurvatureGraph
-from gradlens.distributed import DEFAULT_TIMEOUT_S, DDPGradRoute, is_writer, resolve_group
+from gradlens.lens.compiled import CompileNotice
+from gradlens.lens.curvature_graph import CurvatureGraph
+from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, DDPGradRoute, is_writer, resolve_group
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
-from gradlens.groups import check_groups
-from gradlens.fsdp import presenting
+from gradlens.core.groups import check_groups
+from gradlens.distributed.fsdp import presenting
 from gradlens.instruments.base import Accumulators, Instrument, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS
-from gradlens.lens_checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
-from gradlens.measure import Meter, Plan
-from gradlens.rank_merge import RankMerge
-from gradlens.records import Record
-from gradlens.sinks import JsonlSink, SinkSet
-from gradlens.state import lens_state_dict, load_lens_state_dict
-from gradlens.units import check_multiplier
-from gradlens.window import WindowCounter, counter_property
-from gradlens.window_record import PendingRecord, end_window, keep_record, window_record
+from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
+from gradlens.measure.meter import Meter, Plan
+from gradlens.lens.rank_merge import RankMerge
+from gradlens.core.records import Record
+from gradlens.output.sinks import JsonlSink, SinkSet
+from gradlens.lens.state import lens_state_dict, load_lens_state_dict
+from gradlens.capture.units import check_multiplier
+from gradlens.core.counter import WindowCounter, counter_property
+from gradlens.lens.record import PendingRecord, end_window, keep_record, window_record
 
 __all__ = ["Lens"]
 
 
 class _ForwardProbes:
     """Forward pre-hooks of tracked windows on the model: one notes a compiled forward
-    (:meth:`gradlens.compiled.CompileNotice.probe`); under torch.distributed one notes the DDP
-    module that runs the forward (see :class:`gradlens.distributed.DDPGradRoute`); the one-shot
+    (:meth:`gradlens.lens.compiled.CompileNotice.probe`); under torch.distributed one notes the DDP
+    module that runs the forward (see :class:`gradlens.distributed.merge.DDPGradRoute`); the one-shot
     :func:`_params_probe` of a window (:meth:`arm`). ``install()`` / ``remove()`` (all three) and
     ``disarm()`` are idempotent."""
 
@@ -122,7 +122,7 @@ def _setting(holder: str, name: str, doc: str) -> property:
 
 
 class Lens:
-    """Per-sample gradient statistics of a model, one :class:`~gradlens.records.Record` per
+    """Per-sample gradient statistics of a model, one :class:`~gradlens.core.records.Record` per
     tracked window.
 
     Example::
@@ -147,7 +147,7 @@ class Lens:
         exclude: parameter or module names not to track (added to those given to ``extend``).
         log: path of a JSONL file that receives one line per record (see
             :func:`gradlens.load_log`; by default a line holds summaries, see
-            :class:`gradlens.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
+            :class:`gradlens.output.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
             values written in full, ...).
         log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default)
             appends in a new *segment* of the log: a fresh Lens starts a new run (its steps
@@ -194,7 +194,7 @@ class Lens:
             does not stop training: the window still closes, a warning names the sink and the
             error, the missed records (up to 3) are written again before the next one, and a
             sink that fails 3 times in a row is closed and dropped with a warning
-            (:class:`gradlens.sinks.SinkSet`).
+            (:class:`gradlens.output.sinks.SinkSet`).
         groups: per-group statistics (``record.groups[group][key]``, next to the totals):
             ``None`` (default) totals only; ``"param"`` one group per tracked parameter (its
             qualified name); ``"module"`` one per module that owns parameters directly (its
@@ -202,11 +202,11 @@ class Lens:
             ``fnmatch`` patterns over parameter names (a parameter joins the first group it
             matches; the unmatched form ``"other"``). Shared parameters count once, under
             their first name. Every instrument value that decomposes over parameters (its
-            class sets ``per_group``) gets one value per group; see :mod:`gradlens.groups`.
+            class sets ``per_group``) gets one value per group; see :mod:`gradlens.core.groups`.
         timeout: under ``torch.distributed``, the seconds each of the Lens's collectives (the
             configuration check when it is built, each window's merge) waits for the other
             ranks before it raises a ``RuntimeError`` naming the window (default
-            :data:`gradlens.distributed.DEFAULT_TIMEOUT_S`, 300 s; ``None``: the process group's
+            :data:`gradlens.distributed.merge.DEFAULT_TIMEOUT_S`, 300 s; ``None``: the process group's
             own timeout, 30 min by default). When built, the Lens checks once (one small
             all_reduce) that every rank has the same instruments and settings, schedule
             (``every``, counted from each rank's first window; a callable is compared on 64
@@ -355,7 +355,7 @@ class Lens:
     def _merge_ranks(self, defer_off: bool = False) -> None:
         """Under torch.distributed: replace this rank's window statistics and instrument states
         by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
-        kept; see :mod:`gradlens.distributed`). Once per tracked window; nothing otherwise."""
+        kept; see :mod:`gradlens.distributed.merge`). Once per tracked window; nothing otherwise."""
         if self._window is not None:  # small uses measured at the window's end
             self._meter.settle(self._window)
         ranks = self._ranks
@@ -607,7 +607,7 @@ class Lens:
         own partial window); a new Lens on the loaded model then gives the same records as the
         run that was not interrupted.
 
-        Format: :mod:`gradlens.state` (version 2), plain data that
+        Format: :mod:`gradlens.lens.state` (version 2), plain data that
         ``torch.load(weights_only=True)`` reads; the partial window and the pending record are a
         pickle inside a uint8 tensor. Like any pickle, load only checkpoints you trust.
         """
@@ -619,10 +619,10 @@ class Lens:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (of a Lens with the same instruments on the same
         model). The records, the log lines and the pending record continue where the saved
-        Lens stopped. Everything is checked before anything changes (:mod:`gradlens.state`).
+        Lens stopped. Everything is checked before anything changes (:mod:`gradlens.lens.state`).
 
         Raises:
-            gradlens.state.StateDictError (a ValueError and a TypeError): not a gradlens Lens
+            gradlens.lens.state.StateDictError (a ValueError and a TypeError): not a gradlens Lens
                 state dict, another version, other instruments (set, order, keys, settings such
                 as bins or seeds), other tracked parameters (names, shapes, dtypes), or a
                 partial window that this Lens's schedule does not track.
@@ -720,7 +720,7 @@ def _open_sinks(log, log_mode: str, tensorboard: Any, writer: bool) -> SinkSet:
             log, mode="overwrite" if log_mode == "overwrite" else "append"
         ))
     if tensorboard is not None and writer:
-        from gradlens.sinks import TensorBoardSink
+        from gradlens.output.sinks import TensorBoardSink
 
         sinks.append(TensorBoardSink(tensorboard))
     return sinks

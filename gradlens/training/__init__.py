@@ -1,0 +1,4 @@
+"""The training side: exact gradient accumulation (:mod:`~gradlens.training.accumulate`), adaptive
+gradient clipping (:mod:`~gradlens.training.agc`), accumulation-aware BatchNorm
+(:mod:`~gradlens.training.batchnorm`) and checkpoints that survive a kill
+(:mod:`~gradlens.training.checkpoint`)."""
