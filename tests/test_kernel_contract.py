@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 import gradlens.kernels as K
-from gradlens.instruments.base import Accumulators
+from gradlens.core.stats import Accumulators
 from gradlens.capture.registry import _KERNELS, _display
 
 DT = torch.float64

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gradlens.capture import LossCall, settle_rows
-from gradlens.instruments.base import WindowStats
+from gradlens.core.stats import WindowStats
 
 __all__ = ["MicroStep", "loss_calls_for", "check_multiplier", "check_reduction", "settle_flattened"]
 

@@ -71,7 +71,7 @@ import torch
 from torch import Tensor
 
 from gradlens import compat
-from gradlens.instruments.base import LIGHT_QUANTITIES, DistParts
+from gradlens.core.stats import LIGHT_QUANTITIES, DistParts
 from gradlens.core.sq_norms import sum_sq
 
 __all__ = [
@@ -567,7 +567,7 @@ class MergeContext:
 def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
     """The window statistics and instrument states of the global batch of all ranks.
 
-    ``window`` is this rank's :class:`~gradlens.instruments.base.WindowStats`; ``states`` maps
+    ``window`` is this rank's :class:`~gradlens.core.stats.WindowStats`; ``states`` maps
     ``id(instrument)`` to its window state. Every rank must call this for the same windows with
     the same instruments. Returns ``(window, states)`` merged (new objects; rank-major order).
     """

@@ -1,6 +1,8 @@
 """Instruments: what gradlens measures. Each sets a record key (``record[key]``)."""
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import WindowStats
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
 from gradlens.instruments.criteria import CABS, EarlyStopping

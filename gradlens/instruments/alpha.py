@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import WindowStats
+from gradlens.core.stats import WindowStats
 from gradlens.instruments.crosssample import _CrossSample, _DotState, _nbytes
 from gradlens.core.state_checks import COUNT, TENSORS, StateDictError, check_state, label, optional
 

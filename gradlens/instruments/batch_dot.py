@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from gradlens.instruments.base import WindowStats
+from gradlens.core.stats import WindowStats
 from gradlens.instruments.crosssample import _CrossSample, _DotState
 
 __all__ = ["BatchDot"]

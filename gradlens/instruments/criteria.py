@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import DistParts, WindowStats
 from gradlens.instruments.tests import MeanGSNR, ShiftedMoments, _trace_cov
 
 __all__ = ["CABS", "EarlyStopping"]

@@ -73,7 +73,8 @@ import torch
 from torch import Tensor
 
 from gradlens.compat import tensor_version
-from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.state_checks import check_state
 
 __all__ = ["DEFAULT_MAX_BYTES"]

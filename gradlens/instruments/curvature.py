@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.alpha import Alpha
-from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+from gradlens.core.stats import DistParts, WindowStats
 from gradlens.instruments.hist import GradHist1d, GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.norms import GradNorm

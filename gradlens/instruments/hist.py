@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import DistParts, WindowStats
 from gradlens.instruments.crosssample import _human
 from gradlens.instruments.binning import _affine, bin_of, count_1d, count_2d, tally
 from gradlens.instruments.outer_hist import outer_hist1d, row_extremes

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import WindowStats
+from gradlens.core.stats import WindowStats
 from gradlens.instruments.crosssample import _CrossSample, _DotState, _memo, _memo_layer_gram, _pieces_key
 
 __all__ = ["InnerTest", "OrthoTest"]

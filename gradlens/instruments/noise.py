@@ -55,7 +55,8 @@ from torch import Tensor
 from gradlens import compat
 from gradlens.training.accumulate import GradientAccumulateOptimizer
 from gradlens.distributed.fsdp import check_monitor as check_fsdp_monitor
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+from gradlens.core.stats import WindowStats
 from gradlens.core.sq_norms import sq_norm, sum_sq as _sum_sq
 from gradlens.core.state_checks import COUNT, FLOAT, check_state, is_float
 from gradlens.core.counter import WindowCounter

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import WindowStats
 
 __all__ = ["BatchL2", "SumGradSquared", "GradNorm"]
 

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.state_checks import check_state
 
 __all__ = ["NormTest", "MeanGSNR", "NoiseScale", "ShiftedMoments"]

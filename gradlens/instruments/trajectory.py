@@ -18,7 +18,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import DistParts, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.state_checks import TENSORS, check_state
 
 __all__ = ["Distance", "UpdateSize", "SquaredNorms"]

@@ -516,7 +516,7 @@ def _zeros_into(acc: dict[str, Tensor], key: str, shape: tuple[int, ...], like: 
 def _addmm_into(acc: dict[str, Tensor], key: str, m1: Tensor, m2: Tensor) -> None:
     """acc[key] += m1 @ m2. The first product of a window is written into the buffer the
     accumulator dict offers for ``key`` (``acc.buffer(key, shape, like)``, see
-    :class:`gradlens.instruments.base.Accumulators`) so that large sums reuse memory across
+    :class:`gradlens.core.stats.Accumulators`) so that large sums reuse memory across
     windows instead of faulting in fresh pages every step."""
     if key in acc:
         acc[key].addmm_(m1, m2)

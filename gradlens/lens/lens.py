@@ -35,7 +35,8 @@ from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, DDPGradRoute, is_write
 from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
 from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
-from gradlens.instruments.base import Accumulators, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+from gradlens.core.stats import Accumulators, WindowStats
 from gradlens.kernels import CHUNK_ELEMENTS
 from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan

@@ -18,7 +18,8 @@ from gradlens.distributed.merge import (
     DDPGradRoute, MergeContext, Pending, check_ranks_agree, check_timeout, lens_fingerprint, merge_window,
     merge_window_start,
 )
-from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+from gradlens.core.stats import LIGHT_QUANTITIES, WindowStats
 
 __all__ = ["RankMerge", "check_merge"]
 

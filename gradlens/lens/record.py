@@ -1,6 +1,6 @@
 """The record of a closed window: what the Lens writes when a tracked window closes.
 
-:func:`window_record` turns a window's merged statistics (:class:`~gradlens.instruments.base.WindowStats`)
+:func:`window_record` turns a window's merged statistics (:class:`~gradlens.core.stats.WindowStats`)
 and the instruments' window states into one :class:`~gradlens.core.records.Record`: each instrument's
 finalized value under its key (per group too, ``record.groups``), the window's mean loss and the
 meta data; :func:`keep_record` keeps it as ``Lens(keep_records=...)`` says; :class:`PendingRecord` holds one
@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from gradlens.instruments.base import Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+
+from gradlens.core.stats import WindowStats
 from gradlens.core.records import Record
 
 __all__ = ["RESERVED_KEYS", "PendingRecord", "end_window", "keep_record", "window_record"]

@@ -18,7 +18,7 @@ None)::
     "window":            bool: saved inside a tracked window that captured micro-steps
     "pending":           int or None: the step of the record waiting for the next window (Alpha)
     "blob":              uint8 tensor or None: a pickle of the partial window (its
-                         :class:`~gradlens.instruments.base.WindowStats`, each instrument's
+                         :class:`~gradlens.core.stats.WindowStats`, each instrument's
                          window state and the uses measured so far) and of the pending record
                          with its states, in which parameters, modules and instruments are
                          referred to by name or position
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.instruments.base import WindowStats
+from gradlens.core.stats import WindowStats
 from gradlens.core.records import Record
 from gradlens.core.state_checks import *  # noqa: F401,F403 - StateDictError and the validators, re-exported
 

@@ -28,7 +28,8 @@ from gradlens.measure import deferred, slices
 
 from gradlens.capture import ops
 from gradlens.capture import CONV1D, LINEAR, LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
-from gradlens.instruments.base import LIGHT_QUANTITIES, Instrument, WindowStats
+from gradlens.instruments.base import Instrument
+from gradlens.core.stats import LIGHT_QUANTITIES, WindowStats
 from gradlens.compat import queue_backward_callback
 from gradlens.core.groups import group_params
 from gradlens.measure.window_grad import WindowGradient
