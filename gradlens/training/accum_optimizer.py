@@ -127,7 +127,8 @@ class GradientAccumulateOptimizer(WrappedOptimizer):
         micro_step: micro-steps folded into the current window (0 right after an update).
         iterations: real updates done so far.
         has_updated: whether the last :meth:`step` (or :meth:`flush`) made a real update.
-        skipped_windows: windows dropped because a GradScaler reported inf/nan.
+        skipped_windows: windows skipped because their gradient held inf/nan (under a GradScaler,
+            or with ``skip_nonfinite=True``).
     """
 
     _step_supports_amp_scaling = True
