@@ -303,7 +303,7 @@ def test_records_are_json_lines(tmp_path):
 
 
 def test_segments_replace_the_records_after_a_resume_and_new_runs_are_told_apart(tmp_path):
-    from gradlens.output.sinks import _last_run
+    from gradlens.output.log_format import last_run
 
     path = tmp_path / "run.jsonl"
     records = [_no_dicts(r) for r in make_records(5)]  # steps 0, 3, 6, 9, 12
@@ -335,8 +335,8 @@ def test_segments_replace_the_records_after_a_resume_and_new_runs_are_told_apart
     assert load_log(path, run=0) == records[:2] + resumed == load_log(path, run=-2)
     assert [r.meta["run"] for r in load_log(path, run="all")] == [0] * 4 + [1] * 2
     for chunk in (7, 64, 1 << 22):  # the last header is found reading backwards in blocks
-        assert _last_run(path, chunk=chunk) == (1, False)
-    assert _last_run(tmp_path / "missing.jsonl") == (0, True)
+        assert last_run(path, chunk=chunk) == (1, False)
+    assert last_run(tmp_path / "missing.jsonl") == (0, True)
     lines = path.read_text().splitlines()
     assert [('"start":6' in x, '"start":0' in x) for x in lines if "__gradlens_segment__" in x] == [
         (True, False), (False, True)

@@ -527,7 +527,7 @@ _LAYERWISE_PREFERENCE = ("batch_l2", "grad_norm", "sum_grad_squared", "mean_gsnr
 
 def _load_records(records_or_log_path: Any, fn: str = "dashboard") -> tuple[list[Record], str]:
     if isinstance(records_or_log_path, (str, os.PathLike)):
-        from gradlens.output.sinks import load_log
+        from gradlens.output.log_reader import load_log
 
         return load_log(records_or_log_path), Path(records_or_log_path).name
     if isinstance(records_or_log_path, Record):
@@ -714,7 +714,7 @@ def dashboard(records_or_log_path: Sequence[Record] | str | os.PathLike,
 
     Args:
         records_or_log_path: the records (e.g. ``lens.records``) or a ``.jsonl`` log path
-            (read with :func:`gradlens.output.sinks.load_log`).
+            (read with :func:`gradlens.output.log_reader.load_log`).
         path: when given, save the figure there; the suffix picks the format (``.png`` at
             100 dpi, or ``.pdf``).
         layerwise_key: the group key of the layerwise panel (see above).

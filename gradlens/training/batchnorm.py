@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from gradlens.training.accumulate import check_accum_steps
+from gradlens.training.accum_checks import check_accum_steps
 from gradlens.compat import BatchNormBase as _BatchNorm
 from gradlens.core.counter import WindowCounter
 
