@@ -679,7 +679,7 @@ def _materialised_pieces(lays: list[_Layer]):
     the per-sample gradients formed from each micro-step's own use (per-sample units), as
     :class:`gradlens.kernels.MaterialisedKernel` pieces (one layer's ``[N, *param]`` at a time)."""
     from gradlens.capture import Site
-    from gradlens.kernels import Materialised, MaterialisedKernel
+    from gradlens.kernels.materialised import Materialised, MaterialisedKernel
 
     kernel = MaterialisedKernel()
     for q in sorted(lays[0].w.params.values()):

@@ -37,7 +37,7 @@ from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import Accumulators, WindowStats
-from gradlens.kernels import CHUNK_ELEMENTS
+from gradlens.kernels.base import CHUNK_ELEMENTS
 from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from gradlens import compat
 from gradlens.capture import Site
-from gradlens.kernels import OpLinear
+from gradlens.kernels.linear import OpLinear
 from gradlens.capture.units import MicroStep
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gradlens.capture import Site
-from gradlens.kernels import add_into, sample_chunks
+from gradlens.kernels.base import add_into, sample_chunks
 from gradlens.capture.units import MicroStep
 
 __all__ = ["CPU_SLICE_ELEMENTS", "measure"]
