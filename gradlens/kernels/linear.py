@@ -173,7 +173,7 @@ class _LinearSums(Kernel):
             numel = shape[0] * shape[1]
             sgs = acc["sum_grad_squared"]
             gsum = "grad_sum" in want and ("grad_sum", "weight") not in skip
-            # a fused Linear call (gradlens.capture.WeightGrad, per-sample scale): dL/dW of this
+            # a fused Linear call (gradlens.capture.events.WeightGrad, per-sample scale): dL/dW of this
             # call is sum_n g_n / scale, summed here instead of by autograd's own matmul
             fused = acc.get("weight_grad")
             wsum = d.new_zeros(shape) if fused is not None else None

@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from gradlens.lens.amp import ScalerSkips, warn_nonfinite
-from gradlens.capture import Site, take_loss_calls, model_exclusions, trainable_split
+from gradlens.capture.events import Site
+from gradlens.capture.tracked import model_exclusions, trainable_split
+from gradlens.capture.losses import take_loss_calls
 from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.lens.compiled import CompileNotice
 from gradlens.lens.curvature_graph import CurvatureGraph

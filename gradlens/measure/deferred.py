@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gradlens import compat
-from gradlens.capture import Site
+from gradlens.capture.events import Site
 from gradlens.kernels.linear import OpLinear
 from gradlens.capture.units import MicroStep
 
