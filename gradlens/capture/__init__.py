@@ -25,11 +25,14 @@ events it receives: :mod:`gradlens.capture.events`). Where the Meter materialise
 that call runs as a ``_FusedLinear`` (:mod:`gradlens.capture.fused`) whose backward takes dL/dW
 from their sum instead of a second matmul. For single-use Linear, Conv1D, LayerNorm and
 Embedding calls the call's own autograd node gives its dL/dp
-(:mod:`gradlens.capture.param_grads`). The sample axis of a use is followed from the model's
-input (dim 0, the ``batch_dim`` given to :func:`extend`, or dim 1 where the model says
-``batch_first=False``) through every data operation (:mod:`gradlens.capture.axes`), never
-guessed from sizes where they are ambiguous. A tracked window runs a compiled model eagerly
-(compiler stance ``force_eager``).
+(:mod:`gradlens.capture.param_grads`). Which layers may take these fast paths, and whether a
+use's samples may hold several rows, each kernel declares on its class
+(:class:`gradlens.kernels.base.Kernel`: ``fused_layers``, ``routes_param_grads``,
+``rows_per_sample``); the capture holds no list of kernel types. The sample axis of a use is
+followed from the model's input (dim 0, the ``batch_dim`` given to :func:`extend`, or dim 1
+where the model says ``batch_first=False``) through every data operation
+(:mod:`gradlens.capture.axes`), never guessed from sizes where they are ambiguous. A tracked
+window runs a compiled model eagerly (compiler stance ``force_eager``).
 
 What the mode costs is Python per torch call (its dispatch, then the lookups and marks here), so
 it sees only the calls whose capture needs it: a site's own inner calls, and the calls inside a
@@ -53,13 +56,13 @@ light hooks for tracked windows only.
 from __future__ import annotations
 
 from gradlens.capture.events import OnUse, OpUse, Site, WeightGrad
-from gradlens.capture.fused import CONV1D, LINEAR
 from gradlens.capture.light import ParamTap
 from gradlens.capture.losses import LossCall, pending_loss_calls, settle_rows, take_loss_calls
 from gradlens.capture.tap import Tap
 from gradlens.capture.tracked import (
     declared_batch_dim, extend, is_extended, model_exclusions, tracked_parameters, trainable_split,
 )
+from gradlens.kernels.linear import CONV1D, LINEAR  # the layer classes a plan may fuse (Meter)
 
 __all__ = [
     "extend", "declared_batch_dim", "is_extended", "model_exclusions", "tracked_parameters", "trainable_split",

@@ -16,8 +16,10 @@ from torch import Tensor, nn
 
 from gradlens import compat
 from gradlens.capture.events import WeightGrad
+from gradlens.capture.registry import qualname
+from gradlens.kernels.base import Kernel
 
-__all__ = ["FUSE_MIN", "LINEAR", "CONV1D"]
+__all__ = ["FUSE_MIN", "fused_forward_for"]
 
 
 class _TrackedForward:
@@ -109,11 +111,19 @@ def _fused_forward(module: nn.Module, tap: "Tap", x: Tensor, transposed: bool = 
     return type(module).forward(module, x)
 
 
-#: qualified names of the layer classes whose calls may run fused (exactly these classes, whose
-#: forward is known: a subclass may compute something else)
-LINEAR, CONV1D = "torch.nn.modules.linear.Linear", "transformers.pytorch_utils.Conv1D"
-#: class name -> its tracked-window forward
-_FUSED = {LINEAR: _fused_forward, CONV1D: functools.partial(_fused_forward, transposed=True)}
+_FUSED_TRANSPOSED = functools.partial(_fused_forward, transposed=True)
+
+
+def fused_forward_for(module: nn.Module, kernel: Kernel, fuse: frozenset) -> Callable | None:
+    """The fused tracked-window forward of ``module`` (:func:`_fused_forward`), or None: its
+    class is one its kernel lets run fused (:attr:`gradlens.kernels.base.Kernel.fused_layers`,
+    which also says whether the weight is transposed) and one the Meter's plan fuses (``fuse``,
+    qualified class names: :attr:`gradlens.capture.tap.Tap.fuse_weight_grad`)."""
+    name = qualname(type(module))
+    transposed = kernel.fused_layers.get(name)
+    if transposed is None or name not in fuse:
+        return None
+    return _FUSED_TRANSPOSED if transposed else _fused_forward
 
 
 def _stacks(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:

@@ -1,7 +1,8 @@
 """The autograd-node hooks of single-use layer calls: where a layer's forward is one torch call
-of its input and parameters (torch's Linear, LayerNorm and Embedding, transformers' Conv1D),
-that call's autograd node sees exactly the call's dL/dp, which the Meter takes as the call's sum
-of per-sample gradients (times the per-sample scale) instead of computing it again."""
+of its input and parameters (torch's Linear, LayerNorm and Embedding, transformers' Conv1D:
+what their kernels declare, :meth:`gradlens.kernels.base.Kernel.routes_param_grads`), that
+call's autograd node sees exactly the call's dL/dp, which the Meter takes as the call's sum of
+per-sample gradients (times the per-sample scale) instead of computing it again."""
 
 from __future__ import annotations
 
@@ -9,30 +10,10 @@ from torch import Tensor, nn
 
 from gradlens import compat
 from gradlens.capture.events import Site
-from gradlens.kernels.base import Kernel
-from gradlens.kernels.embedding import EmbeddingKernel
-from gradlens.kernels.linear import LinearKernel, TransposedLinearKernel
-from gradlens.kernels.norms import LayerNormKernel
 
 #: autograd nodes of one-call layer forwards whose inputs include the layer's parameters
 #: directly (``F.linear``/``Conv1D``'s addmm or mm, ``F.layer_norm``, ``F.embedding``)
 _ROUTED_NODES = ("AddmmBackward0", "MmBackward0", "NativeLayerNormBackward0", "EmbeddingBackward0")
-
-
-def _routes_param_grads(module: nn.Module, kernel: Kernel) -> bool:
-    """Whether the autograd node of ``module``'s call sees exactly that call's dL/dp of its
-    parameters: torch's own Linear, LayerNorm and (dense, without ``max_norm`` or
-    ``scale_grad_by_freq``) Embedding, and
-    transformers' ``Conv1D``: each forward is one torch call of its input and parameters."""
-    kind = type(kernel)
-    if type(module) is nn.Linear or (kind is TransposedLinearKernel and type(module).__name__ == "Conv1D"):
-        return kind in (LinearKernel, TransposedLinearKernel)
-    if type(module) is nn.LayerNorm:
-        return kind is LayerNormKernel
-    if type(module) is nn.Embedding:
-        return (kind is EmbeddingKernel and not module.sparse and module.max_norm is None
-                and not module.scale_grad_by_freq)
-    return False
 
 
 def _hook_param_grads(output: Tensor, module: nn.Module, site: Site, on_grad) -> frozenset:

@@ -16,24 +16,19 @@ from torch import Tensor, nn
 from gradlens import compat
 from gradlens.capture import axes
 from gradlens.capture.events import OnUse, OpUse, Site
-from gradlens.capture.fused import _FUSED, _elementwise_forward, _TrackedForward
+from gradlens.capture.fused import _elementwise_forward, _TrackedForward, fused_forward_for
 from gradlens.capture.marks import (
     _batch_first, _declared, _hints, _input_batch, _only_axis, _outputs, _tensors, _TensorMarks,
 )
 from gradlens.capture.mode import _UseMode
-from gradlens.capture.param_grads import _hook_param_grads, _routes_param_grads
+from gradlens.capture.param_grads import _hook_param_grads
 from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
 from gradlens.capture.tracked import declared_batch_dim
-from gradlens.kernels.embedding import EmbeddingKernel
 from gradlens.kernels.linear import LinearKernel, OpLinear
-from gradlens.kernels.norms import LayerNormKernel
 
 __all__ = ["Tap"]
 
 _NOTHING: frozenset = frozenset()
-
-#: kernels whose input may hold several rows per sample: rows of one sample are positions
-_FACTOR_KERNELS: tuple = (LinearKernel, LayerNormKernel, EmbeddingKernel)
 
 
 class Tap:
@@ -92,8 +87,10 @@ class Tap:
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
-        #: the layer classes (:data:`gradlens.capture.fused.LINEAR`, :data:`~gradlens.capture.fused.CONV1D`) whose sequence calls take dL/dW
-        #: from the Meter (set by the Meter from its plan, before install)
+        #: qualified names of the layer classes (:data:`gradlens.kernels.linear.LINEAR`,
+        #: :data:`~gradlens.kernels.linear.CONV1D`) whose sequence calls take dL/dW from the Meter
+        #: (set by the Meter from its plan, before install), where a site's kernel declares its
+        #: class (:attr:`gradlens.kernels.base.Kernel.fused_layers`)
         self.fuse_weight_grad: frozenset = frozenset()
         #: ``(site, input, output) -> bool``: a routed use whose dL/dp the Meter forms itself
         #: (small stacked uses, :func:`gradlens.measure.deferred.sums_here`) gets no autograd-node
@@ -172,9 +169,9 @@ class Tap:
             if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
                 mod.forward = _TrackedForward(fwd, mod, self)
                 self._replaced.append(mod)
-            elif site_mod and qualname(type(mod)) in self.fuse_weight_grad and entry[1] is not None \
-                    and "weight" in entry[1].params and "forward" not in mod.__dict__:
-                mod.forward = _TrackedForward(_FUSED[qualname(type(mod))], mod, self)
+            elif site_mod and entry[1] is not None and "weight" in entry[1].params and "forward" not in mod.__dict__ \
+                    and (fused := fused_forward_for(mod, entry[1].kernel, self.fuse_weight_grad)) is not None:
+                mod.forward = _TrackedForward(fused, mod, self)  # (the class its kernel declares)
                 self._replaced.append(mod)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
@@ -311,11 +308,11 @@ class Tap:
     def _site_use(self, mod: nn.Module, site: Site | None):
         """The post-hook work of a closed-form site: its output takes the sample axis of its
         input (or its derived names), and its output gradient is hooked for the Meter."""
-        routed = site is not None and _routes_param_grads(mod, site.kernel)
+        routed = site is not None and site.kernel.routes_param_grads(mod)  # (declared by the kernel)
         stacks = routed and site.kernel.stack_key(mod, tuple(site.params)) is not None
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
         is_embedding = isinstance(mod, nn.Embedding)
-        may_fuse = qualname(type(mod)) in _FUSED  # (only these run a fused forward)
+        may_fuse = site is not None and qualname(type(mod)) in site.kernel.fused_layers  # (only these run fused)
         data = self._data
 
         def use(module, args, output):
@@ -346,7 +343,7 @@ class Tap:
             if site is None or not output.requires_grad:
                 return None
             batch = self._batch
-            if ax is None or (ax[1] != 1 and not isinstance(site.kernel, _FACTOR_KERNELS)):
+            if ax is None or (ax[1] != 1 and not site.kernel.rows_per_sample):
                 self._refuse_axis(
                     output,
                     f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"

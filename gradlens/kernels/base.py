@@ -61,6 +61,8 @@ One chunking rule: whatever materialises per-sample slices takes ``b`` samples a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Callable, ClassVar
 
 import torch
@@ -108,9 +110,14 @@ def _by_columns(fn: Callable[..., Tensor], *index: Tensor, width: int = 1) -> Te
 class Kernel:
     """Default kernel: everything derived from materialised per-sample gradients.
 
-    What a kernel offers is declared in class attributes (checked by :func:`check_kernel` when
-    it is registered or first handed out by the registry); subclasses override only what they
-    change. A kernel must define :meth:`per_sample`; everything else has a default."""
+    What a kernel offers is declared on its class (checked by :func:`check_kernel` when it is
+    registered or first handed out by the registry): the maths it implements (:attr:`kind`,
+    :attr:`factored`, :attr:`mixes_samples`, :attr:`per_micro_batch`) and the fast paths of the
+    capture it supports (:attr:`rows_per_sample`, :attr:`fused_layers`,
+    :meth:`routes_param_grads`), as BackPACK's extensions declare the modules they handle;
+    :mod:`gradlens.capture` reads them and holds no list of kernel types. Declarations are
+    inherited: a subclass whose maths differ from its base's states its own. A kernel must
+    define :meth:`per_sample`; everything else has a default."""
 
     #: the layer maths the cross-micro-step instruments may assume (one of :data:`KINDS`):
     #: ``"linear"`` (``F.linear`` factors a, delta; shared uses concatenate positions),
@@ -128,6 +135,31 @@ class Kernel:
     #: the per-sample maths read statistics of the layer's own micro-batch: pieces of several
     #: micro-steps must never be concatenated into one call
     per_micro_batch: ClassVar[bool] = False
+    #: a use's samples may each hold several rows of the input (the samples the leading factor
+    #: of their axis, e.g. ``[B * nW, w * w, C]`` windows of an image): the capture then hands
+    #: the kernel ``a [B, f, ...]`` and ``delta [B, f, ...]``, and its maths sum a sample's rows
+    #: as positions (Linear, LayerNorm, Embedding). False: such a use is refused (its sample
+    #: axis reported as unknown, :meth:`gradlens.capture.tap.Tap.axis_error`)
+    rows_per_sample: ClassVar[bool] = False
+    #: the layer classes whose sequence calls may run fused with their measurement
+    #: (:mod:`gradlens.capture.fused`: one autograd Function whose backward takes dL/dW from the
+    #: per-sample weight gradients the Meter formed anyway, not from a second matmul), where the
+    #: Meter's plan asks for it (:attr:`gradlens.measure.meter.Plan.fuse_weight_grad`):
+    #: qualified class name (``"torch.nn.modules.linear.Linear"``) -> whether the weight is
+    #: ``[d_in, d_out]`` (``y = x W + b``, transformers' ``Conv1D``) rather than ``[d_out,
+    #: d_in]`` (``F.linear``). Exactly these classes (a subclass's forward may compute something
+    #: else); their forward must be that affine map of ``module.weight`` and ``module.bias``
+    fused_layers: ClassVar[Mapping[str, bool]] = MappingProxyType({})
+
+    def routes_param_grads(self, module: nn.Module) -> bool:
+        """Whether the autograd node of one call of ``module`` has each of the call's parameters
+        as a direct input (``weight.t()`` through its transpose node), so that this node sees
+        exactly that call's dL/dp, before other uses, regularisers or DDP add to it: the call is
+        one torch operation of its input and parameters. Then a hook there
+        (:func:`gradlens.capture.param_grads._hook_param_grads`) gives the call's sum_n g_n (in
+        units of the per-sample scale) and the kernel's ``grad_sum`` is not run for them.
+        Default False (the kernel's sums are used)."""
+        return False
 
     def params(self, module: nn.Module) -> list[str]:
         return [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
@@ -404,7 +436,7 @@ _KIND_METHODS = {
     "bn": ("directional",),
     "other": (),
 }
-_FLAGS = ("factored", "mixes_samples", "per_micro_batch")
+_FLAGS = ("factored", "mixes_samples", "per_micro_batch", "rows_per_sample")
 _SUMS = ("batch_l2", "sum_grad_squared", "grad_sum")
 
 
@@ -414,7 +446,8 @@ def _overrides(cls: type, name: str) -> bool:
 
 def check_kernel(kernel: object) -> None:
     """Check what ``kernel`` declares (:attr:`Kernel.kind`, :attr:`Kernel.factored`,
-    :attr:`Kernel.mixes_samples`, :attr:`Kernel.per_micro_batch`) against what it implements;
+    :attr:`Kernel.mixes_samples`, :attr:`Kernel.per_micro_batch`, :attr:`Kernel.rows_per_sample`,
+    :attr:`Kernel.fused_layers`, :meth:`Kernel.routes_param_grads`) against what it implements;
     raises ``TypeError`` / ``ValueError`` naming the class, the attribute and the fix.
 
     Called by :func:`gradlens.capture.registry.register_kernel` for a kernel instance, and by
@@ -444,6 +477,19 @@ def check_kernel(kernel: object) -> None:
                 f"{name}.{flag} must be True or False, got {value!r}; set the class attribute "
                 f"{flag} = True (or leave it out for False)"
             )
+    fused = kernel.fused_layers
+    if not isinstance(fused, Mapping) or not all(
+            isinstance(k, str) and "." in k and isinstance(v, bool) for k, v in fused.items()):
+        raise TypeError(
+            f"{name}.fused_layers must map qualified layer class names to whether the weight is "
+            f"transposed, got {fused!r}; e.g. fused_layers = {{\"torch.nn.modules.linear.Linear\": "
+            "False}, or leave it out (no fused calls)"
+        )
+    if not callable(kernel.routes_param_grads):
+        raise TypeError(
+            f"{name}.routes_param_grads must be a method, got {kernel.routes_param_grads!r}; define "
+            "routes_param_grads(self, module) -> bool, or leave it out (False)"
+        )
     kind = kernel.kind
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(

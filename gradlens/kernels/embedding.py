@@ -4,6 +4,7 @@ the rows of the sample's indices (no ``[B, V, D]`` tensor for the norms and sums
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from gradlens.kernels.base import Kernel, _by_columns
 
@@ -13,6 +14,13 @@ __all__ = ["EmbeddingKernel"]
 class EmbeddingKernel(Kernel):
     """``nn.Embedding``: g_n of the table is the sum of delta_nt over the positions t whose
     index is v, row v (the ``padding_idx`` row gets no gradient, as in autograd)."""
+
+    rows_per_sample = True  # a sample's rows are more positions t
+
+    def routes_param_grads(self, module):
+        # one dense F.embedding of the indices and the table, without max_norm or scale_grad_by_freq
+        return (type(module) is nn.Embedding and not module.sparse and module.max_norm is None
+                and not module.scale_grad_by_freq)
 
     def _flat(self, module, a, delta):
         b = delta.shape[0]

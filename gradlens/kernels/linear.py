@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradlens.core.sync import device_paths
 from gradlens.kernels.base import (
     CHUNK_ELEMENTS, Kernel, _by_columns, _cat, _with_bias_column, add_into, sample_chunks, tgram_cheaper,
 )
 
-__all__ = ["LinearKernel", "TransposedLinearKernel", "OpLinear"]
+__all__ = ["LinearKernel", "TransposedLinearKernel", "OpLinear", "LINEAR", "CONV1D"]
+
+#: qualified names of the layer classes whose calls may run fused (:attr:`Kernel.fused_layers`):
+#: torch's ``nn.Linear`` and transformers' ``Conv1D`` (``y = x W + b``, ``W [d_in, d_out]``)
+LINEAR, CONV1D = "torch.nn.modules.linear.Linear", "transformers.pytorch_utils.Conv1D"
 
 
 def _add_row_sum(acc: Tensor, ones: Tensor, f: Tensor) -> None:
@@ -272,6 +276,11 @@ class LinearKernel(_LinearSums):
     cross-micro-step maths (Gram, projections, sketches) too."""
 
     kind = "linear"
+    rows_per_sample = True  # a sample's rows are more positions t
+    fused_layers = {LINEAR: False}
+
+    def routes_param_grads(self, module):
+        return type(module) is nn.Linear  # one addmm / mm of the input, W^T and the bias
 
     def add_per_sample(self, module, a, delta, attr, out):
         x, d = self._flat(module, a, delta)
@@ -400,6 +409,10 @@ class TransposedLinearKernel(_LinearSums):
     concatenated as ``F.linear`` factors."""
 
     _transposed = True
+    fused_layers = {CONV1D: True}
+
+    def routes_param_grads(self, module):
+        return type(module).__name__ == "Conv1D"  # one addmm of the rows, W and the bias
 
     class _AsLinear:
         """The module as the ``nn.Linear`` of W^T: ``in_features``, ``out_features``, its
@@ -441,16 +454,16 @@ class TransposedLinearKernel(_LinearSums):
         D = dict(direction)
         if "weight" in D:
             D["weight"] = D["weight"].t()
-        return _LINEAR.directional(self._AsLinear(module), a, delta, D, attrs)
+        return _AS_LINEAR.directional(self._AsLinear(module), a, delta, D, attrs)
 
     def gram(self, module, pieces, attrs):
-        return _LINEAR.gram(self._AsLinear(module), pieces, attrs)
+        return _AS_LINEAR.gram(self._AsLinear(module), pieces, attrs)
 
     def gram_materialises(self, module, a, delta):
         return False  # T x T blocks or bounded row blocks, as nn.Linear's
 
     def mean_via_gram(self, module, a, delta, n):
-        return _LINEAR.mean_via_gram(self._AsLinear(module), a, delta, n)
+        return _AS_LINEAR.mean_via_gram(self._AsLinear(module), a, delta, n)
 
     def reduce(self, module, a, delta, want, names, acc, skip=()):
         if delta.dim() != 2:
@@ -480,7 +493,7 @@ class TransposedLinearKernel(_LinearSums):
 
 
 #: nn.Linear's maths, for layers that present themselves as one (TransposedLinearKernel)
-_LINEAR = LinearKernel()
+_AS_LINEAR = LinearKernel()
 
 
 class OpLinear:

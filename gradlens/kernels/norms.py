@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradlens.kernels.base import Kernel, add_into, joint_sq_norm
 
@@ -75,6 +75,11 @@ class _NormKernel(Kernel):
 
 class LayerNormKernel(_NormKernel):
     """``nn.LayerNorm``: statistics of each sample (and position) over ``normalized_shape``."""
+
+    rows_per_sample = True  # the statistics are per row: a sample's rows are more positions
+
+    def routes_param_grads(self, module):
+        return type(module) is nn.LayerNorm  # one F.layer_norm of the input and the parameters
 
     def param_dims(self, module, x):
         k = len(module.normalized_shape)
