@@ -14,6 +14,6 @@ def _fuse_small_calls(monkeypatch):
     """The tests' models are tiny: their sequence Linear / Conv1D calls run fused (dL/dW from
     the measurement) as a large model's do, so that every test covers that route too; the
     size threshold itself is tested in test_fused_weight_grad.py."""
-    from gradlens import capture
+    from gradlens.capture import fused
 
-    monkeypatch.setattr(capture, "FUSE_MIN", 0)
+    monkeypatch.setattr(fused, "FUSE_MIN", 0)  # (where _fuses reads it)

@@ -83,11 +83,11 @@ def test_other_operations_keep_an_unambiguous_axis_only():
 
 def test_the_modes_memo_of_rule_answers_matches_the_rules_and_keeps_no_tensor():
     """The mode keeps the answer of a rule per (function, axis, batch, shapes, plain arguments)
-    (capture._carried): the same answers as the rules, a distinct entry wherever any of those
+    (gradlens.capture.mode._carried): the same answers as the rules, a distinct entry wherever any of those
     differ, and only plain values in its keys and answers."""
-    from gradlens import capture
+    from gradlens.capture import mode
 
-    capture._AXES.clear()
+    mode._AXES.clear()
     x = torch.randn(4, 6, 8)
     calls = [
         (torch.Tensor.view, (x, 4, 48), (0, 1), 4),
@@ -101,8 +101,8 @@ def test_the_modes_memo_of_rule_answers_matches_the_rules_and_keeps_no_tensor():
     for _ in range(2):  # the second pass reads the memo
         for func, args, ax, batch in calls:
             out = func(*args)
-            assert capture._carried(func, args, x, ax, out, batch) == carry(func, args, {}, x, ax, [out], batch)[0]
-    kept = [v for key, got in capture._AXES.items() for v in (*key, got)]
-    assert len(capture._AXES) >= 6
+            assert mode._carried(func, args, x, ax, out, batch) == carry(func, args, {}, x, ax, [out], batch)[0]
+    kept = [v for key, got in mode._AXES.items() for v in (*key, got)]
+    assert len(mode._AXES) >= 6
     assert not any(isinstance(v, torch.Tensor) for v in kept)
-    assert not any(isinstance(a, torch.Tensor) for key in capture._AXES for a in key[5])
+    assert not any(isinstance(a, torch.Tensor) for key in mode._AXES for a in key[5])

@@ -1,4 +1,4 @@
-"""The tracked forward's shortcuts (gradlens/capture.py) give what following every operation
+"""The tracked forward's shortcuts (gradlens/capture/) give what following every operation
 gives: closed-form sites and parameter-free elementwise modules (dropout, activations) run with
 the mode off the torch-function stack; a user's own TorchFunctionMode inside the forward, an
 exception inside a site, and hooks registered on those modules after the Tap keep every use

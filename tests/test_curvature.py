@@ -255,11 +255,11 @@ def test_attention_block_exact_and_estimator_paths(reduction):
 def test_fused_sequence_linear_keeps_the_graph(monkeypatch):
     """A Lens with a sum of squares runs sequence Linear layers as gradlens' fused call (its own
     backward); under create_graph its weight gradient is autograd's, so the Hessian is exact."""
-    from gradlens import capture
+    from gradlens.capture import fused
 
     calls = []
-    original = capture._FusedLinear.apply
-    monkeypatch.setattr(capture._FusedLinear, "apply", lambda *a: calls.append(1) or original(*a))
+    original = fused._FusedLinear.apply
+    monkeypatch.setattr(fused._FusedLinear, "apply", lambda *a: calls.append(1) or original(*a))
     model0 = attn_block()
     x, y = _attn_data()
     H, m = oracle(model0, x, y, "mean", reverse=True)

@@ -202,8 +202,7 @@ def test_sequence_linear_gram_routes_match_per_sample_oracle(route, monkeypatch)
     equals the Gram of float64 torch.func per-sample gradients of the layer."""
     from torch.func import grad, vmap
 
-    from gradlens import kernels
-    from gradlens.kernels import LinearKernel, tgram_cheaper
+    from gradlens.kernels import LinearKernel, linear, tgram_cheaper
 
     torch.manual_seed(0)
     d_in, d_out, t = (16, 12, 2) if route == "tgram" else (4, 6, 7)
@@ -214,7 +213,7 @@ def test_sequence_linear_gram_routes_match_per_sample_oracle(route, monkeypatch)
     n = sum(sizes)
     assert tgram_cheaper(d_out, d_in, t, n) == (route == "tgram")
     if route == "row_blocks_chunked":
-        monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 3 * n * d_in)  # 3 rows per block: 2 blocks
+        monkeypatch.setattr(linear, "CHUNK_ELEMENTS", 3 * n * d_in)  # 3 rows per block: 2 blocks
     K = LinearKernel().gram(lin, pieces, ["weight", "bias"])
 
     def contribution(params, x, d):

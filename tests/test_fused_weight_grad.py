@@ -1,6 +1,6 @@
 """A Lens that materialises per-sample gradients of sequence ``nn.Linear`` calls anyway (sum of
 squares) hands autograd their sum as dL/dW instead of letting it compute the weight-gradient
-matmul again (``gradlens.capture._FusedLinear``). Checked here: ``p.grad`` equals a plain
+matmul again (``gradlens.capture.fused._FusedLinear``). Checked here: ``p.grad`` equals a plain
 float64 backward on a copy of the model (K unequal micro-steps, mean and sum losses, a shared
 Linear and a 2-D Linear that keep autograd's own product), the fused path really ran, and the
 statistics equal the float64 per-sample loop."""
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradlens
-from gradlens import Lens, capture
+from gradlens import Lens
+from gradlens.capture import fused
 from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
 
 B, T = 7, 5
@@ -46,13 +47,13 @@ def _data():
 def _spy_fused(monkeypatch) -> list[bool]:
     """Per fused backward from now on: whether the Lens handed it dL/dW."""
     filled = []
-    real = capture._FusedLinear.backward
+    real = fused._FusedLinear.backward
 
     def spy(ctx, g):
         filled.append(ctx.holder.value is not None)
         return real(ctx, g)
 
-    monkeypatch.setattr(capture._FusedLinear, "backward", staticmethod(spy))
+    monkeypatch.setattr(fused._FusedLinear, "backward", staticmethod(spy))
     return filled
 
 
@@ -276,7 +277,8 @@ def test_fused_call_is_twice_differentiable_when_not_measured(transposed):
     """Outside a measured use (no dL/dW handed over) the fused call is F.linear (Conv1D: x W +
     b), first and second derivatives included (create_graph=True takes the differentiable
     formula)."""
-    from gradlens.capture import WeightGrad, _FusedLinear
+    from gradlens.capture.events import WeightGrad
+    from gradlens.capture.fused import _FusedLinear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
@@ -371,20 +373,19 @@ def test_only_calls_with_a_large_weight_gradient_run_fused(monkeypatch):
     """At gradlens' own threshold (the suite's conftest lowers it to 0), a call whose weight
     gradient is below FUSE_MIN multiply-adds runs unfused (the Function's cost exceeds the
     product), a larger one fused; both give plain autograd's p.grad."""
-    from gradlens import capture
     from gradlens.measure import deferred
 
     monkeypatch.setattr(deferred, "SMALL_USE", 0)
     # the smallest call: inp on the first micro-step, [2, t, 4] -> 6: 48 t multiply-adds
-    for t, fused in ((5, False), ((1 << 20) // 48 + 1, True)):
-        monkeypatch.setattr(capture, "FUSE_MIN", 1 << 20)
+    for t, runs_fused in ((5, False), ((1 << 20) // 48 + 1, True)):
+        monkeypatch.setattr(fused, "FUSE_MIN", 1 << 20)  # (where _fuses reads it)
         torch.manual_seed(0)
         model = _SeqConv1D().double()
         ref = copy.deepcopy(model)
         x, y = torch.randn(B, t, 4, dtype=torch.float64), torch.randint(0, 3, (B,))
         filled = _spy_fused(monkeypatch)
         _lens_then_autograd(model, ref, [SumGradSquared()], [(x[:2], y[:2]), (x[2:], y[2:])], F.cross_entropy)
-        assert bool(filled) == fused
+        assert bool(filled) == runs_fused
 
 
 @pytest.mark.frameworks

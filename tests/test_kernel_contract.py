@@ -7,7 +7,10 @@ input ``a [B, ...]`` and an output gradient ``delta [B, ...]``. The oracle is
 that mix samples, the same VJP of the batch forward with one sample's output gradient); it never
 calls gradlens. Every method a kernel offers is compared: the per-sample slices and their sums,
 the sampled entries, the outer factors, the stacked sums of several uses, and the cross-micro-step maths (factor forms, Gram,
-projections, sketches). Mismatches of one layer type are collected and reported together.
+projections, sketches). So are the capture's fast paths a kernel declares on its class: samples
+of several rows (``rows_per_sample``), the call's own autograd node as its dL/dp
+(``routes_param_grads``), and the fused forward of its layer classes (``fused_layers``).
+Mismatches of one layer type are collected and reported together.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ TOL = dict(rtol=1e-9, atol=1e-10)
 
 class Conv1D(nn.Module):
     """A stand-in for Hugging Face's ``transformers.pytorch_utils.Conv1D`` (not installed
-    here): ``y = x @ W + b`` with ``W [d_in, d_out]``."""
+    here): ``y = x @ W + b`` with ``W [d_in, d_out]``, computed as that class does (one
+    ``addmm`` of the rows, then a view), so that its autograd node is the real one's."""
 
     def __init__(self, d_out: int, d_in: int):
         super().__init__()
@@ -39,7 +43,8 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.randn(d_out))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x @ self.weight + self.bias
+        rows = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
 @dataclass
@@ -257,7 +262,10 @@ def _inputs(case: Case, m: nn.Module, gen: torch.Generator) -> tuple[Tensor, Ten
     return x, torch.randn(y.shape, generator=gen, dtype=DT)
 
 
-def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel) -> None:
+def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel, key: type | str | None = None) -> None:
+    """Every method and declaration of ``kernel`` on ``case`` against the oracle (``key``: the
+    registry key the kernel came from; a name key also names the layer class for
+    ``fused_layers``)."""
     gen = torch.Generator().manual_seed(hash(case.name) % 1000)
     x, delta = _inputs(case, m, gen)
     B = x.shape[0]
@@ -420,6 +428,62 @@ def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel) -> None:
                       _sketch_oracle(m, kernel, {a: D[a][None] for a in sub}, sub, pair)[0])
     rep.run("sketch/sketch_direction", sketch)
 
+    def rows_per_sample():  # samples as the leading factor of their axis: [n * f, ...] as [n, f, ...]
+        if not kernel.rows_per_sample or B < 2:
+            return
+        f = 2 if B % 2 == 0 else B
+        n = B // f
+        xf, df = x.reshape(n, f, *x.shape[1:]), delta.reshape(n, f, *delta.shape[1:])
+        wf = {a: want[a].reshape(n, f, *want[a].shape[1:]).sum(1) for a in attrs}  # a sample's rows summed
+        got = kernel.per_sample(m, xf, df, 0, n)
+        for a in attrs:
+            rep.close(f"rows_per_sample: per_sample[{a}] of [{n}, {f}, ...]", got.get(a), wf[a])
+        acc = {"sum_grad_squared": Accumulators({}), "grad_sum": Accumulators({})}
+        parts = kernel.reduce(m, xf, df, {"batch_l2", "sum_grad_squared", "grad_sum"}, names, acc)
+        rep.close("rows_per_sample: reduce batch_l2", sum(parts), sum(wf[a].flatten(1).square().sum(1) for a in attrs))
+        for a in attrs:
+            rep.close(f"rows_per_sample: reduce sum_grad_squared[{a}]", acc["sum_grad_squared"].get(names[a]), wf[a].square().sum(0))
+            rep.close(f"rows_per_sample: reduce grad_sum[{a}]", acc["grad_sum"].get(names[a]), wf[a].sum(0))
+    rep.run("rows_per_sample", rows_per_sample)
+
+    def routes_param_grads():  # the call's autograd node sees exactly its dL/dp = sum_n g_n
+        if not kernel.routes_param_grads(m):
+            return
+        from gradlens.capture.events import Site
+        from gradlens.capture.param_grads import _hook_param_grads
+
+        ref = copy.deepcopy(m)
+        got = {}
+        out = ref(x.clone())
+        hooked = _hook_param_grads(out, ref, Site("layer", ref, kernel, dict(names)),
+                                   lambda site, g, a: got.__setitem__(a, g))
+        rep.close("routes_param_grads: parameters hooked at the call's node", sorted(hooked), sorted(attrs))
+        (out * delta).sum().backward()
+        for a in attrs:
+            rep.close(f"routes_param_grads: the node's dL/d{a}", got.get(a), want[a].sum(0))
+    rep.run("routes_param_grads", routes_param_grads)
+
+    def fused_layers():  # the fused call computes what the layer's own forward and backward do
+        from gradlens.capture.events import WeightGrad
+        from gradlens.capture.fused import _FusedLinear
+        from gradlens.capture.registry import qualname
+
+        layer = {qualname(type(m))} | ({key} if isinstance(key, str) else set())
+        for cls, transposed in kernel.fused_layers.items():
+            if cls not in layer:
+                continue
+            own, fused = copy.deepcopy(m), copy.deepcopy(m)
+            x_own, x_fused = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            y_own = own(x_own)
+            y_fused = _FusedLinear.apply(x_fused, fused.weight, fused.bias, WeightGrad(), transposed)
+            rep.close(f"fused_layers[{cls}] (transposed={transposed}): forward", y_fused, y_own)
+            (y_own * delta).sum().backward()
+            (y_fused * delta).sum().backward()
+            rep.close(f"fused_layers[{cls}]: dL/dx", x_fused.grad, x_own.grad)
+            for a in attrs:
+                rep.close(f"fused_layers[{cls}]: dL/d{a}", getattr(fused, a).grad, want[a].sum(0))
+    rep.run("fused_layers", fused_layers)
+
 
 def _kernel_of(key, m: nn.Module) -> K.Kernel | None:
     factory = next(f for k, f, _ in _KERNELS if k is key or k == key)
@@ -446,7 +510,7 @@ def test_registered_kernel_matches_the_oracle(key):
         K.check_kernel(kernel)
         covered += 1
         rep.where = f"{type(kernel).__name__} on {case.name} {tuple(case.shape)}:"
-        check_case(rep, case, m, kernel)
+        check_case(rep, case, m, kernel, key)
     assert covered, f"no case of {_display(key)} gets a kernel"
     assert not rep.bad, f"{len(rep.bad)} mismatches of {_display(key)}:\n" + "\n".join(rep.bad)
 

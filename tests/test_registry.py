@@ -99,6 +99,22 @@ class _FlagNotBool(ScaleKernel):
     mixes_samples = "yes"
 
 
+class _RowsNotBool(ScaleKernel):
+    rows_per_sample = 1
+
+
+class _FusedByClass(ScaleKernel):
+    fused_layers = {nn.Linear: False}  # the class itself, not its qualified name
+
+
+class _FusedNotBool(ScaleKernel):
+    fused_layers = {"torch.nn.modules.linear.Linear": "transposed"}
+
+
+class _RoutesNotMethod(ScaleKernel):
+    routes_param_grads = True
+
+
 class _MatrixWithoutSketch(ScaleKernel):
     def matrix_dims(self, module):
         return module.weight.shape[0], 1
@@ -112,12 +128,17 @@ class _MatrixWithoutSketch(ScaleKernel):
         (_LinearInName(), TypeError, r"_LinearInName.kind = 'linear' but _LinearInName does not define \['matrix_dims', 'positions', 'seq_factors', 'use_tgram', 'directional', 'gram', 'sketch_factors'\]; define them, or set kind = \"other\""),
         (_FactoredInName(), TypeError, r"_FactoredInName.factored = True but _FactoredInName does not define \['batch_l2', 'sum_grad_squared', 'grad_sum'\].*or set factored = False"),
         (_FlagNotBool(), TypeError, r"_FlagNotBool.mixes_samples must be True or False, got 'yes'; set the class attribute mixes_samples = True"),
+        (_RowsNotBool(), TypeError, r"_RowsNotBool.rows_per_sample must be True or False, got 1; set the class attribute rows_per_sample = True"),
+        (_FusedByClass(), TypeError, r"_FusedByClass.fused_layers must map qualified layer class names to whether the weight is transposed, got .*Linear.*; e.g. fused_layers = \{\"torch.nn.modules.linear.Linear\": False\}"),
+        (_FusedNotBool(), TypeError, r"_FusedNotBool.fused_layers must map .* got \{'torch.nn.modules.linear.Linear': 'transposed'\}"),
+        (_RoutesNotMethod(), TypeError, r"_RoutesNotMethod.routes_param_grads must be a method, got True; define routes_param_grads\(self, module\) -> bool"),
         (_MatrixWithoutSketch(), TypeError, r"_MatrixWithoutSketch defines matrix_dims but not sketch_factors.*define sketch_factors\(self, module"),
         (ScaleKernel, TypeError, r"kernel ScaleKernel is a class; pass an instance, e.g. ScaleKernel\(\)"),
         (3, TypeError, r"kernel must be a gradlens.kernels.Kernel, got int \(3\); subclass gradlens.kernels.Kernel"),
     ],
     ids=["no-per-sample", "unknown-kind", "linear-without-factors", "factored-without-sums", "flag-not-bool",
-         "matrix-without-sketch", "class-not-instance", "not-a-kernel"],
+         "rows-not-bool", "fused-by-class", "fused-not-bool", "routes-not-method", "matrix-without-sketch",
+         "class-not-instance", "not-a-kernel"],
 )
 def test_register_kernel_checks_what_the_kernel_declares(kernel, error, match):
     n = len(_KERNELS)

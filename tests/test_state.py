@@ -53,7 +53,7 @@ def sampled_set():
     ]
 
 
-def light_set():  # the window gradient only: parameter hooks (gradlens.capture.ParamTap)
+def light_set():  # the window gradient only: parameter hooks (gradlens.capture.light.ParamTap)
     return [GradNorm(), NoiseScaleTwoBatch(beta=0.5)]
 
 

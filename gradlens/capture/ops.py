@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gradlens import compat
-from gradlens.kernels import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
+from gradlens.kernels.base import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
 __all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "CHUNK_ELEMENTS"]
 

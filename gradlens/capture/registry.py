@@ -36,18 +36,26 @@ from typing import Callable
 
 from torch import nn
 
-from gradlens import compat, kernels as K
+from gradlens import compat
+from gradlens.kernels.backpack import _backpack_kernels
+from gradlens.kernels.base import Kernel, check_kernel
+from gradlens.kernels.conv import Conv2dKernel, VmapConvKernel
+from gradlens.kernels.embedding import EmbeddingKernel
+from gradlens.kernels.linear import LinearKernel, TransposedLinearKernel
+from gradlens.kernels.norms import (
+    BatchNormBatchStatsKernel, BatchNormEvalKernel, GroupNormKernel, InstanceNormKernel, LayerNormKernel, RMSNormKernel,
+)
 
 __all__ = ["register_kernel", "register_forward", "kernel_for", "forward_for", "supported_layers"]
 
-KernelFactory = Callable[[nn.Module], "K.Kernel | None"]
+KernelFactory = Callable[[nn.Module], "Kernel | None"]
 
 #: (module class or "module.QualName", factory, description of the kernel)
 _KERNELS: list[tuple[type | str, KernelFactory, str]] = []
 _FORWARDS: dict[type, tuple[Callable, str]] = {}
 
 
-def register_kernel(module_type: type | str, kernel: "K.Kernel | KernelFactory", description: str = "") -> None:
+def register_kernel(module_type: type | str, kernel: "Kernel | KernelFactory", description: str = "") -> None:
     """Use ``kernel`` for the parameters of modules of ``module_type`` (and of subclasses that
     keep its ``forward``).
 
@@ -63,9 +71,9 @@ def register_kernel(module_type: type | str, kernel: "K.Kernel | KernelFactory",
     """
     if not (isinstance(module_type, (type, str))):
         raise TypeError(f"register_kernel(module_type=...) takes a class or a dotted name, got {module_type!r}")
-    if isinstance(kernel, type) or not callable(kernel) or isinstance(kernel, K.Kernel):
-        K.check_kernel(kernel)  # a factory's kernels are checked when kernel_for hands them out
-    factory = kernel if callable(kernel) and not isinstance(kernel, K.Kernel) else (lambda m, k=kernel: k)
+    if isinstance(kernel, type) or not callable(kernel) or isinstance(kernel, Kernel):
+        check_kernel(kernel)  # a factory's kernels are checked when kernel_for hands them out
+    factory = kernel if callable(kernel) and not isinstance(kernel, Kernel) else (lambda m, k=kernel: k)
     _KERNELS.insert(0, (module_type, factory, description or type(kernel).__name__))
 
 
@@ -84,7 +92,7 @@ def qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def kernel_for(module: nn.Module) -> "K.Kernel | None":
+def kernel_for(module: nn.Module) -> "Kernel | None":
     """The closed-form kernel of ``module``'s own parameters, or None (captured per operation).
 
     A subclass is matched by its nearest registered base class, unless it overrides that base's
@@ -102,15 +110,16 @@ def kernel_for(module: nn.Module) -> "K.Kernel | None":
 #: kernel per module: each class is checked once, on the first module built; an instance that
 #: sets a declared attribute itself, e.g. a kind given to its constructor, is checked each time)
 _CHECKED: set[type] = set()
-_DECLARED = frozenset({"kind", "factored", "mixes_samples", "per_micro_batch"})
+_DECLARED = frozenset({"kind", "factored", "mixes_samples", "per_micro_batch", "rows_per_sample", "fused_layers",
+                       "routes_param_grads"})
 
 
-def _checked(kernel: "K.Kernel | None") -> "K.Kernel | None":
+def _checked(kernel: "Kernel | None") -> "Kernel | None":
     if kernel is None:
         return None
     own = not _DECLARED.isdisjoint(getattr(kernel, "__dict__", ()))
     if own or type(kernel) not in _CHECKED:
-        K.check_kernel(kernel)
+        check_kernel(kernel)
         if not own:
             _CHECKED.add(type(kernel))
     return kernel
@@ -167,42 +176,43 @@ def _string_padding(m) -> bool:
     return isinstance(getattr(m, "padding", 0), str)
 
 
-def _conv(m: nn.Module) -> "K.Kernel | None":
+def _conv(m: nn.Module) -> "Kernel | None":
     if m.padding_mode != "zeros":
         return None  # the padding is an operation of its own: captured per operation
     if isinstance(m, nn.Conv2d) and m.groups == 1:
-        return K.Conv2dKernel()  # string padding as explicit, possibly asymmetric, pads
+        return Conv2dKernel()  # string padding as explicit, possibly asymmetric, pads
     if _string_padding(m) or any(getattr(m, "output_padding", (0,))):
-        return K.VmapConvKernel()  # BackPACK swaps string padding's roles, fails on output_padding
-    makers = K._backpack_kernels()  # the convolutions' kernel has kind "conv", transposed "other"
+        return VmapConvKernel()  # BackPACK swaps string padding's roles, fails on output_padding
+    makers = _backpack_kernels()  # the convolutions' kernel has kind "conv", transposed "other"
     return makers[next(c for c in type(m).__mro__ if c in makers)]()
 
 
-def _batchnorm(m: nn.Module) -> "K.Kernel":
+def _batchnorm(m: nn.Module) -> "Kernel":
     if not m.training and m.track_running_stats and m.running_mean is not None:
-        return K.BatchNormEvalKernel()
-    return K.BatchNormBatchStatsKernel()
+        return BatchNormEvalKernel()
+    return BatchNormBatchStatsKernel()
 
 
 for _t in (nn.ConvTranspose3d, nn.ConvTranspose2d, nn.ConvTranspose1d, nn.Conv3d, nn.Conv2d, nn.Conv1d):
     register_kernel(_t, _conv, "closed form (unfold + bmm for Conv2d, BackPACK's derivatives otherwise)")
 register_kernel(
     nn.Embedding,
-    lambda m: None if m.scale_grad_by_freq else K.EmbeddingKernel(),
+    lambda m: None if m.scale_grad_by_freq else EmbeddingKernel(),
     "closed form (scatter of the output gradients)",
 )
 register_kernel(compat.BatchNormBase, _batchnorm, "closed form (running or batch statistics)")
-register_kernel(nn.modules.instancenorm._InstanceNorm, lambda m: K.InstanceNormKernel() if m.affine else None, "closed form")
-register_kernel(nn.GroupNorm, lambda m: K.GroupNormKernel() if m.affine else None, "closed form")
+register_kernel(nn.modules.instancenorm._InstanceNorm, lambda m: InstanceNormKernel() if m.affine else None, "closed form")
+register_kernel(nn.GroupNorm, lambda m: GroupNormKernel() if m.affine else None, "closed form")
 if hasattr(nn, "RMSNorm"):
-    register_kernel(nn.RMSNorm, lambda m: K.RMSNormKernel() if m.elementwise_affine else None, "closed form")
-register_kernel(nn.LayerNorm, lambda m: K.LayerNormKernel() if m.elementwise_affine else None, "closed form")
-register_kernel("transformers.pytorch_utils.Conv1D", K.TransposedLinearKernel(), "closed form (Linear factors, transposed)")
-register_kernel(nn.Linear, K.LinearKernel(), "closed form (factors: no [B, *param] tensor)")
+    register_kernel(nn.RMSNorm, lambda m: RMSNormKernel() if m.elementwise_affine else None, "closed form")
+register_kernel(nn.LayerNorm, lambda m: LayerNormKernel() if m.elementwise_affine else None, "closed form")
+register_kernel("transformers.pytorch_utils.Conv1D", TransposedLinearKernel(), "closed form (Linear factors, transposed)")
+register_kernel(nn.Linear, LinearKernel(), "closed form (factors: no [B, *param] tensor)")
 
 
 def _register_forwards() -> None:
-    from gradlens.capture.forwards import mha_forward, rnn_forward
+    from gradlens.kernels.attention import mha_forward
+    from gradlens.kernels.recurrent import rnn_forward
 
     register_forward(nn.MultiheadAttention, mha_forward, "tracked-window forward: batch-first F.linear projections (closed form)")
     for t in (nn.LSTM, nn.GRU, nn.RNN):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.capture import LossCall, settle_rows
+from gradlens.capture.losses import LossCall, settle_rows
 from gradlens.core.stats import WindowStats
 
 __all__ = ["MicroStep", "loss_calls_for", "check_multiplier", "check_reduction", "settle_flattened"]

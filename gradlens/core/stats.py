@@ -23,7 +23,7 @@ QUANTITIES = frozenset(
     {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq", "graph_grad"}
 )
 #: what parameter hooks alone provide (no per-sample capture): a Lens whose instruments need
-#: nothing else runs in light mode (:class:`gradlens.capture.ParamTap`), on any model
+#: nothing else runs in light mode (:class:`gradlens.capture.light.ParamTap`), on any model
 LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq", "graph_grad"})
 
 #: parameters up to this many elements share one concatenated dot in the window's ||sum g_n||^2

@@ -141,7 +141,7 @@ class Instrument:
         """For ``"layer" in needs``: called once per use of tracked parameters with a closed-form
         kernel per micro-step, with the use's input ``a`` ``[B, ...]`` and output gradient
         ``delta`` ``[B, ...]`` in per-sample units (``module`` is a
-        :class:`gradlens.capture.Site`: ``.name``, ``.module``, ``.kernel``, ``.params``).
+        :class:`gradlens.capture.events.Site`: ``.name``, ``.module``, ``.kernel``, ``.params``).
         ``weight_grad``: ``(WeightGrad, per-sample scale)`` of a fused Linear call still without
         its dL/dW, passed only where :attr:`fills_weight_grad`. ``scale``: passed only where
         :attr:`carries_scale`; ``delta`` is then unscaled and ``delta * scale`` its per-sample

@@ -167,7 +167,7 @@ def _own(t: Tensor) -> Tensor:
 # =============================================================================== state
 @dataclass
 class _Layer:
-    w: Any  # gradlens.capture.Site
+    w: Any  # gradlens.capture.events.Site
     a: Tensor
     #: the output gradient: in per-sample units, or (``scale`` set) as autograd delivered it
     delta: Tensor
@@ -224,7 +224,7 @@ class _DotState:
     parts: list[_Part] = field(default_factory=list)
     reduction: str = "mean"
     params: dict[str, Tensor] = field(default_factory=dict)  # qualified name -> parameter
-    modules: dict[str, Any] = field(default_factory=dict)  # layer name -> gradlens.capture.Site
+    modules: dict[str, Any] = field(default_factory=dict)  # layer name -> gradlens.capture.events.Site
     # Alpha, filled around the real update
     theta0: dict[str, Tensor] | None = None
     start: dict[str, Any] | None = None
@@ -678,8 +678,8 @@ def _materialised_pieces(lays: list[_Layer]):
     """Per parameter q of the key: ``(q, [(site, [B, *param] g_n, zeros [B]) per micro-step])``,
     the per-sample gradients formed from each micro-step's own use (per-sample units), as
     :class:`gradlens.kernels.MaterialisedKernel` pieces (one layer's ``[N, *param]`` at a time)."""
-    from gradlens.capture import Site
-    from gradlens.kernels import Materialised, MaterialisedKernel
+    from gradlens.capture.events import Site
+    from gradlens.kernels.materialised import Materialised, MaterialisedKernel
 
     kernel = MaterialisedKernel()
     for q in sorted(lays[0].w.params.values()):

@@ -39,7 +39,7 @@ from gradlens.instruments.crosssample import _human
 from gradlens.instruments.binning import _affine, bin_of, count_1d, count_2d, tally
 from gradlens.instruments.outer_hist import outer_hist1d, row_extremes
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
-from gradlens.kernels import sample_chunks
+from gradlens.kernels.base import sample_chunks
 from gradlens.core.records import Hist1d, Hist2d
 from gradlens.core.state_checks import COUNT, RANGE, check_state
 from gradlens.core.sync import device_paths

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.binning import _affine, tally
-from gradlens.kernels import CHUNK_ELEMENTS
+from gradlens.kernels.base import CHUNK_ELEMENTS
 
 __all__ = ["GROUPS", "check_sample", "Draws", "Stratum", "estimate", "merge_strata"]
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 import gradlens
 from gradlens import compat
-from gradlens.capture import pending_loss_calls
+from gradlens.capture.losses import pending_loss_calls
 from gradlens.instruments.base import Instrument
 from gradlens.lens.lens import Lens
 from gradlens.core.records import Record, flatten

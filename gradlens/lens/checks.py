@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradlens.capture import is_extended, tracked_parameters
+from gradlens.capture.tracked import is_extended, tracked_parameters
 from gradlens.compat import compiled_original
 from gradlens.distributed.merge import check_not_sharded
 from gradlens.distributed.fsdp import ShardedView

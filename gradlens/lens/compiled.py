@@ -2,7 +2,7 @@
 
 gradlens follows every operation of a tracked forward in Python, so while a tracked window's
 hooks are installed the compiler's stance is ``"force_eager"`` (no graph break, no recompile;
-:class:`gradlens.capture.Tap`); untracked windows install no hook and run the compiled graphs.
+:class:`gradlens.capture.tap.Tap`); untracked windows install no hook and run the compiled graphs.
 :class:`CompileNotice` notes that the model runs compiled (given ``torch.compile(model)``, a model
 compiled in place, or seen by a forward pre-hook while dynamo traces) and warns once per Lens
 about what a tracked window costs then.

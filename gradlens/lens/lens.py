@@ -27,7 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from gradlens.lens.amp import ScalerSkips, warn_nonfinite
-from gradlens.capture import Site, take_loss_calls, model_exclusions, trainable_split
+from gradlens.capture.events import Site
+from gradlens.capture.tracked import model_exclusions, trainable_split
+from gradlens.capture.losses import take_loss_calls
 from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.lens.compiled import CompileNotice
 from gradlens.lens.curvature_graph import CurvatureGraph
@@ -37,7 +39,7 @@ from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import Accumulators, WindowStats
-from gradlens.kernels import CHUNK_ELEMENTS
+from gradlens.kernels.base import CHUNK_ELEMENTS
 from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge

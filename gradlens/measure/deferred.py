@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from gradlens import compat
-from gradlens.capture import Site
-from gradlens.kernels import OpLinear
+from gradlens.capture.events import Site
+from gradlens.kernels.linear import OpLinear
 from gradlens.capture.units import MicroStep
 
 __all__ = [

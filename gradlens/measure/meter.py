@@ -118,7 +118,7 @@ class Meter(WindowGradient):
         undefined: ``"error"`` or ``"exclude"`` (see :class:`gradlens.Lens`).
 
     Attributes:
-        tap: the :class:`~gradlens.capture.Tap` (or ``ParamTap``) whose events come here,
+        tap: the :class:`~gradlens.capture.tap.Tap` (or ``ParamTap``) whose events come here,
             installed (:meth:`install`) while the Lens' window is tracked.
         grad_sq_hooks: parameter hooks giving ||dL/dp||^2 ("micro_grad_sq"), or None.
         undefined_params: parameters left out as undefined: name -> the mixing layer.
@@ -442,7 +442,7 @@ class Meter(WindowGradient):
 
         ``weight_via_node``: the attributes whose dL/dp of this call a hook on its autograd node
         delivers (:meth:`on_weight_grad`); their grad_sum is not computed here.
-        ``fused``: the use is a fused Linear call (:class:`~gradlens.capture._FusedLinear`)
+        ``fused``: the use is a fused Linear call (:class:`~gradlens.capture.fused._FusedLinear`)
         whose backward has not formed dL/dW yet. Returns that call's dL/dW ``[*weight]`` when
         this measurement formed it anyway (the sum of the per-sample weight gradients it
         materialised, divided by the per-sample scale), else None (the call computes it)."""

@@ -5,7 +5,7 @@ factors, the sums of layers without a factor formula), :func:`measure` forms the
 samples at a time (at most ``Meter.chunk_elements`` elements, :func:`gradlens.kernels.sample_chunks`)
 and hands each chunk to every per-sample instrument that still needs it; the same chunk's
 squares give the norms and the sum of squares, its sum the window gradient and a fused Linear
-call's dL/dW (:class:`gradlens.capture.WeightGrad`). Memory stays at one chunk. On the CPU a
+call's dL/dW (:class:`gradlens.capture.events.WeightGrad`). Memory stays at one chunk. On the CPU a
 chunk holds at most :data:`CPU_SLICE_ELEMENTS` (less where ``chunk_elements`` says so): the
 passes over it (binning, squares, sums) then read it from the cache, not from memory.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradlens.capture import Site
-from gradlens.kernels import add_into, sample_chunks
+from gradlens.capture.events import Site
+from gradlens.kernels.base import add_into, sample_chunks
 from gradlens.capture.units import MicroStep
 
 __all__ = ["CPU_SLICE_ELEMENTS", "measure"]

@@ -3,10 +3,10 @@ anyway: a mixin of :class:`gradlens.measure.meter.Meter`.
 
 * :meth:`WindowGradient.on_weight_grad`: autograd's dL/dp of one single-use layer call (Linear,
   Conv1D, LayerNorm, Embedding), from a hook on that call's own autograd node
-  (:func:`gradlens.capture._hook_param_grads`): sum_n g_n of the call is that times the
+  (:func:`gradlens.capture.param_grads._hook_param_grads`): sum_n g_n of the call is that times the
   micro-step's per-sample scale; a regulariser or another use of the parameter does not reach
   that node. Small ones are kept and added at the micro-step's end in one pass.
-* :meth:`WindowGradient.on_param_grad`: light capture (:class:`gradlens.capture.ParamTap`, for
+* :meth:`WindowGradient.on_param_grad`: light capture (:class:`gradlens.capture.light.ParamTap`, for
   instruments of the window gradient only): a parameter's dL/dp in this backward.
 * :meth:`WindowGradient.on_grad_sq`: ||dL/dp||^2 of the parameter hooks of "micro_grad_sq".
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradlens.capture import Site
+from gradlens.capture.events import Site
 from gradlens.core.sq_norms import sq_norm
 from gradlens.capture.units import MicroStep, check_reduction
 
@@ -41,7 +41,7 @@ class WindowGradient:
 
     def on_weight_grad(self, w: Site, grad: Tensor | None, attr: str = "weight") -> None:
         """Autograd's dL/dp of parameter ``attr`` of one layer call (Linear, Conv1D, LayerNorm,
-        Embedding; see :func:`gradlens.capture._hook_param_grads`): sum_n g_n of it is that
+        Embedding; see :func:`gradlens.capture.param_grads._hook_param_grads`): sum_n g_n of it is that
         times the per-sample scale; no extra matmul or materialised sum."""
         micro = self.micro
         if micro is None or grad is None or self.window is None:
@@ -84,7 +84,7 @@ class WindowGradient:
             acc[key] = torch.mul(grad, scale, out=out)
 
     def on_param_grad(self, q: str, grad: Tensor) -> None:
-        """Light capture (:class:`~gradlens.capture.ParamTap`): dL/dp of parameter ``q`` in this
+        """Light capture (:class:`~gradlens.capture.light.ParamTap`): dL/dp of parameter ``q`` in this
         backward, before it reaches ``p.grad``: the micro-step's squared norm and the window's
         gradient sum, in per-sample units."""
         if self.micro is None and not self.tap.installed:  # hooks of a window already closed

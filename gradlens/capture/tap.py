@@ -1,0 +1,568 @@
+"""The :class:`Tap`: the hooks of a tracked window (see :mod:`gradlens.capture`). It installs
+the module hooks and replaced forwards, opens the mode (:mod:`gradlens.capture.mode`) for each
+forward, follows the sample axis of every use, and hooks each use's output gradient so that
+backward reports it to the Meter."""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradlens import compat
+from gradlens.capture import axes
+from gradlens.capture.events import OnUse, OpUse, Site
+from gradlens.capture.fused import _elementwise_forward, _TrackedForward, fused_forward_for
+from gradlens.capture.marks import (
+    _batch_first, _declared, _hints, _input_batch, _only_axis, _outputs, _tensors, _TensorMarks,
+)
+from gradlens.capture.mode import _UseMode
+from gradlens.capture.param_grads import _hook_param_grads
+from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
+from gradlens.capture.tracked import declared_batch_dim
+from gradlens.kernels.linear import LinearKernel, OpLinear
+
+__all__ = ["Tap"]
+
+_NOTHING: frozenset = frozenset()
+
+
+class Tap:
+    """The hooks of a tracked window (see :mod:`gradlens.capture`). ``install()`` / ``remove()``
+    are idempotent; per micro-step state (use counts, parameters that received a gradient,
+    parameters whose per-sample gradient is undefined) is read and reset by the Meter.
+
+    The callbacks are the :class:`gradlens.measure.meter.Meter`'s event methods: capture calls down
+    into the measurement, never up into the Lens.
+
+    Args:
+        model: the extended model.
+        params: qualified name -> tracked parameter.
+        on_use: receives each closed-form site use in backward (see :data:`OnUse`).
+        on_op_use: receives ``(OpUse, output gradient)`` in backward.
+        on_weight_grad: optional; receives autograd's own dL/dW of a 2-D ``nn.Linear`` call.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: dict[str, nn.Parameter],
+        on_use: OnUse,
+        on_op_use: Callable[[OpUse, Tensor], None],
+        on_weight_grad: Callable[[Site, Tensor], None] | None = None,
+    ):
+        self.model = model
+        self.on_use, self.on_op_use, self.on_weight_grad = on_use, on_op_use, on_weight_grad
+        self._handles: list = []
+        self._replaced: list[nn.Module] = []
+        self._hint = _hints(model)
+        self._mode = _UseMode(self)
+        self._mode_depth = 0
+        #: how deep the forward is inside closed-form sites: their inner calls are theirs
+        self._skip = 0
+        #: the outermost site being run took the mode off the torch-function stack (it was the
+        #: innermost mode): its inner calls and the site hooks' own bookkeeping then pay no
+        #: dispatch; its post-hook puts the mode back
+        self._mode_out = False
+        self._hooks_gen = 0  # bumped by remove(): hooks made before it do nothing (see _module_hooks)
+        self._batch: int | None = None
+        self._batch_dim = declared_batch_dim(model)
+        #: the model runs under torch.compile (set by the Lens): while installed, the compiler's
+        #: stance is "force_eager" (back to "default" on remove, or if the Tap is collected)
+        self.run_eager = False
+        self._eager = None
+        self._declared = _declared(model)
+        #: what the sample axis of a use could not be found for, this forward (one error lists all)
+        self.axis_errors: list[str] = []
+        #: autograd node -> sample axis ((dim, factor) or None) of the data tensors the model's
+        #: last forward returned (until the capture ends)
+        self.output_nodes: dict = {}
+        #: data tensor -> its sample axis (see :mod:`gradlens.capture.axes`)
+        self._data = _TensorMarks()
+        self._derived = _TensorMarks()
+        self._visited: set = set()
+        self._ops = 0
+        self.forward_id = 0
+        #: qualified names of the layer classes (:data:`gradlens.kernels.linear.LINEAR`,
+        #: :data:`~gradlens.kernels.linear.CONV1D`) whose sequence calls take dL/dW from the Meter
+        #: (set by the Meter from its plan, before install), where a site's kernel declares its
+        #: class (:attr:`gradlens.kernels.base.Kernel.fused_layers`)
+        self.fuse_weight_grad: frozenset = frozenset()
+        #: ``(site, input, output) -> bool``: a routed use whose dL/dp the Meter forms itself
+        #: (small stacked uses, :func:`gradlens.measure.deferred.sums_here`) gets no autograd-node
+        #: hook; None: every routed use is hooked (set by the Meter)
+        self.sums_here = None
+        #: ``(elements, batch, materialised) -> bool``: whether a use of that size may be
+        #: stacked (:func:`gradlens.measure.deferred.fits`; a fused Linear call is never stacked, so a
+        #: small one runs unfused); None: nothing is stacked (set by the Meter)
+        self.stacks_if = None
+        self.set_params(params)
+        self.reset_micro()
+
+    def set_params(self, params: dict[str, nn.Parameter]) -> None:
+        """The tracked parameters (their sites are rebuilt; hooks reinstalled if installed)."""
+        was = self.installed
+        self.remove()
+        self.params = dict(params)
+        self._pid = {id(p): q for q, p in self.params.items()}
+        self._single = {q: frozenset((q,)) for q in self.params}
+        self.sites: dict[int, tuple[nn.Module, Site | None]] = {}
+        self._names = {id(m): n for n, m in self.model.named_modules()}
+        for name, mod in self.model.named_modules():
+            kernel = kernel_for(mod)
+            if kernel is None:
+                continue
+            own = {
+                attr: self._pid[id(p)]
+                for attr, p in mod.named_parameters(recurse=False)
+                if id(p) in self._pid and p is self.params[self._pid[id(p)]]
+            }
+            site = Site(name or type(mod).__name__, mod, kernel, own) if own else None
+            self.sites[id(mod)] = (mod, site)
+        if was:
+            self.install()
+
+    def reset_micro(self) -> None:
+        self.uses: Counter = Counter()
+        self.received: set[str] = set()
+        self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
+        self.axis_errors = []
+        self.output_nodes = {}
+        self._visited = set()
+        self._ops = 0
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    # ------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        if self._handles:
+            return
+        # hooks are closures, not bound methods: copy.deepcopy(model) during a tracked window
+        # must not copy the Tap (and the Lens, its sinks, ...)
+        root, tap = self.model, self
+        self._handles.append(
+            # k=None: this hook was removed by an earlier pre-hook of the same forward (the Lens
+            # refreshing its parameters, which then opens the forward itself); torch still calls
+            # it, without kwargs: nothing to do
+            root.register_forward_pre_hook(lambda m, a, k=None: None if k is None else tap._root_pre(m, a, k),
+                                           with_kwargs=True)
+        )
+        for mod in root.modules():
+            entry = self.sites.get(id(mod))
+            site_mod = entry is not None
+            if (mod is not root and not site_mod and elementwise(mod) and "forward" not in mod.__dict__
+                    and id(mod) not in self._declared):
+                # its forward does what its hooks would (opens the forward when called on its own)
+                mod.forward = _TrackedForward(_elementwise_forward, mod, self)
+                self._replaced.append(mod)
+                continue
+            pre, post = self._module_hooks(mod, entry[1] if site_mod else None, site_mod, mod is root)
+            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=mod is not root))
+            self._handles.append(mod.register_forward_hook(post, always_call=True))
+            fwd = forward_for(mod)
+            if fwd is not None and any(id(p) in self._pid for p in mod.parameters()):
+                mod.forward = _TrackedForward(fwd, mod, self)
+                self._replaced.append(mod)
+            elif site_mod and entry[1] is not None and "weight" in entry[1].params and "forward" not in mod.__dict__ \
+                    and (fused := fused_forward_for(mod, entry[1].kernel, self.fuse_weight_grad)) is not None:
+                mod.forward = _TrackedForward(fused, mod, self)  # (the class its kernel declares)
+                self._replaced.append(mod)
+        # last, so that the module hooks of the root (a model that is one layer) run before it
+        self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
+        for q, p in self.params.items():
+            self._handles.append(p.register_post_accumulate_grad_hook(self._received(q)))
+        self._apply_stance()
+
+    def _apply_stance(self) -> None:
+        """A tracked forward follows every operation in Python: under torch.compile it runs
+        eagerly while the Tap is installed (no graph break, no recompile; the compiled graphs
+        serve the untracked windows)."""
+        if self.run_eager and self._handles and self._eager is None and compat.compile_stance() == "default":
+            compat.set_compile_stance("force_eager")
+            self._eager = weakref.finalize(self, compat.set_compile_stance, "default")
+
+    def eager_from_now(self) -> None:
+        """The model turned out to run compiled (a Lens given the plain module): the next
+        tracked forwards run eagerly, also while the Tap stays installed across windows."""
+        self.run_eager = True
+        self._apply_stance()
+
+    def remove(self) -> None:
+        if self._eager is not None:
+            self._eager()  # the stance back to "default" (once; the finalizer is then dead)
+            self._eager = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for mod in self._replaced:
+            mod.__dict__.pop("forward", None)
+        self._replaced = []
+        if self._mode_depth:  # removed inside a tracked forward: the mode is on the stack once
+            self._mode_depth = 0
+            if not self._mode_out:
+                self._mode.__exit__(None, None, None)
+        self._mode_out = False
+        self._skip = 0
+        self._hooks_gen += 1  # hooks made before this removal do nothing if torch still runs them
+
+    def _received(self, q: str):
+        def hook(p):
+            self.received.add(q)
+
+        return hook
+
+    # ------------------------------------------------------------------ forward hooks
+    def _root_pre(self, module, args, kwargs):
+        if not torch.is_grad_enabled() or compat.in_functorch_transform():
+            return None  # no gradients here, or a torch.func transform of the model (an oracle)
+        if self._mode_depth == 0:
+            inputs = tuple(args) + tuple(kwargs.values())
+            hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
+            found = _input_batch(inputs, hint)
+            if found is not None:
+                ax, self._batch = found
+                for _, x in _tensors(inputs):
+                    if x.dim() > ax and x.shape[ax] == self._batch:
+                        self._data[x] = (ax, 1)
+            self.forward_id += 1
+            self._mode.__enter__()
+        self._mode_depth += 1
+        return None
+
+    def _root_post(self, module, args, output):
+        if self._mode_depth:
+            self._mode_depth -= 1
+            if self._mode_depth == 0:
+                if self._mode_out:  # (not reached: a site's post-hook always puts it back)
+                    self._mode_out = False
+                else:
+                    self._mode.__exit__(None, None, None)
+                outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
+                data = self._data
+                self.output_nodes = {
+                    o.grad_fn: data[o] for o in outs if isinstance(o, Tensor) and o in data and o.grad_fn is not None
+                }
+        return None
+
+    def _module_hooks(self, mod: nn.Module, site: Site | None, is_site: bool, is_root: bool):
+        """The forward pre-hook and (always called) forward hook of ``mod``:
+
+        * a submodule called on its own (``model.encoder(x)``, not inside the model's own
+          forward) opens and closes the tracked forward (a root);
+        * a module that says where its samples are (``batch_first``) checks its input's axis;
+        * a closed-form site (a module with a kernel in the registry): its inner calls are its
+          own (the mode steps off the torch-function stack for them, or passes them through),
+          and its use is noted in the post-hook (:meth:`_site_use`).
+        """
+        declared = self._declared.get(id(mod))
+        gen = self._hooks_gen
+        use = self._site_use(mod, site) if is_site else None
+        entered: list[bool] = []  # per call of a submodule: whether it opened the forward
+
+        def pre(module, args, kwargs=None):  # kwargs too: hf_model(input_ids=..., labels=...)
+            if not is_root:
+                first = self._mode_depth == 0 and torch.is_grad_enabled() and not compat.in_functorch_transform()
+                entered.append(first)
+                if first:
+                    self._root_pre(module, args, kwargs)
+            if gen != self._hooks_gen or not self._mode_depth:  # (stale: removed earlier in this forward)
+                return None
+            if declared is not None and args and isinstance(args[0], Tensor):
+                self._check_declared(module, declared, args[0])
+            if is_site:
+                if not self._skip and compat.top_function_mode() is self._mode:
+                    self._mode.__exit__(None, None, None)  # back in the site's post-hook
+                    self._mode_out = True
+                self._skip += 1
+            return None
+
+        def site_post(module, args, output):
+            if not self._mode_depth:
+                return None
+            self._skip -= 1
+            try:
+                return use(module, args, output)
+            finally:
+                if self._mode_out and not self._skip:  # the outermost site: the mode back on
+                    self._mode_out = False
+                    self._mode.__enter__()
+
+        if is_root:
+            return pre, (site_post if is_site else _no_post)
+
+        def post(module, args, output):
+            try:
+                return site_post(module, args, output) if is_site else None
+            finally:
+                if entered and entered.pop():
+                    self._root_post(module, args, output)
+
+        return pre, post
+
+    def _site_use(self, mod: nn.Module, site: Site | None):
+        """The post-hook work of a closed-form site: its output takes the sample axis of its
+        input (or its derived names), and its output gradient is hooked for the Meter."""
+        routed = site is not None and site.kernel.routes_param_grads(mod)  # (declared by the kernel)
+        stacks = routed and site.kernel.stack_key(mod, tuple(site.params)) is not None
+        stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
+        is_embedding = isinstance(mod, nn.Embedding)
+        may_fuse = site is not None and qualname(type(mod)) in site.kernel.fused_layers  # (only these run fused)
+        data = self._data
+
+        def use(module, args, output):
+            nonlocal site
+            if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
+                return None
+            kernel = kernel_for(module) if stateful else None
+            if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
+                site = Site(site.name, module, kernel, site.params)
+            a = args[0]
+            e = data._d.get(id(a))
+            if e is not None and e[0]() is a and e[1] is not None:
+                ax = e[1]  # data, with the axis carried to it
+            elif self._is_data(a):
+                ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
+            else:
+                if site is not None and output.requires_grad:
+                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
+                    self._derived[output] = names
+                elif a in self._derived and output.requires_grad:
+                    self._derived[output] = self._derived[a]
+                return None
+            if is_embedding and ax is None and a.dim() <= 1:
+                ax = (0, 1)  # ids [B]: one id per sample
+            data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
+            if getattr(kernel, "mixes_samples", False):
+                self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
+            if site is None or not output.requires_grad:
+                return None
+            batch = self._batch
+            if ax is None or (ax[1] != 1 and not site.kernel.rows_per_sample):
+                self._refuse_axis(
+                    output,
+                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
+                )
+                return None
+            ax, factor = ax
+            uses = self.uses
+            for q in site.params.values():
+                uses[q] = uses.get(q, 0) + 1
+            a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
+            via: frozenset = _NOTHING  # attributes whose dL/dp of this call autograd reports
+            if routed and self.on_weight_grad is not None and not (
+                    stacks and self.sums_here is not None and self.sums_here(site, a, output)):
+                with compat.no_torch_function():
+                    via = _hook_param_grads(output, module, site, self.on_weight_grad)
+            on_use, fid = self.on_use, self.forward_id
+            wg = getattr(output, "_gradlens_weight_grad", None) if may_fuse else None
+            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
+
+                def hook(g):
+                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
+
+            else:
+
+                def hook(g):
+                    return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
+
+            with compat.no_torch_function():  # bookkeeping, not a call of the forward
+                compat.add_tensor_hook(output, hook)
+            return None
+
+        return use
+
+    # ------------------------------------------------------------------ the sample axis
+    def _check_declared(self, module: nn.Module, declared: tuple[str, int], x: Tensor) -> None:
+        """A module that says where its samples are (``batch_first``): an input whose carried
+        axis is unknown takes it; one that disagrees is an error (listed with the others)."""
+        what, want = declared
+        if x.dim() != 3 or x not in self._data:
+            return
+        ax = self._data[x]
+        if ax is None:
+            self._data[x] = (want, 1)
+        elif ax[0] != want:
+            self._refuse_axis(
+                x, f"{self.name_of(module)!r} ({type(module).__name__}, {what}) takes its samples on dim "
+                f"{want} of its input {tuple(x.shape)}, but the model's input put them on dim {ax[0]}"
+            )
+
+    def _unary(self, x: Tensor, out: Any) -> None:
+        """The marks the mode gives ``out``, computed from ``x`` alone by elementwise operations
+        (an output of ``x``'s shape; see :func:`_elementwise_forward`): ``x``'s sample axis if
+        ``x`` is data (None for data the mode did not see made), its names if ``x`` is a
+        tracked parameter or derived from parameters only (with grad enabled), else nothing."""
+        if not isinstance(out, Tensor):
+            return
+        e = self._data._d.get(id(x))
+        if e is not None and e[0]() is x:
+            self._data[out] = e[1] if out.shape == x.shape else None
+            return
+        got = self._not_data(0, x)
+        if got is True:
+            self._data[out] = None
+        elif got is not None and torch.is_grad_enabled() and out.requires_grad:
+            self._derived[out] = got[2]
+
+    def _not_data(self, pos, x: Tensor):
+        """A tensor argument without a data mark, at ``pos``: ``(pos, x, names)`` for a tracked
+        parameter or a tensor derived from parameters only, True for a tensor that requires
+        grad without either (computed by something the mode did not see, e.g. a custom kernel:
+        data), else None (a constant)."""
+        q = self._pid.get(id(x))
+        if q is not None and x is self.params[q]:
+            return (pos, x, self._single[q])
+        e = self._derived._d.get(id(x))
+        if e is not None and e[0]() is x and e[1]:
+            return (pos, x, e[1])
+        if x.requires_grad and not isinstance(x, nn.Parameter):
+            return True
+        return None
+
+    def _carry(self, func, args, kwargs, first: Tensor | None, ax: Any, out) -> None:
+        """Every output of a data operation is data, with the sample axis its rule gives
+        (``first`` the operation's first data argument, ``ax`` its axis)."""
+        outs = [out] if isinstance(out, Tensor) else _outputs(out)
+        if first is None:
+            axs = [None] * len(outs)
+        else:
+            axs = axes.carry(func, args, kwargs, first, ax, outs, self._batch)
+        data = self._data
+        for o, ax in zip(outs, axs):
+            data[o] = ax
+
+    def axis_of(self, x: Tensor) -> tuple[int, int] | None:
+        """The sample axis ``(dim, factor)`` of data tensor ``x``: the carried one, else the one
+        axis whose size is the micro-batch size (only if exactly one has it), else None."""
+        ax = self._data[x] if x in self._data else None
+        if ax is not None:
+            return ax
+        only = _only_axis(x.shape, self._batch)
+        return None if only is None else (only, 1)
+
+    def _refuse_axis(self, t: Tensor, what: str) -> None:
+        """A use whose sample axis is unknown: the micro-step's first use in backward raises
+        ONE error naming every such use (:meth:`axis_error`)."""
+        if what not in self.axis_errors:
+            self.axis_errors.append(what)
+
+    def axis_error(self) -> RuntimeError | None:
+        """The error for the uses of this micro-step's forwards whose sample axis is unknown."""
+        errors = self.axis_errors
+        if not errors:
+            return None
+        return RuntimeError(
+            f"gradlens cannot tell the sample axis at {len(errors)} place(s) of the forward "
+            f"(micro-batch of {self._batch}): " + "; ".join(errors) + ". Declare the sample axis "
+            "of the model's input once (gradlens.extend(model, batch_dim=1) for [T, B, ...] "
+            "inputs), keep the samples on one axis (or as the leading factor of one axis) through "
+            "views, reshapes and permutes, or leave these modules out with Lens(..., exclude=[...])"
+        )
+
+    def _is_data(self, x: Tensor) -> bool:
+        """``x`` carries samples: computed from the model's inputs, or (made by an operation the
+        mode cannot see, e.g. a custom kernel) requiring grad without being derived from
+        parameters only."""
+        if x in self._data:
+            return True
+        return x.requires_grad and x not in self._derived and id(x) not in self._pid
+
+    # ------------------------------------------------------------------ operations
+    def _meet(self, func, args, kwargs, tracked, out) -> None:
+        """An operation combining tracked parameters (or derived tensors) with the batch."""
+        outs = _outputs(out)
+        if not outs or not outs[0].requires_grad:
+            return
+        fname = getattr(func, "__name__", str(func))
+        if len(outs) != 1:
+            raise NotImplementedError(
+                f"gradlens: {fname} combines the parameters {sorted(set().union(*(t[2] for t in tracked)))} "
+                "with the batch and returns several tensors; per-sample gradients of such "
+                "operations are not supported: exclude these parameters (Lens(..., exclude=[...]))"
+            )
+        out = outs[0]
+        batch = self._batch
+        ax = self.axis_of(out)
+        if ax is None:
+            self._refuse_axis(
+                out,
+                f"the output of {fname} (shape {tuple(out.shape)}), which uses the parameters "
+                f"{sorted(set().union(*(t[2] for t in tracked)))}",
+            )
+            return
+        ax, factor = ax
+        k = self._ops
+        self._ops += 1
+        positions = {t[0] for t in tracked}
+        if func is F.linear and positions <= {1, 2} and 1 in positions and isinstance(args[0], Tensor):
+            w = args[1]
+            bias = args[2] if len(args) > 2 else None
+            direct = all(t[1] is self.params.get(next(iter(t[2]))) for t in tracked)
+            if direct and (bias is None or 2 in positions or not bias.requires_grad):
+                names = {"weight": next(iter(tracked[[t[0] for t in tracked].index(1)][2]))}
+                if 2 in positions:
+                    names["bias"] = next(iter(tracked[[t[0] for t in tracked].index(2)][2]))
+                site = Site(f"op{k}:{names['weight']}", OpLinear(w, bias, tuple(names)), LinearKernel(), names)
+                for q in names.values():
+                    self.uses[q] += 1
+                a_b = _batch_first(args[0], ax, factor, batch)
+                on_use, fid = self.on_use, self.forward_id
+                compat.add_tensor_hook(out, lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
+                return
+        detached = tuple(
+            a.detach() if isinstance(a, Tensor) else
+            (type(a)(x.detach() if isinstance(x, Tensor) else x for x in a) if isinstance(a, (list, tuple)) else a)
+            for a in args
+        )
+        kw = {n: (v.detach() if isinstance(v, Tensor) else v) for n, v in kwargs.items()}
+        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id, factor)
+        for _, _, names in tracked:
+            for q in names:
+                self.uses[q] += 1
+        on_op_use = self.on_op_use
+        compat.add_tensor_hook(out, lambda g: on_op_use(use, g))
+
+    def _taint_before(self, x: Tensor, layer: str) -> None:
+        """Every tracked parameter whose output reaches ``x`` (the input of a layer that mixes
+        samples) has an undefined per-sample gradient."""
+        stack = [x.grad_fn]
+        visited = self._visited
+        while stack:
+            node = stack.pop()
+            if node is None or node in visited:
+                continue
+            visited.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None:
+                q = self._pid.get(id(var))
+                if q is not None:
+                    self.tainted.setdefault(q, layer)
+                continue
+            stack.extend(n for n, _ in node.next_functions)
+
+    def name_of(self, module: nn.Module) -> str:
+        """The qualified name of a module of the model (``""`` for the root)."""
+        return self._names.get(id(module), type(module).__name__)
+
+    def mark_data(self, x: Tensor, axis: int | None = None) -> None:
+        """Declare ``x`` (made inside a tracked forward, e.g. an RNN's zero initial state) part
+        of the batch, its samples on dim ``axis`` (None: the one dim of the micro-batch size,
+        if only one has it)."""
+        if axis is None:
+            axis = _only_axis(x.shape, self._batch)
+        self._data[x] = None if axis is None else (axis, 1)
+
+    @property
+    def batch(self) -> int | None:
+        return self._batch
+
+
+def _no_post(module, args, output) -> None:
+    return None
