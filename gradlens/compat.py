@@ -27,7 +27,8 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
     ) from err
 
 __all__ = [
-    "BatchNormBase", "named_parameters", "conv_forward", "mha_packed_in_proj", "compiled_original",
+    "BatchNormBase", "LossBase", "ConvTransposeBase", "InstanceNormBase", "run_pre_hooks_added",
+    "pre_hook_ids", "register_load_state_dict_pre_hook", "batchnorm_check_input_dim", "set_module_parameter", "sparse_values", "fsdp_module_params", "named_parameters", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
     "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
@@ -41,6 +42,71 @@ __all__ = [
 #: ``torch.nn.modules.batchnorm._BatchNorm``: the base of BatchNorm1d/2d/3d (and SyncBatchNorm,
 #: LazyBatchNorm*); the one class that says "a BatchNorm with running statistics".
 BatchNormBase = _BatchNorm
+
+#: ``torch.nn.modules.loss._Loss``: the base of torch's loss modules (``nn.CrossEntropyLoss``,
+#: ``nn.MSELoss``, ...), each with a ``reduction`` attribute.
+LossBase = nn.modules.loss._Loss
+
+#: ``torch.nn.modules.conv._ConvTransposeNd``: the base of ConvTranspose1d/2d/3d (their weight
+#: is ``[C_in, C_out / groups, *k]``, input channels first).
+ConvTransposeBase = nn.modules.conv._ConvTransposeNd
+
+#: ``torch.nn.modules.instancenorm._InstanceNorm``: the base of InstanceNorm1d/2d/3d (and their
+#: lazy forms).
+InstanceNormBase = nn.modules.instancenorm._InstanceNorm
+
+
+def run_pre_hooks_added(module: nn.Module, before: set[int], args: tuple, kwargs: dict) -> None:
+    """Run the forward pre-hooks of ``module`` registered since ``before`` (the hook ids of
+    ``module._forward_pre_hooks`` then), with ``kwargs`` where a hook was registered
+    ``with_kwargs=True`` (``module._forward_pre_hooks_with_kwargs``). torch runs the hooks of a
+    forward as they were when it started; this runs, inside a pre-hook, those added meanwhile.
+    Their return values are ignored. Checked on torch 2.1-2.14."""
+    for hid, hook in list(module._forward_pre_hooks.items()):
+        if hid not in before:
+            if hid in module._forward_pre_hooks_with_kwargs:
+                hook(module, args, kwargs)
+            else:
+                hook(module, args)
+
+
+def pre_hook_ids(module: nn.Module) -> set[int]:
+    """The ids of ``module``'s forward pre-hooks (``module._forward_pre_hooks``), for
+    :func:`run_pre_hooks_added`."""
+    return set(module._forward_pre_hooks)
+
+
+def register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> Any:
+    """Register ``hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+    unexpected_keys, error_msgs)``, run before ``module``'s own entries of a state dict load
+    (it may add or change them): ``nn.Module.register_load_state_dict_pre_hook`` (public since
+    torch 2.5), ``_register_load_state_dict_pre_hook(hook, with_module=True)`` before. Returns
+    the removable handle."""
+    public = getattr(nn.Module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        return public(module, hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)  # pragma: no cover - torch < 2.5
+
+
+def batchnorm_check_input_dim(module: nn.Module, x: Tensor) -> None:
+    """A BatchNorm's own check of its input's number of dims (``_BatchNorm._check_input_dim``:
+    BatchNorm1d takes 2-D or 3-D input, 2d 4-D, 3d 5-D); raises its ``ValueError``."""
+    module._check_input_dim(x)
+
+
+def set_module_parameter(module: nn.Module, name: str, value: Any) -> Any:
+    """Put ``value`` (a parameter, or None) into ``module._parameters[name]`` without
+    ``nn.Module.__setattr__``'s checks; returns what was there (None if nothing). For a
+    temporary swap that is undone afterwards (FSDP2's unsharded parameters)."""
+    before = module._parameters.get(name)
+    module._parameters[name] = value
+    return before
+
+
+def sparse_values(t: Tensor) -> Tensor:
+    """The stored values of a sparse COO tensor (``t._values()``: no coalescing, so duplicates
+    stay separate), or ``t`` itself if it is dense."""
+    return t._values() if t.is_sparse else t
 
 
 def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -369,10 +435,15 @@ def fsdp_params(model: nn.Module) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
-            for group in mod._get_fsdp_state()._fsdp_param_groups:
-                for fp in group.fsdp_params:
-                    out[id(fp.sharded_param)] = fp
+            for fp in fsdp_module_params(mod):
+                out[id(fp.sharded_param)] = fp
     return out
+
+
+def fsdp_module_params(module: nn.Module) -> list[Any]:
+    """The ``FSDPParam`` objects of one ``fully_shard``-ed module (its own parameter groups:
+    ``module._get_fsdp_state()._fsdp_param_groups[*].fsdp_params``). Checked on torch 2.6-2.14."""
+    return [fp for group in module._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
 
 
 def fsdp_unsharded_param(fp: Any) -> nn.Parameter | None:

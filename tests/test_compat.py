@@ -63,6 +63,95 @@ def test_batchnorm_base():
         _check("BatchNormBase", not issubclass(cls, compat.BatchNormBase), f"{cls.__name__} is a subclass")
 
 
+def test_loss_conv_transpose_and_instance_norm_bases():
+    for cls in (nn.CrossEntropyLoss, nn.MSELoss, nn.NLLLoss, nn.BCEWithLogitsLoss, nn.L1Loss):
+        _check("LossBase", issubclass(cls, compat.LossBase) and hasattr(cls(), "reduction"),
+               f"{cls.__name__} is not a subclass with a reduction")
+    _check("LossBase", not issubclass(nn.Linear, compat.LossBase), "nn.Linear is a subclass")
+    for cls in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+        _check("ConvTransposeBase", issubclass(cls, compat.ConvTransposeBase), f"{cls.__name__} is not a subclass")
+    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        _check("ConvTransposeBase", not issubclass(cls, compat.ConvTransposeBase), f"{cls.__name__} is a subclass")
+    for cls in (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
+        _check("InstanceNormBase", issubclass(cls, compat.InstanceNormBase), f"{cls.__name__} is not a subclass")
+    for cls in (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm):
+        _check("InstanceNormBase", not issubclass(cls, compat.InstanceNormBase), f"{cls.__name__} is a subclass")
+
+
+def test_pre_hooks_added_run_inside_a_pre_hook():
+    m = nn.Linear(2, 2)
+    ran = []
+
+    def first(module, args, kwargs):
+        with _entry("pre_hook_ids"):
+            before = compat.pre_hook_ids(module)
+        module.register_forward_pre_hook(lambda mod, a: ran.append(("plain", a[0].shape)))
+        module.register_forward_pre_hook(lambda mod, a, k: ran.append(("kwargs", sorted(k))), with_kwargs=True)
+        with _entry("run_pre_hooks_added"):
+            compat.run_pre_hooks_added(module, before, args, kwargs)
+
+    m.register_forward_pre_hook(first, with_kwargs=True)
+    m(torch.randn(3, 2))
+    _check("run_pre_hooks_added", ran == [("plain", torch.Size([3, 2])), ("kwargs", [])],
+           f"ran {ran} (the hooks added inside the pre-hook, each with its own signature)")
+    _check("pre_hook_ids", isinstance(compat.pre_hook_ids(m), set) and len(compat.pre_hook_ids(m)) == 3,
+           "not the ids of the module's three pre-hooks")
+
+
+def test_register_load_state_dict_pre_hook():
+    m = nn.Linear(2, 2)
+    seen = []
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        seen.append((module, prefix))
+        state_dict[prefix + "bias"] = torch.full((2,), 7.0)  # a hook may fill in an entry
+
+    with _entry("register_load_state_dict_pre_hook"):
+        handle = compat.register_load_state_dict_pre_hook(m, hook)
+        outer = nn.Sequential(m)
+        outer.load_state_dict({"0.weight": torch.zeros(2, 2)})
+    _check("register_load_state_dict_pre_hook", seen == [(m, "0.")], f"called with {seen}")
+    _check("register_load_state_dict_pre_hook", m.bias.tolist() == [7.0, 7.0], "an entry the hook added did not load")
+    handle.remove()
+    m.load_state_dict({"weight": torch.zeros(2, 2), "bias": torch.zeros(2)})
+    _check("register_load_state_dict_pre_hook", len(seen) == 1, "the handle did not remove the hook")
+
+
+def test_batchnorm_check_input_dim():
+    with _entry("batchnorm_check_input_dim"):
+        compat.batchnorm_check_input_dim(nn.BatchNorm2d(3), torch.zeros(2, 3, 4, 4))
+        compat.batchnorm_check_input_dim(nn.BatchNorm1d(3), torch.zeros(2, 3))
+    for bn, x in ((nn.BatchNorm2d(3), torch.zeros(2, 3)), (nn.BatchNorm1d(3), torch.zeros(2, 3, 4, 4))):
+        try:
+            compat.batchnorm_check_input_dim(bn, x)
+        except ValueError:
+            continue
+        _fail("batchnorm_check_input_dim", f"{type(bn).__name__} accepted a {x.dim()}-D input")
+
+
+def test_set_module_parameter():
+    m = nn.Linear(2, 2)
+    w = m.weight
+    other = nn.Parameter(torch.zeros(5))  # a shape nn.Module.__setattr__ would not check either
+    with _entry("set_module_parameter"):
+        before = compat.set_module_parameter(m, "weight", other)
+    _check("set_module_parameter", before is w and m.weight is other, "the slot was not swapped")
+    _check("set_module_parameter", dict(m.named_parameters())["weight"] is other, "named_parameters() does not see it")
+    compat.set_module_parameter(m, "weight", before)
+    _check("set_module_parameter", m.weight is w, "not restored")
+    _check("set_module_parameter", compat.set_module_parameter(m, "extra", None) is None, "a missing slot gave a value")
+
+
+def test_sparse_values():
+    i = torch.tensor([[0, 0, 2], [1, 1, 0]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([1.0, float("inf"), 3.0]), (3, 3))
+    with _entry("sparse_values"):
+        v = compat.sparse_values(t)
+        d = compat.sparse_values(torch.ones(2))
+    _check("sparse_values", v.tolist() == [1.0, float("inf"), 3.0], f"gave {v.tolist()} (stored values, uncoalesced)")
+    _check("sparse_values", d.tolist() == [1.0, 1.0], "a dense tensor is not returned as it is")
+
+
 @pytest.mark.parametrize("dim", [1, 2, 3])
 @pytest.mark.parametrize("padding_mode", ["zeros", "circular", "reflect"])
 def test_conv_forward(dim, padding_mode):
@@ -530,6 +619,13 @@ def test_fsdp_params_unsharded_param_and_slots(group):
            and tuple(full.shape) == (4, 3), "not a plain full-shape Parameter")
     _check("fsdp_unsharded_param", again is full, "a new object at the next all-gather")
     _check("fsdp_unsharded_param", seen == [full, full], "not what the module holds during its forward")
+    with _entry("fsdp_module_params"):
+        own = compat.fsdp_module_params(model[0])
+        root = compat.fsdp_module_params(model)
+    _check("fsdp_module_params", [id(p.sharded_param) for p in own] == [id(names["0.weight"]), id(names["0.bias"])],
+           "not the FSDPParams of model[0]'s own parameters")
+    _check("fsdp_module_params", {id(p.sharded_param) for p in root} == {id(names["2.weight"]), id(names["2.bias"])},
+           "the root's list holds parameters of its fully_shard-ed child")
     with _entry("fsdp_param_slots"):
         slots = compat.fsdp_param_slots(fp)
     _check("fsdp_param_slots", slots == [(model[0], "weight")], f"gave {slots}")

@@ -410,8 +410,13 @@ def _subclass(name, **attrs):
         (_subclass("ScaleNoLayer", carries_scale=True), ValueError, r"ScaleNoLayer.carries_scale is True but \"layer\" is not in ScaleNoLayer.needs \(\['batch_l2'\]\); only update_layer uses it"),
         (_subclass("FillsInt", fills_weight_grad=1), TypeError, r"FillsInt.fills_weight_grad must be True or False, got 1"),
         (_subclass("SampleAll", sample=1.5), ValueError, r"SampleAll.sample must be None \(exact\) or the fraction of entries drawn, 0 < sample < 1, got 1.5"),
+        (_subclass("BinsNoMethod", bins_param_values=True), TypeError,
+         r"BinsNoMethod declares bins_param_values = True but does not define bin_param; define it, or drop that declaration"),
+        (_subclass("ReadsNoMethod", reads_update_values=True), TypeError,
+         r"ReadsNoMethod declares reads_update_values = True but does not define present_values; define it, or drop"),
     ],
-    ids=["key", "needs-type", "layer", "per-sample", "sampled", "carries-scale", "flag-type", "sample"],
+    ids=["key", "needs-type", "layer", "per-sample", "sampled", "carries-scale", "flag-type", "sample", "bins-values",
+         "update-values"],
 )
 def test_instrument_declarations_checked_when_the_lens_is_built(inst, error, match):
     model = gradlens.extend(nn.Linear(4, 4))

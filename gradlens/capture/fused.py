@@ -18,6 +18,7 @@ from gradlens import compat
 from gradlens.capture.events import WeightGrad
 from gradlens.capture.registry import qualname
 from gradlens.kernels.base import Kernel
+from gradlens.core.limits import FUSE_MIN
 
 __all__ = ["FUSE_MIN", "fused_forward_for"]
 
@@ -81,9 +82,6 @@ def _autocast(x: Tensor) -> bool:
         return torch.is_autocast_enabled()
 
 
-#: fewest multiply-adds of a call's weight gradient for it to run fused: below, the Python
-#: autograd Function's own cost (forward and backward) exceeds the product it saves
-FUSE_MIN = 1 << 20
 
 
 def _fuses(module: nn.Module, tap: "Tap", x: Tensor, d_out: int) -> bool:

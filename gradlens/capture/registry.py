@@ -38,7 +38,7 @@ from torch import nn
 
 from gradlens import compat
 from gradlens.kernels.backpack import _backpack_kernels
-from gradlens.kernels.base import Kernel, check_kernel
+from gradlens.kernels.base import Kernel, check_kernel, qualname
 from gradlens.kernels.conv import Conv2dKernel, VmapConvKernel
 from gradlens.kernels.embedding import EmbeddingKernel
 from gradlens.kernels.linear import LinearKernel, TransposedLinearKernel
@@ -84,12 +84,6 @@ def register_forward(module_type: type, forward: Callable, description: str = ""
     as a zero initial state, part of the batch). Untracked windows keep the module's own
     forward."""
     _FORWARDS[module_type] = (forward, description)
-
-
-def qualname(cls: type) -> str:
-    """``"module.QualName"`` of a class: how a layer registered by name (a library gradlens does
-    not import, e.g. ``"transformers.pytorch_utils.Conv1D"``) is matched."""
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def kernel_for(module: nn.Module) -> "Kernel | None":
@@ -201,7 +195,7 @@ register_kernel(
     "closed form (scatter of the output gradients)",
 )
 register_kernel(compat.BatchNormBase, _batchnorm, "closed form (running or batch statistics)")
-register_kernel(nn.modules.instancenorm._InstanceNorm, lambda m: InstanceNormKernel() if m.affine else None, "closed form")
+register_kernel(compat.InstanceNormBase, lambda m: InstanceNormKernel() if m.affine else None, "closed form")
 register_kernel(nn.GroupNorm, lambda m: GroupNormKernel() if m.affine else None, "closed form")
 if hasattr(nn, "RMSNorm"):
     register_kernel(nn.RMSNorm, lambda m: RMSNormKernel() if m.elementwise_affine else None, "closed form")

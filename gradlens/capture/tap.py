@@ -338,7 +338,7 @@ class Tap:
             if is_embedding and ax is None and a.dim() <= 1:
                 ax = (0, 1)  # ids [B]: one id per sample
             data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
-            if getattr(kernel, "mixes_samples", False):
+            if kernel is not None and kernel.mixes_samples:
                 self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
             if site is None or not output.requires_grad:
                 return None

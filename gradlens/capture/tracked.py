@@ -19,7 +19,7 @@ _BATCH_DIM = "_gradlens_batch_dim"
 
 
 def _is_loss(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.loss._Loss)
+    return isinstance(module, compat.LossBase)
 
 
 def extend(module: nn.Module, exclude: Iterable[str] = (), batch_dim: int | None = None) -> nn.Module:

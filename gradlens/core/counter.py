@@ -9,7 +9,8 @@ ways:
 
 * ``close(updated=True)``: a real update; counted in ``updates``;
 * ``close(updated=False)``: a *skipped* window, ended without an update (a GradScaler found
-  inf/nan, ``opt.reset()``); counted in ``skipped``, its contents are dropped;
+  inf/nan; for the Lens also an ``opt.reset()``, which the optimizer itself does not count);
+  counted in ``skipped``, its contents are dropped;
 * ``reset()``: the partial window is dropped and nothing is counted.
 
 :class:`WindowCounter` holds these counters as one explicit state, as optax's ``MultiSteps``

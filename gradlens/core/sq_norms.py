@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from gradlens.core.limits import SMALL_DOT as _SMALL
 
 __all__ = ["sq_norm", "sum_sq"]
 
 
-#: tensors of at most this many elements are concatenated before their dot product in sum_sq
-_SMALL = 1 << 14
 
 
 def sum_sq(grads: list[Tensor | None]) -> Tensor | None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from gradlens.compat import storage_use_count
+from gradlens.core.limits import SMALL_NUMEL as _SMALL_NUMEL
 
 __all__ = ["Accumulators", "DistParts", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES"]
 
@@ -26,8 +27,6 @@ QUANTITIES = frozenset(
 #: nothing else runs in light mode (:class:`gradlens.capture.light.ParamTap`), on any model
 LIGHT_QUANTITIES = frozenset({"grad_sum", "micro_grad_sq", "graph_grad"})
 
-#: parameters up to this many elements share one concatenated dot in the window's ||sum g_n||^2
-_SMALL_NUMEL = 1 << 16
 
 
 @dataclass

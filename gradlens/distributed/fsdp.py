@@ -12,7 +12,7 @@ So the per-sample pieces of a use (its input ``a``, its output gradient ``delta`
 they are under DDP: full-shaped, for this rank's own samples. :class:`ShardedView` gives the
 Lens the unsharded parameters under the qualified names of ``model.named_parameters()``; the
 Lens tracks them (hooks, per-sample sums in the full parameter shapes), and merges the ranks'
-windows with the same one all_reduce (+ one all_gather) as under DDP (gradlens/distributed.py).
+windows with the same one all_reduce (+ one all_gather) as under DDP (gradlens/distributed/merge.py).
 Nothing is gathered beyond what FSDP2 gathers itself, except the parameter values below and
 once, when a Lens is built before the model's first forward: it unshards each
 ``fully_shard``-ed module once, one after the other (the all-gather FSDP2's own first forward
@@ -37,18 +37,6 @@ from gradlens import compat
 
 __all__ = ["ShardedView", "check_instruments", "unmanaged_dtensors", "check_fold", "check_monitor",
            "NOISE_UNDER_FSDP"]
-
-#: instruments that read parameter values, which FSDP2 shards (class names; GradHist2d only in
-#: sampled mode: exact GradHist2d bins the gathered values once per window, :meth:`ShardedView.bin_values`)
-NEEDS_VALUES = {"GradHist2d": "in sampled mode it reads sampled entries of the parameter values during backward"}
-
-
-def _refused(inst: Any) -> bool:
-    name = type(inst).__name__
-    if name == "GradHist2d":
-        return getattr(inst, "sample", None) is not None
-    return name in NEEDS_VALUES
-
 
 def _is_dtensor(p: Any) -> bool:
     try:
@@ -127,7 +115,7 @@ class ShardedView:
         for mod in self.model.modules():
             if isinstance(mod, FSDPModule) and any(
                 id(compat.fsdp_param_slots(fp)[0][0]) in missing
-                for g in mod._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+                for fp in compat.fsdp_module_params(mod)
             ):
                 mod.unshard()
                 mod.reshard()
@@ -149,7 +137,7 @@ class ShardedView:
         (``DTensor.full_tensor()``: one all-gather of D numbers per tracked window, the values
         freed after binning; the bins, D int32, are what GradHist2d keeps on one process too).
         Nothing is gathered without a GradHist2d."""
-        hists = [i for i in instruments if type(i).__name__ == "GradHist2d" and hasattr(i, "bin_param")]
+        hists = [i for i in instruments if i.bins_param_values]
         if not hists:
             return
         fps = compat.fsdp_params(self.model)
@@ -169,8 +157,8 @@ class ShardedView:
         is gathered in a fixed order (``DTensor.full_tensor()``: one all-gather of D numbers each
         time, twice per tracked window; D numbers of memory, as Alpha needs on one process).
         Nothing is gathered without an Alpha."""
-        alphas = [states[id(i)] for i in instruments if type(i).__name__ == "Alpha" and id(i) in states]
-        if not alphas:
+        readers = [i for i in instruments if i.reads_update_values and id(i) in states]
+        if not readers:
             return
         fps = compat.fsdp_params(self.model)
         sharded = {id(compat.fsdp_unsharded_param(fp)): fp.sharded_param for fp in fps.values()}
@@ -178,9 +166,8 @@ class ShardedView:
         for q, p in params.items():
             src = sharded.get(id(p))
             full[q] = src.full_tensor().detach() if src is not None else p
-        for st in alphas:
-            if isinstance(getattr(st, "params", None), dict):
-                st.params = {q: full.get(q, v) for q, v in st.params.items()}
+        for inst in readers:
+            inst.present_values(states[id(inst)], full)
 
     @contextlib.contextmanager
     def presented(self) -> Iterator[None]:
@@ -193,15 +180,14 @@ class ShardedView:
             if full is None:
                 continue
             for mod, attr in compat.fsdp_param_slots(fp):
-                before = mod._parameters.get(attr)
+                before = compat.set_module_parameter(mod, attr, full)
                 if before is not full:
-                    mod._parameters[attr] = full
                     swapped.append((mod, attr, before))
         try:
             yield
         finally:
             for mod, attr, before in reversed(swapped):
-                mod._parameters[attr] = before
+                compat.set_module_parameter(mod, attr, before)
 
 
 def presenting(view: ShardedView | None):
@@ -211,8 +197,8 @@ def presenting(view: ShardedView | None):
 
 def check_instruments(instruments: Sequence[Any]) -> None:
     """Refuse, on a ``fully_shard``-ed model, the instruments that read parameter values where
-    FSDP2 has them only sharded (:data:`NEEDS_VALUES`)."""
-    bad = [(type(i).__name__, NEEDS_VALUES[type(i).__name__]) for i in instruments if _refused(i)]
+    FSDP2 has them only sharded (:meth:`~gradlens.instruments.base.Instrument.sharded_refusal`)."""
+    bad = [(type(i).__name__, why) for i in instruments if (why := i.sharded_refusal()) is not None]
     if bad:
         names = ", ".join(n for n, _ in bad)
         why = "; ".join(f"{n}: {w}" for n, w in bad)

@@ -73,6 +73,7 @@ from torch import Tensor
 from gradlens import compat
 from gradlens.core.stats import LIGHT_QUANTITIES, DistParts
 from gradlens.core.sq_norms import sum_sq
+from gradlens.core.limits import INLINE_GATHER_MAX
 
 __all__ = [
     "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
@@ -245,7 +246,7 @@ def check_not_sharded(model: torch.nn.Module, who: str = "Lens") -> None:
     """Refuse models with ``DTensor`` parameters that FSDP2 (``fully_shard``) does not manage
     (tensor parallelism, a hand-made ``distribute_tensor``): the per-sample capture needs each
     use's full-shaped parameter, which FSDP2 provides during a module's forward and backward
-    (gradlens/fsdp.py) and tensor parallelism never does."""
+    (gradlens/distributed/fsdp.py) and tensor parallelism never does."""
     from gradlens.distributed.fsdp import unmanaged_dtensors
 
     sharded = unmanaged_dtensors(model)
@@ -274,8 +275,6 @@ def _device(parts: Sequence[DistParts], default: torch.device) -> torch.device:
     return default
 
 
-#: largest inline gather block (elements, all ranks together) carried inside the all_reduce
-INLINE_GATHER_MAX = 1 << 16
 
 
 def exchange(

@@ -7,7 +7,8 @@ from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
 from gradlens.instruments.criteria import CABS, EarlyStopping
 from gradlens.instruments.curvature import HessMaxEV, HessTrace, TICDiag, TICTrace, configuration
-from gradlens.instruments.hist import GradHist1d, GradHist2d
+from gradlens.instruments.hist import GradHist1d
+from gradlens.instruments.hist2d import GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.noise import NoiseScaleDDP, NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared

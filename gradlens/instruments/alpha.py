@@ -144,6 +144,13 @@ class Alpha(_CrossSample):
         return sum(_nbytes(p) for p in state.params.values())  # theta_t snapshot
 
     # ---- around the real update -----------------------------------------------------------
+    #: theta_t and theta_{t+1} are read around the update (under FSDP2: the gathered values)
+    reads_update_values = True
+
+    def present_values(self, state: _DotState, values) -> None:
+        if isinstance(state.params, dict):
+            state.params = {q: values.get(q, v) for q, v in state.params.items()}
+
     def before_update(self, state: _DotState) -> None:
         state.theta0 = {q: p.detach().clone() for q, p in state.params.items()}
 

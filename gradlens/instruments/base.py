@@ -68,6 +68,27 @@ class Instrument:
     #: the value decomposes over parameters: under ``Lens(groups=...)`` the Lens calls
     #: :meth:`finalize_group` once per group for ``record.groups[group][key]``
     per_group: bool = False
+    #: it bins the tracked parameters' values once per window (:meth:`bin_param`, GradHist2d):
+    #: on an FSDP2-sharded model the Lens gives it the gathered full values when a window opens
+    bins_param_values: ClassVar[bool] = False
+    #: it reads the parameters' values around the real update (:meth:`present_values`, Alpha):
+    #: on an FSDP2-sharded model the Lens gives it the gathered full values there
+    reads_update_values: ClassVar[bool] = False
+
+    def sharded_refusal(self) -> str | None:
+        """Why this instrument cannot measure a model sharded with FSDP2 (``fully_shard``): it
+        reads parameter values where FSDP2 holds only shards; None (default) if it can."""
+        return None
+
+    def bin_param(self, state: Any, name: str, values: Tensor) -> None:
+        """Bin parameter ``name``'s full values ``[*param]`` for this window (only where
+        :attr:`bins_param_values`)."""
+        raise NotImplementedError(f"{type(self).__name__} declares bins_param_values but has no bin_param")
+
+    def present_values(self, state: Any, values: Mapping[str, Tensor]) -> None:
+        """Read the parameters' values from ``values`` (name -> full tensor) instead of the
+        parameters themselves, around the real update (only where :attr:`reads_update_values`)."""
+        raise NotImplementedError(f"{type(self).__name__} declares reads_update_values but has no present_values")
 
     def start_window(self) -> Any:
         return None
@@ -296,9 +317,15 @@ def check_instrument(inst: Any) -> None:
     if "per_sample" in needs:
         wanted.append(("update" if sample is None else "update_sampled",
                        "\"per_sample\"" + ("" if sample is None else f" with sample={sample}")))
+    if inst.bins_param_values:
+        wanted.append(("bin_param", "bins_param_values = True"))
+    if inst.reads_update_values:
+        wanted.append(("present_values", "reads_update_values = True"))
     for method, why in wanted:
         if not _defines(cls, method):
             raise TypeError(
+                f"{name} declares {why} but does not define {method}; define it, or drop that "
+                "declaration" if method in ("bin_param", "present_values") else
                 f"{name}.needs has {why} but {name} does not define {method}; define it, or "
                 "drop that quantity from needs"
             )

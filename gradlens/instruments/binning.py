@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gradlens.core.sync import device_paths
+from gradlens.core.limits import DIRECT_COUNT
 
 __all__ = ["bin_of", "count_1d", "count_2d", "tally"]
 
@@ -87,9 +88,6 @@ def _fold(h: Tensor, bins: int) -> Tensor:
     return out
 
 
-#: at most this many elements, :func:`count_1d` counts :func:`bin_of` in one ``bincount`` (the
-#: pair bins' fixed cost is larger than what they save on small tensors, on the CPU)
-DIRECT_COUNT = 1 << 17
 
 
 def count_1d(x: Tensor, lo: float, hi: float, bins: int, inside: bool = False) -> Tensor:

@@ -76,11 +76,10 @@ from gradlens.compat import tensor_version
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.state_checks import check_state
+from gradlens.core.limits import DEFAULT_MAX_BYTES
 
 __all__ = ["DEFAULT_MAX_BYTES"]
 
-#: default memory budget of one exact-mode instrument (bytes kept for its window)
-DEFAULT_MAX_BYTES = 1 << 30
 
 
 def use_key(w) -> str:
@@ -477,7 +476,7 @@ class _CrossSample(Instrument):
             dt = pieces[0][2].dtype
             D = {attr: direction[q].to(dt) for attr, q in w.params.items()}
             same = all(p[1].shape[1:] == pieces[0][1].shape[1:] for p in pieces)
-            same = same and not getattr(w.kernel, "per_micro_batch", False)
+            same = same and not w.kernel.per_micro_batch
             if same and len(pieces) > 1 and pieces[0][1].is_floating_point():
                 a = torch.cat([p[1] for p in pieces])
                 delta = torch.cat([p[2] for p in pieces])

@@ -36,7 +36,8 @@ from torch import Tensor
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import DistParts, WindowStats
-from gradlens.instruments.hist import GradHist1d, GradHist2d
+from gradlens.instruments.hist import GradHist1d
+from gradlens.instruments.hist2d import GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.norms import GradNorm
 from gradlens.instruments.tests import NormTest
@@ -103,8 +104,9 @@ class WindowGraph:
             self.backprop.remove()
 
     def request_backprop_diagonal(self) -> None:
-        """Record the micro-steps for :meth:`backprop_diagonal` (idempotent; nothing for a
-        model it does not support)."""
+        """Record the micro-steps for the exact second-order backpropagation of the Hessian
+        diagonal that :meth:`diagonal` then uses (:class:`~gradlens.instruments.diag_hessian.DiagHessianBackprop`;
+        idempotent; nothing for a model it does not support)."""
         if self.backprop is None and self.model is not None and not self.grad:
             from gradlens.instruments.diag_hessian import DiagHessianBackprop
 

@@ -52,7 +52,7 @@ def _mean_projections_uncached(
             g2 += float(k.sum()) / (n * n)
         else:
             same = all(pc[1].shape[1:] == a0.shape[1:] for pc in pieces)
-            same = same and not getattr(w.kernel, "per_micro_batch", False)
+            same = same and not w.kernel.per_micro_batch
             if same and a0.is_floating_point():
                 groups = [(torch.cat([pc[1] for pc in pieces]), torch.cat([pc[2] for pc in pieces]))]
             else:

@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from gradlens.instruments.binning import _affine, tally
-from gradlens.kernels.base import CHUNK_ELEMENTS
+from gradlens.core.limits import CHUNK_ELEMENTS
+from gradlens.core.limits import SAMPLED_CHUNK_ELEMENTS
 
 __all__ = ["GROUPS", "check_sample", "Draws", "Stratum", "estimate", "merge_strata"]
 
@@ -95,7 +96,7 @@ class Stratum:
         self.m, self.numel, self.cells, self.width = m, numel, cells, width
         self.table = torch.zeros(GROUPS * cells * (width + 2), dtype=torch.int64, device=device)
 
-    def chunks(self, batch: int, budget: int = 1 << 20):
+    def chunks(self, batch: int, budget: int = SAMPLED_CHUNK_ELEMENTS):
         """Column slices whose ``[B, c]`` entries stay below ``budget`` elements (cache-sized:
         the few passes over them stay in cache); multiples of :data:`GROUPS` so that column
         k's group is ``k % GROUPS`` in every slice."""

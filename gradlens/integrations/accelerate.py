@@ -2,7 +2,7 @@
 ``accelerator.prepare`` returns.
 
 Nothing to install beyond Accelerate itself, and this module does not import it: the
-:class:`~gradlens.Lens` calls :func:`unwrap_optimizer` on every ``optimizer=`` it is given. Recipe
+:class:`~gradlens.Lens` calls :func:`~gradlens.lens.optimizers.unwrap_optimizer` on every ``optimizer=`` it is given. Recipe
 (the one ``tests/test_integrations_accelerate.py`` runs)::
 
     accelerator = Accelerator(gradient_accumulation_steps=3)
@@ -30,36 +30,6 @@ the next.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from gradlens.lens.optimizers import unwrap_optimizer
 
 __all__ = ["unwrap_optimizer"]
-
-
-def unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
-    """``(torch optimizer, GradScaler or None)`` behind ``optimizer``.
-
-    Accelerate's ``AcceleratedOptimizer`` is a ``torch.optim.Optimizer`` subclass that never runs
-    ``Optimizer.__init__`` (it has no step hooks) and steps the optimizer it holds
-    (``.optimizer``) only on real updates: the Lens hooks that one. Anything else (a
-    :class:`~gradlens.GradientAccumulateOptimizer` too) is returned as it is, with no scaler.
-    """
-    inner = getattr(optimizer, "optimizer", None)
-    if _from_accelerate(optimizer) and isinstance(inner, torch.optim.Optimizer):
-        inner, scaler = unwrap_optimizer(inner)  # nested wrappers
-        if scaler is None:
-            scaler = getattr(optimizer, "scaler", None)
-            if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
-                scaler = None
-            enabled = getattr(scaler, "is_enabled", None)
-            if scaler is not None and callable(enabled) and not enabled():
-                scaler = None
-        return inner, scaler
-    return optimizer, None
-
-
-def _from_accelerate(obj: Any) -> bool:
-    """An instance of a class defined in the ``accelerate`` package (or a subclass of one),
-    told without importing it."""
-    return any(c.__module__.split(".")[0] == "accelerate" for c in type(obj).__mro__)

@@ -46,6 +46,7 @@ from gradlens.capture.losses import pending_loss_calls
 from gradlens.instruments.base import Instrument
 from gradlens.lens.lens import Lens
 from gradlens.core.records import Record, flatten
+from gradlens.core.limits import CHUNK_ELEMENTS
 
 __all__ = ["LensCallback", "report_losses"]
 
@@ -113,7 +114,7 @@ class LensCallback(pl.Callback):
         tensorboard: Any = None,
         sinks: Iterable[Any] = (),
         keep_records: bool = True,
-        chunk_elements: int = 1 << 20,
+        chunk_elements: int = CHUNK_ELEMENTS,
     ) -> None:
         super().__init__()
         instruments = list(instruments)
@@ -351,4 +352,4 @@ def _logger_sinks(trainer: pl.Trainer) -> list[Any]:
 
 
 def _is_tensorboard(logger: Any) -> bool:
-    return type(logger).__name__ == "TensorBoardLogger"
+    return isinstance(logger, pl.loggers.TensorBoardLogger)

@@ -33,6 +33,7 @@ from gradlens.instruments import Alpha
 from gradlens.instruments.base import Instrument
 from gradlens.lens.lens import Lens
 from gradlens.core.records import Record, flatten
+from gradlens.core.limits import CHUNK_ELEMENTS
 
 __all__ = ["LensTrainerCallback"]
 
@@ -107,7 +108,7 @@ class LensTrainerCallback(TrainerCallback):
         tensorboard: Any = None,
         sinks: Iterable[Any] = (),
         keep_records: bool = True,
-        chunk_elements: int = 1 << 20,
+        chunk_elements: int = CHUNK_ELEMENTS,
     ) -> None:
         if not (callable(getattr(trainer, "add_callback", None)) and hasattr(trainer, "log")):
             raise TypeError(

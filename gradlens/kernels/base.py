@@ -67,13 +67,11 @@ from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
+from gradlens.core.limits import CHUNK_ELEMENTS
 
-__all__ = ["Kernel", "KINDS", "CHUNK_ELEMENTS", "check_kernel", "sample_chunks", "tgram_cheaper", "add_into",
+__all__ = ["Kernel", "KINDS", "CHUNK_ELEMENTS", "check_kernel", "qualname", "sample_chunks", "tgram_cheaper", "add_into",
            "joint_sq_norm"]
 
-#: elements of one transient block: a materialised ``[b, *param]`` slice, a ``T x T`` Gram
-#: chunk, a chunk of the per-operation vjp (:mod:`gradlens.capture.ops`), a histogram product block
-CHUNK_ELEMENTS = 1 << 22
 
 
 def tgram_cheaper(d_out: int, d_in: int, t: int, n: int | None = None) -> bool:
@@ -86,6 +84,12 @@ def tgram_cheaper(d_out: int, d_in: int, t: int, n: int | None = None) -> bool:
     if n is None:
         return t * t * (d_in + d_out) < d_in * d_out
     return n * t * t * (d_in + d_out) < d_in * d_out * (t + n)
+
+
+def qualname(cls: type) -> str:
+    """``"module.QualName"`` of a class: how a layer registered by name (a library gradlens does
+    not import, e.g. ``"transformers.pytorch_utils.Conv1D"``) is matched."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def sample_chunks(numel_per_sample: int, batch: int, budget: int = CHUNK_ELEMENTS):

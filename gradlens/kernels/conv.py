@@ -99,7 +99,7 @@ class VmapConvKernel(Kernel):
         x, d = _standard_strides(a[start:stop]), _standard_strides(delta[start:stop])
         out = {}
         if "weight" in names:
-            transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+            transposed = isinstance(module, compat.ConvTransposeBase)
             nd = len(module.kernel_size)
 
             def conv(xi: Tensor, w: Tensor) -> Tensor:

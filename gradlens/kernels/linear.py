@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from gradlens.core.sync import device_paths
 from gradlens.kernels.base import (
-    CHUNK_ELEMENTS, Kernel, _by_columns, _cat, _with_bias_column, add_into, sample_chunks, tgram_cheaper,
+    CHUNK_ELEMENTS, Kernel, _by_columns, _cat, _with_bias_column, add_into, qualname, sample_chunks, tgram_cheaper,
 )
 
 __all__ = ["LinearKernel", "TransposedLinearKernel", "OpLinear", "LINEAR", "CONV1D"]
@@ -412,7 +412,7 @@ class TransposedLinearKernel(_LinearSums):
     fused_layers = {CONV1D: True}
 
     def routes_param_grads(self, module):
-        return type(module).__name__ == "Conv1D"  # one addmm of the rows, W and the bias
+        return qualname(type(module)) == CONV1D  # one addmm of the rows, W and the bias
 
     class _AsLinear:
         """The module as the ``nn.Linear`` of W^T: ``in_features``, ``out_features``, its

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from gradlens.core.records import Record
 from gradlens.core.counter import WindowCounter
+from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
 __all__ = ["ScalerSkips", "warn_nonfinite"]
 
@@ -63,7 +64,7 @@ class ScalerSkips:
 def warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
     """A record with inf/nan gradients behind a real update: with a plain optimizer and a
     GradScaler that the Lens does not know, an earlier skipped window was merged here."""
-    if optimizer is None or hasattr(optimizer, "register_window_end_hook"):
+    if optimizer is None or isinstance(optimizer, GradientAccumulateOptimizer):
         return
     if grad_scaler is not None:
         return

@@ -53,7 +53,7 @@ def tracked_at_build(model: nn.Module, exclude: tuple[str, ...],
     params = tracked_parameters(model, exclude)
     if not params:
         raise ValueError("the model has no trainable parameters left to track after exclusions")
-    sharded = ShardedView.of(model)  # FSDP2 (fully_shard): gradlens/fsdp.py
+    sharded = ShardedView.of(model)  # FSDP2 (fully_shard): gradlens/distributed/fsdp.py
     if sharded is not None:
         check_sharded_instruments(instruments)
         params = sharded.unsharded(params)

@@ -30,16 +30,17 @@ from gradlens.lens.amp import ScalerSkips, warn_nonfinite
 from gradlens.capture.events import Site
 from gradlens.capture.tracked import model_exclusions, trainable_split
 from gradlens.capture.losses import take_loss_calls
+from gradlens import compat
 from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.lens.compiled import CompileNotice
 from gradlens.lens.curvature_graph import CurvatureGraph
 from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, DDPGradRoute, is_writer, resolve_group
-from gradlens.integrations.accelerate import unwrap_optimizer  # imports no framework
+from gradlens.lens.optimizers import unwrap_optimizer  # imports no framework
 from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import Accumulators, WindowStats
-from gradlens.kernels.base import CHUNK_ELEMENTS
+from gradlens.core.limits import CHUNK_ELEMENTS
 from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge
@@ -48,6 +49,7 @@ from gradlens.output.sinks import JsonlSink, SinkSet
 from gradlens.lens.state import lens_state_dict, load_lens_state_dict
 from gradlens.capture.units import check_multiplier
 from gradlens.core.counter import WindowCounter, counter_property
+from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 from gradlens.lens.record import PendingRecord, end_window, keep_record, window_record
 
 __all__ = ["Lens"]
@@ -103,16 +105,11 @@ def _params_probe(lens: "Lens"):
             return
         owner._probes.disarm()
         if owner._window is not None and not owner._window.micro_steps and owner._meter.micro is None:
-            before = dict(module._forward_pre_hooks)
+            before = compat.pre_hook_ids(module)
             owner._refresh_params()
             # hooks the Tap reinstalled on the model: torch runs this forward's hooks as they
             # were when it started (the removed ones do nothing then), so the new ones run here
-            for hid, hook in list(module._forward_pre_hooks.items()):
-                if hid not in before:
-                    if hid in module._forward_pre_hooks_with_kwargs:
-                        hook(module, args, kwargs)
-                    else:
-                        hook(module, args)
+            compat.run_pre_hooks_added(module, before, args, kwargs)
 
     return probe
 
@@ -171,7 +168,8 @@ class Lens:
             ``n`` the last ``n`` (long runs: ``False`` or a small ``n`` with ``log``).
         chunk_elements: upper bound on the elements of one materialised slice of per-sample
             gradients ``[b, *param]`` (histograms); memory stays at one such slice per layer
-            (default :data:`gradlens.kernels.CHUNK_ELEMENTS`, the one chunking rule of gradlens).
+            (default :data:`gradlens.core.limits.CHUNK_ELEMENTS`; on the CPU a slice
+            is further capped at :data:`~gradlens.core.limits.CPU_SLICE_ELEMENTS`).
         undefined: what to do with parameters whose per-sample gradients are undefined because
             their output reaches a layer that mixes samples (a BatchNorm in training mode):
             ``"error"`` (default) names them all in one error at the first tracked micro-step;
@@ -259,7 +257,7 @@ class Lens:
         check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad_scaler, undefined)
         extra_sinks = check_sinks(sinks)
         # a GradientAccumulateOptimizer reports skipped windows itself; else the scale tells
-        self._amp = ScalerSkips(None if hasattr(optimizer, "register_window_end_hook") else grad_scaler)
+        self._amp = ScalerSkips(None if isinstance(optimizer, GradientAccumulateOptimizer) else grad_scaler)
         self.model = model
         self.instruments = instruments
         self.optimizer = optimizer
@@ -269,7 +267,7 @@ class Lens:
         self._counter = WindowCounter()  # step (windows closed) and skipped_windows
 
         self._exclude = model_exclusions(model) + tuple(exclude)
-        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/fsdp.py)
+        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/distributed/fsdp.py)
         params, self._sharded = tracked_at_build(model, self._exclude, instruments)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
@@ -589,9 +587,8 @@ class Lens:
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
             self._curvature.end_micro(micro, drop=self._open_window)
         self._window = meter.fold(micro, self._window, self._states)
-        note = getattr(self.optimizer, "note_micro_batch", None)  # GradientAccumulateOptimizer
-        if note is not None:
-            note(micro.batch_size)  # its step(num_samples=...) must agree
+        if isinstance(self.optimizer, GradientAccumulateOptimizer):
+            self.optimizer.note_micro_batch(micro.batch_size)  # its step(num_samples=...) must agree
         if self._ddp_route is not None:
             self._ddp_route.end_micro(self._tap.params, micro.scale())
 
@@ -684,7 +681,7 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer | None, lens: Lens) -> lis
     if optimizer is None:
         return []
     hooks = [optimizer.register_step_pre_hook(lens._on_pre_step), optimizer.register_step_post_hook(lens._on_step)]
-    if hasattr(optimizer, "register_window_end_hook"):  # GradientAccumulateOptimizer
+    if isinstance(optimizer, GradientAccumulateOptimizer):
         hooks.append(optimizer.register_window_end_hook(lens._on_window_end))
     return hooks
 

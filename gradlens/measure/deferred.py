@@ -36,20 +36,13 @@ from gradlens import compat
 from gradlens.capture.events import Site
 from gradlens.kernels.linear import OpLinear
 from gradlens.capture.units import MicroStep
+from gradlens.core.limits import SMALL_SUM, SMALL_USE, STACK_BUDGET
 
 __all__ = [
     "SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "carry", "fits", "measure", "settle", "stack",
     "stack_key", "sums_here",
 ]
 
-#: largest use (elements of its input and output gradient) kept for stacking
-SMALL_USE = 1 << 17
-#: most elements of the uses one micro-step keeps for stacking (beyond: measured at once)
-STACK_BUDGET = 1 << 22
-#: most multiply-adds of a stacked use's window gradient (:meth:`~gradlens.kernels.Kernel.sum_cost`)
-#: formed here rather than taken from autograd through a node hook (which costs about as much
-#: as a product of this size on a CPU)
-SMALL_SUM = 1 << 19
 
 
 def fits(elements: int, batch: int, materialised: int = 0) -> bool:

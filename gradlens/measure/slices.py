@@ -18,13 +18,10 @@ from torch import Tensor
 from gradlens.capture.events import Site
 from gradlens.kernels.base import add_into, sample_chunks
 from gradlens.capture.units import MicroStep
+from gradlens.core.limits import CPU_SLICE_ELEMENTS
 
 __all__ = ["CPU_SLICE_ELEMENTS", "measure"]
 
-#: most elements of one chunk on the CPU (4 MB in float32: within a last-level cache). On the
-#: 2-core reference machine a narrow-range GradHist2d of a 256-512-512-10 MLP ran 20% faster
-#: with chunks of 2**20 than of 2**22 elements, and slower again with 2**18 (Python per chunk).
-CPU_SLICE_ELEMENTS = 1 << 20
 
 
 def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: list[str], done: set,

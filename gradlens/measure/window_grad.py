@@ -21,12 +21,10 @@ from torch import Tensor
 from gradlens.capture.events import Site
 from gradlens.core.sq_norms import sq_norm
 from gradlens.capture.units import MicroStep, check_reduction
+from gradlens.core.limits import SMALL_GRAD as _SMALL_GRAD
 
 __all__ = ["WindowGradient"]
 
-#: largest dL/dp of one layer call kept until the micro-step's end (on_weight_grad): a kept
-#: gradient makes autograd copy it into a fresh p.grad (no stealing), so only small ones
-_SMALL_GRAD = 1 << 16
 
 
 class WindowGradient:

@@ -174,6 +174,8 @@ class GradientAccumulateOptimizer(WrappedOptimizer):
             )
         self.skip_nonfinite = skip_nonfinite
         super().__init__(optimizer)  # the inner optimizer and the hook registries
+        self._micro_step_hooks: OrderedDict[int, MicroStepHook] = OrderedDict()
+        self._window_grad_hooks: OrderedDict[int, WindowGradHook] = OrderedDict()
         self.accum_steps = check_accum_steps(accum_steps)
         self.reduction = check_reduction(reduction)
         self.accum_dtype = accum_dtype
@@ -307,7 +309,7 @@ class GradientAccumulateOptimizer(WrappedOptimizer):
                 self._note_folded(params)
                 self._fire_window_end(False)
                 return False
-        for hook in list(getattr(self, "_window_grad_hooks", {}).values()):
+        for hook in list(self._window_grad_hooks.values()):
             hook(self)  # window_grad(p): the window gradient, before clipping and the update
         st.reset_window()
 
@@ -374,7 +376,7 @@ class GradientAccumulateOptimizer(WrappedOptimizer):
         st.weighted = weighted
         st.via_scaler = via_scaler
         w = weight if weighted else 1.0
-        for hook in list(getattr(self, "_micro_step_hooks", {}).values()):
+        for hook in list(self._micro_step_hooks.values()):
             hook(self, num_samples)  # p.grad: this micro-step's gradient, not yet folded
         self.accum_state.fold(self._params(), w, scale, mean=self.reduction == "mean",
                               accum_steps=self.accum_steps, accum_dtype=self.accum_dtype)
@@ -408,14 +410,18 @@ class GradientAccumulateOptimizer(WrappedOptimizer):
         """
         return self._register("window_end", hook)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # a wrapper pickled by gradlens 0.1 made these registries on its first registration
+        self.__dict__.setdefault("_micro_step_hooks", OrderedDict())
+        self.__dict__.setdefault("_window_grad_hooks", OrderedDict())
+
     def register_micro_step_hook(self, hook: MicroStepHook) -> RemovableHandle:
         """Register ``hook(optimizer, num_samples)``, called by every :meth:`step` right before
         the micro-step's ``p.grad`` is folded into the window (``p.grad`` is that micro-step's
         gradient, still scaled by a GradScaler's ``optimizer.grad_scale`` if one is used;
         :meth:`window_sum` is the window before it). Used by
         :class:`gradlens.instruments.noise.NoiseScaleMonitor`."""
-        if not hasattr(self, "_micro_step_hooks"):
-            self._micro_step_hooks: OrderedDict[int, MicroStepHook] = OrderedDict()
         handle = RemovableHandle(self._micro_step_hooks)
         self._micro_step_hooks[handle.id] = hook
         return handle
@@ -425,8 +431,6 @@ class GradientAccumulateOptimizer(WrappedOptimizer):
         gradient is written into ``p.grad``, before clipping, the step pre-hooks and the update;
         :meth:`window_grad` gives it in the accumulation dtype. Not called for windows a
         GradScaler skips. Used by :class:`gradlens.instruments.noise.NoiseScaleMonitor`."""
-        if not hasattr(self, "_window_grad_hooks"):
-            self._window_grad_hooks: OrderedDict[int, WindowGradHook] = OrderedDict()
         handle = RemovableHandle(self._window_grad_hooks)
         self._window_grad_hooks[handle.id] = hook
         return handle

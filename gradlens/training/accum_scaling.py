@@ -58,7 +58,7 @@ def check_route(earlier: bool | None, via_scaler: bool) -> None:
 def grads_finite(params: Sequence[Tensor]) -> bool:
     """Whether every ``p.grad`` of ``params`` is finite: one reduction, one host read."""
     flags = [
-        torch.isfinite(g._values() if g.is_sparse else g).all()
+        torch.isfinite(compat.sparse_values(g)).all()
         for g in (p.grad for p in params) if g is not None
     ]
     return bool(torch.stack(flags).all()) if flags else True

@@ -20,6 +20,8 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from gradlens import compat
+
 __all__ = ["compute_norm", "unitwise_norm", "adaptive_clip_grad", "adaptive_clip_grad_"]
 
 Dim = Union[int, Sequence[int], None]
@@ -71,7 +73,7 @@ def _named(parameters: ParamsArg) -> tuple[list[tuple[str | None, Tensor]], dict
     auto_dims: dict[str, Dim] = {}
     if isinstance(parameters, nn.Module):
         for mod_name, module in parameters.named_modules():
-            if isinstance(module, nn.modules.conv._ConvTransposeNd):
+            if isinstance(module, compat.ConvTransposeBase):
                 w = module.weight
                 auto_dims[f"{mod_name}.weight" if mod_name else "weight"] = (0,) + tuple(
                     range(2, w.dim())

@@ -43,8 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from gradlens.training.accum_checks import check_accum_steps
+from gradlens import compat
 from gradlens.compat import BatchNormBase as _BatchNorm
 from gradlens.core.counter import WindowCounter
+from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
 __all__ = [
     "AccumBatchNorm1d",
@@ -107,6 +109,8 @@ class _AccumBatchNormMixin:
             self.register_buffer("window_var", torch.zeros_like(rm))
             self.register_buffer("window_count", torch.zeros((), dtype=torch.long, device=rm.device))
             self.register_buffer("window_steps", torch.zeros((), dtype=torch.long, device=rm.device))
+            compat.register_load_state_dict_pre_hook(self, _fill_window_buffers)
+            self.register_load_state_dict_post_hook(_sync_window_counter)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, accum_steps={self.accum_steps}"
@@ -123,7 +127,7 @@ class _AccumBatchNormMixin:
             return self._masked_forward(input, mask)
         if not (self.training and self.track_running_stats):
             return super().forward(input)
-        self._check_input_dim(input)
+        compat.batchnorm_check_input_dim(self, input)
         channels = input.shape[1]
         count = input.numel() // channels if channels else 0
         if count <= 1:
@@ -144,7 +148,7 @@ class _AccumBatchNormMixin:
         return out
 
     def _masked_forward(self, input: Tensor, mask: Tensor) -> Tensor:
-        self._check_input_dim(input)
+        compat.batchnorm_check_input_dim(self, input)
         spatial = (input.shape[0], *input.shape[2:])
         if not isinstance(mask, Tensor) or tuple(mask.shape) != spatial:
             got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
@@ -233,28 +237,24 @@ class _AccumBatchNormMixin:
             self.window_count.zero_()
             self.window_steps.zero_()
 
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        if self.track_running_stats:
-            present = [prefix + name in state_dict for name in _WINDOW_BUFFERS]
-            if not any(present):  # a plain nn.BatchNorm state dict: start an empty window
-                self.reset_window()
-                for name in _WINDOW_BUFFERS:
-                    state_dict[prefix + name] = getattr(self, name).clone()
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        if self.track_running_stats:
-            self._counter.micro_steps = int(self.window_steps)
-            self._counter.samples = float(int(self.window_count))
+
+
+def _fill_window_buffers(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                         error_msgs) -> None:
+    """Load pre-hook of an AccumBatchNorm: a plain ``nn.BatchNorm`` state dict (no window
+    buffers) loads with an empty window."""
+    present = [prefix + name in state_dict for name in _WINDOW_BUFFERS]
+    if module.track_running_stats and not any(present):
+        module.reset_window()
+        for name in _WINDOW_BUFFERS:
+            state_dict[prefix + name] = getattr(module, name).clone()
+
+
+def _sync_window_counter(module, incompatible_keys) -> None:
+    """Load post-hook of an AccumBatchNorm: the counters mirror the loaded window buffers."""
+    if module.track_running_stats:
+        module._counter.micro_steps = int(module.window_steps)
+        module._counter.samples = float(int(module.window_count))
 
 
 class AccumBatchNorm1d(_AccumBatchNormMixin, nn.BatchNorm1d):
@@ -351,7 +351,7 @@ def follow_optimizer(module: nn.Module, optimizer: Any) -> Any:
             :func:`flush_accum_batchnorm` after each ``step()`` yourself).
         ValueError: ``module`` has no AccumBatchNorm.
     """
-    if not callable(getattr(optimizer, "register_window_end_hook", None)):
+    if not isinstance(optimizer, GradientAccumulateOptimizer):
         raise TypeError(
             f"follow_optimizer needs a GradientAccumulateOptimizer (it reports every window end, "
             f"also skipped ones), got {type(optimizer).__name__}; wrap it: "
@@ -394,14 +394,13 @@ def convert_accum_batchnorm(
         TypeError: for other ``_BatchNorm`` subclasses (e.g. ``SyncBatchNorm``).
     """
     if optimizer is not None:
-        opt_steps = getattr(optimizer, "accum_steps", None)
+        opt_steps = optimizer.accum_steps if isinstance(optimizer, GradientAccumulateOptimizer) else None
         if accum_steps is not None and accum_steps != opt_steps:
             raise ValueError(
                 f"accum_steps={accum_steps!r} but the optimizer has accum_steps={opt_steps!r}; "
                 "give accum_steps once, to the optimizer (convert_accum_batchnorm(model, optimizer=opt))"
             )
-        follow_optimizer_check = getattr(optimizer, "register_window_end_hook", None)
-        if not callable(follow_optimizer_check):
+        if not isinstance(optimizer, GradientAccumulateOptimizer):
             follow_optimizer(module, optimizer)  # raises the TypeError that names the fix
         converted = convert_accum_batchnorm(module, opt_steps)
         follow_optimizer(converted, optimizer)
