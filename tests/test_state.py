@@ -168,7 +168,7 @@ def test_window_split_by_a_checkpoint_matches_the_float64_oracle(reduction, afte
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     lens.load_state_dict(ckpt["lens"])
-    assert set(lens._window_sites) == {"0", "2"}  # the uses measured before the checkpoint (rank merging)
+    assert set(lens._window.sites) == {"0", "2"}  # the uses measured before the checkpoint (rank merging)
     _run(model, loss_fn, opt, lens, range(3 + after, 6))
     rec = lens.records[0]
     assert (rec.step, rec.num_samples, rec.micro_steps) == (1, 8, 3)

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from gradlens.core.stats import WindowStats
+from gradlens.core.window import Window
 from gradlens.core.records import Record
 from gradlens.core.state_checks import *  # noqa: F401,F403 - StateDictError and the validators, re-exported
 
@@ -136,9 +137,9 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
     mid_window = window is not None and window.micro_steps > 0
     payload: dict[str, Any] = {"window": None, "states": None, "sites": None, "pending": None}
     if mid_window:
-        payload["window"] = window
-        payload["states"] = [lens._states.get(id(i)) for i in lens.instruments]
-        payload["sites"] = dict(lens._window_sites)  # the uses measured so far (rank merging)
+        payload["window"] = window.stats
+        payload["states"] = [window.states.get(id(i)) for i in lens.instruments]
+        payload["sites"] = dict(window.sites)  # the uses measured so far (rank merging)
     pending_step = None
     if lens._pending.held is not None:
         record, states = lens._pending.held
@@ -160,7 +161,7 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
         "format": _FORMAT,
         "version": _version(),
         **lens._counter.state_dict(_COUNTERS),
-        "empty_micro_steps": int(lens._empty_micro_steps),
+        "empty_micro_steps": 0 if window is None else int(window.empty_micro_steps),
         "instruments": instruments,
         "parameters": _parameters(lens),
         "undefined": sorted(lens._meter.undefined_params),
@@ -356,17 +357,14 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
     lens._counter.load_state_dict(state, _COUNTERS, where="the Lens state_dict")  # checked above
     lens._open_window()
     if state["window"]:
-        lens._window = payload["window"]
-        lens._states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
-        lens._window_sites.update(payload["sites"])
-        lens._curvature.bind(lens._states)  # curvature: bind the window states to this Lens' graph
-    lens._empty_micro_steps = state["empty_micro_steps"]
+        states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
+        lens._use_window(Window(payload["window"], states, dict(payload["sites"]), coverage=lens._window.coverage))
+    if lens._window is not None:
+        lens._window.empty_micro_steps = state["empty_micro_steps"]
     lens._pending.held = None
     if state["pending"] is not None:
         record, states = payload["pending"]
         lens._pending.held = (record, {id(lens.instruments[n]): st for n, st in states.items()})
-    if lens._sharded is not None and lens._window is not None:  # GradHist2d: bins of the window (FSDP2)
-        lens._sharded.bin_values(lens.instruments, lens._states, lens._tap.params)
 
 
 def _check_payload(payload: Any, state: dict, lens: "Lens") -> None:
