@@ -618,9 +618,14 @@ class Lens:
         own partial window); a new Lens on the loaded model then gives the same records as the
         run that was not interrupted.
 
-        Format: :mod:`gradlens.lens.state` (version 2), plain data that
-        ``torch.load(weights_only=True)`` reads; the partial window and the pending record are a
-        pickle inside a uint8 tensor. Like any pickle, load only checkpoints you trust.
+        Format: :mod:`gradlens.lens.state` (version 3), plain data only (tensors, numbers,
+        strings, bools, None, lists / tuples / dicts of those) that ``torch.load(weights_only=True)``
+        reads; the partial window and the pending record are written field by field
+        (:mod:`gradlens.lens.state_codec`), their tensors copied (the state does not change as
+        the Lens goes on). A checkpoint cannot run code: :meth:`load_state_dict` rebuilds it by
+        constructing gradlens' own state classes from an explicit list, never by unpickling.
+        A custom instrument's window state of its own class is refused mid-window (between
+        windows nothing of the window is saved).
         """
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
         if self._window is not None:  # the partial window complete with its small uses
@@ -632,11 +637,17 @@ class Lens:
         model). The records, the log lines and the pending record continue where the saved
         Lens stopped. Everything is checked before anything changes (:mod:`gradlens.lens.state`).
 
+        The state is data, never code: an entry that holds anything but plain data and
+        gradlens' own state classes (an altered or foreign checkpoint) is refused, and nothing
+        in it runs.
+
         Raises:
             gradlens.lens.state.StateDictError (a ValueError and a TypeError): not a gradlens Lens
-                state dict, another version, other instruments (set, order, keys, settings such
-                as bins or seeds), other tracked parameters (names, shapes, dtypes), or a
-                partial window that this Lens's schedule does not track.
+                state dict, another version (version 2 and 1 states of earlier gradlens
+                included: the message names the way out), other instruments (set, order, keys,
+                settings such as bins or seeds), other tracked parameters (names, shapes,
+                dtypes), a partial window that this Lens's schedule does not track, or an entry
+                that holds what a Lens state does not.
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)
