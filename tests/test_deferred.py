@@ -178,7 +178,7 @@ def test_stacked_uses_are_measured_once_per_window(monkeypatch):
         return buf
 
     rec = _window(lens, model, loss_fn, opt, xs, ys, into_buffer)
-    assert len(calls) == 1 and not lens._meter.carried
+    assert len(calls) == 1 and not lens._window.carried
     _check_window(rec, base, xs, ys)
 
 
@@ -202,9 +202,9 @@ def test_stacked_uses_with_other_lengths_and_a_checkpoint_mid_window():
 
     model, loss_fn, opt, lens = _tracked(base)
     run(model, lens, opt, loss_fn, list(zip(xs, ys))[:2])
-    assert lens._meter.carried  # kept for the window's end
+    assert lens._window.carried  # kept for the window's end
     state = lens.state_dict()
-    assert not lens._meter.carried  # settled into the saved partial window
+    assert not lens._window.carried  # settled into the saved partial window
 
     model2, _, opt2, lens2 = _tracked(base)
     lens2.load_state_dict(state)
@@ -229,13 +229,13 @@ def test_an_interrupted_window_drops_its_stacked_uses():
     loss = loss_fn(model(x[:5]), y[:5])
     with lens.capture():
         loss.backward()
-    assert lens._meter.carried
+    assert lens._window.carried
     loss = loss_fn(model(x[5:]), y[5:])
     with pytest.warns(RuntimeWarning, match="interrupted"), pytest.raises(ValueError, match="boom"):
         with lens.capture():
             loss.backward()
             raise ValueError("boom")
-    assert not lens._meter.carried
+    assert not lens._window.carried
     xs, ys = list(x.split(SPLIT)), list(y.split(SPLIT))
     rec = _window(lens, model, loss_fn, opt, xs, ys)
     _check_window(rec, base, xs, ys)

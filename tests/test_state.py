@@ -168,7 +168,7 @@ def test_window_split_by_a_checkpoint_matches_the_float64_oracle(reduction, afte
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     lens.load_state_dict(ckpt["lens"])
-    assert set(lens._window_sites) == {"0", "2"}  # the uses measured before the checkpoint (rank merging)
+    assert set(lens._window.sites) == {"0", "2"}  # the uses measured before the checkpoint (rank merging)
     _run(model, loss_fn, opt, lens, range(3 + after, 6))
     rec = lens.records[0]
     assert (rec.step, rec.num_samples, rec.micro_steps) == (1, 8, 3)
@@ -224,7 +224,7 @@ def test_a_saved_lens_is_plain_data_with_a_header_that_names_instruments_and_par
     path = tmp_path / "lens.pt"
     torch.save(lens.state_dict(), path)
     sd = torch.load(path, weights_only=True)
-    assert sd["version"] == 2 and sd["format"] == "gradlens.Lens"
+    assert sd["version"] == 3 and sd["format"] == "gradlens.Lens"
     kinds = [(e["type"], e["key"]) for e in sd["instruments"]]
     assert kinds == [("BatchL2", "batch_l2"), ("GradHist1d", "grad_hist_1d")]
     assert sd["parameters"] == {
@@ -233,11 +233,11 @@ def test_a_saved_lens_is_plain_data_with_a_header_that_names_instruments_and_par
         "dtypes": ["float64"] * 4,
     }
     assert (sd["step"], sd["window"], sd["pending"]) == (1, True, None)
-    assert sd["blob"].dtype == torch.uint8
+    assert sd["partial_window"]["stats"][:2] == ("obj", "WindowStats") and sd["pending_record"] is None
     lens.close()
     model, loss_fn, opt, lens, _ = _setup(lambda: [BatchL2()], "mean")
-    sd = lens.state_dict()  # at a boundary, nothing pending: no pickle at all
-    assert sd["blob"] is None and sd["window"] is False
+    sd = lens.state_dict()  # at a boundary, nothing pending: no window at all
+    assert sd["partial_window"] is None and sd["window"] is False
 
 
 # --------------------------------------------------------------------------- mismatches
@@ -263,13 +263,14 @@ def _fresh(instruments, model=None, **kw):
 
 @pytest.fixture
 def no_unpickling(monkeypatch):
-    """The header is checked before anything is unpickled: a mismatch never reaches the blob."""
+    """The header is checked before anything is rebuilt: a mismatch never reaches the partial
+    window (nothing is ever unpickled: tests/test_state_safety.py)."""
     from gradlens.lens import state
 
     def refuse(*a, **k):
-        raise AssertionError("the blob was unpickled before the header was checked")
+        raise AssertionError("the partial window was rebuilt before the header was checked")
 
-    monkeypatch.setattr(state, "_loads", refuse)
+    monkeypatch.setattr(state, "_decode", refuse)
 
 
 def test_another_instrument_order_is_refused_at_load(no_unpickling):
@@ -329,10 +330,10 @@ def test_another_dtype_is_refused_at_load(no_unpickling):
 def test_wrong_version_and_not_a_dict_are_refused():
     sd = _saved([BatchL2()])
     lens = _fresh([BatchL2()])
-    with pytest.raises(ValueError, match=r"version 3; this gradlens reads version 2: load it with the gradlens "
+    with pytest.raises(ValueError, match=r"version 4; this gradlens reads version 3: load it with the gradlens "
                        "that wrote it, or start this Lens afresh"):
-        lens.load_state_dict({**sd, "version": 3})
-    with pytest.raises(ValueError, match=r"has version 1 .*reads version 2 only. Resume it with the gradlens that "
+        lens.load_state_dict({**sd, "version": 4})
+    with pytest.raises(ValueError, match=r"has version 1 .*reads version 3 only. Resume it with the gradlens that "
                        "wrote it, or start this Lens afresh"):
         version_1 = {"version": 1, "step": 2, "skipped_windows": 0, "blob": torch.zeros(3, dtype=torch.uint8)}
         lens.load_state_dict(version_1)
@@ -346,9 +347,9 @@ def test_wrong_version_and_not_a_dict_are_refused():
         lens.load_state_dict({**sd, "format": "gradlens.Accumulate"})
     with pytest.raises(ValueError, match=r"lacks \['parameters'\]"):
         lens.load_state_dict({k: v for k, v in sd.items() if k != "parameters"})
-    cut = {**sd, "blob": sd["blob"][: len(sd["blob"]) // 2]}
-    with pytest.raises(ValueError, match=r"blob \(the partial window / pending record\) does not unpickle "
-                       r"\(.*\); the checkpoint is damaged: resume from an earlier one"):
+    cut = {**sd, "partial_window": {**sd["partial_window"], "stats": sd["partial_window"]["stats"][:2]}}
+    with pytest.raises(ValueError, match=r"partial window's stats holds a malformed object node; the checkpoint is "
+                       r"damaged or was altered .*: resume from an earlier one"):
         lens.load_state_dict(cut)
     lens.load_state_dict(sd)  # the untouched dict still loads
     assert lens.step == 0 and lens._window.micro_steps == 1

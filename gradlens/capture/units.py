@@ -66,6 +66,20 @@ class MicroStep:
     _resolved: bool = False
     _scale: Any = None
 
+    def add_l2(self, l2: Tensor, group: str | None = None) -> None:
+        """A use's ``[B]`` ||g_n||^2 part (any float dtype): kept in :attr:`l2_parts` (summed
+        once into :attr:`batch_l2` when the micro-step folds), and added to ``group``'s part
+        (``Lens(groups=...)``)."""
+        self.l2_parts.append(l2)
+        if group is not None:
+            self.add_group_l2(l2, group)
+
+    def add_group_l2(self, l2: Tensor, group: str) -> None:
+        """Add ``[B]`` ||g_n||^2 over some parameters of ``group`` into its part (float64)."""
+        got = self.group_l2
+        l2 = l2.double()
+        got[group] = l2 if group not in got else got[group] + l2
+
     def resolve(self) -> None:
         """Once backward has passed the losses: which of the losses computed since the last
         capture were backpropagated, their reduction, batch size and common multiplier.

@@ -72,6 +72,7 @@ from torch import Tensor
 
 from gradlens import compat
 from gradlens.core.stats import LIGHT_QUANTITIES, DistParts
+from gradlens.core.window import Window
 from gradlens.core.sq_norms import sum_sq
 from gradlens.core.limits import INLINE_GATHER_MAX
 
@@ -563,24 +564,27 @@ class MergeContext:
     groups: tuple = ()
 
 
-def merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
-    """The window statistics and instrument states of the global batch of all ranks.
+def merge_window(window: Window, instruments, group: Any, ctx: MergeContext) -> Window:
+    """The window of the global batch of all ranks.
 
-    ``window`` is this rank's :class:`~gradlens.core.stats.WindowStats`; ``states`` maps
-    ``id(instrument)`` to its window state. Every rank must call this for the same windows with
-    the same instruments. Returns ``(window, states)`` merged (new objects; rank-major order).
+    ``window`` is this rank's :class:`~gradlens.core.window.Window` (its stacked uses settled):
+    its statistics (:class:`~gradlens.core.stats.WindowStats`) and instrument window states
+    (``id(instrument)`` -> state) are merged. Every rank must call this for the same windows
+    with the same instruments. Returns the merged window (a new object, samples rank-major,
+    with this rank's sites, coverage and empty micro-steps).
     """
-    return merge_window_start(window, instruments, states, group, ctx).finish()
+    return merge_window_start(window, instruments, group, ctx).finish()
 
 
-def merge_window_start(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext) -> Pending:
+def merge_window_start(window: Window, instruments, group: Any, ctx: MergeContext) -> Pending:
     """:func:`merge_window` with its all_reduce issued and not waited for: what depends on the
-    gradients (``p.grad`` under DDP) is read now, before the update; ``.finish()`` returns
-    ``(window, states)``. Collectives of one group run in the order they were issued."""
-    return _started(_merge_window(window, instruments, states, group, ctx))
+    gradients (``p.grad`` under DDP) is read now, before the update; ``.finish()`` returns the
+    merged window. Collectives of one group run in the order they were issued."""
+    return _started(_merge_window(window, instruments, group, ctx))
 
 
-def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: MergeContext):
+def _merge_window(whole: Window, instruments, group: Any, ctx: MergeContext):
+    window, states = whole.stats, whole.states
     dist = _dist()
     ctx.world = dist.get_world_size(group)
     ctx.rank = dist.get_rank(group)
@@ -620,7 +624,7 @@ def _merge_window(window, instruments, states: dict[int, Any], group: Any, ctx: 
             gctx = dataclasses.replace(ctx, needs=frozenset({"grad_sum"}))
             merged.grad_sum = window.from_buffers(gctx, *exchange([window.to_buffers(gctx)], group, timeout=ctx.timeout, what=what)[0]).grad_sum
         route.fast = scale is not None
-    return merged, new_states
+    return whole.merged(merged, new_states)
 
 
 class DDPGradRoute:

@@ -170,6 +170,8 @@ class _Layer:
     a: Tensor
     #: the output gradient: in per-sample units, or (``scale`` set) as autograd delivered it
     delta: Tensor
+    #: the version counters of ``a`` and ``delta`` when kept (a Lens state writes whether they
+    #: were still intact, :mod:`gradlens.lens.state_codec`: a reloaded tensor's counter restarts)
     versions: tuple[int, int]
     #: ``[B, B]`` float64 Gram of this micro-step's samples, formed in backward where a fused
     #: Linear call took its dL/dW from the same blocks (a one-micro-step window uses it as is)
@@ -189,17 +191,6 @@ class _Layer:
         if self._units is None:
             self._units = self.delta * self.scale
         return self._units
-
-    def __getstate__(self) -> dict:  # Lens.state_dict: a reloaded tensor's version restarts
-        state = dict(self.__dict__)
-        state["versions"] = (tensor_version(self.a), tensor_version(self.delta)) == self.versions
-        state["_units"] = None  # formed again on demand
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        intact = state.pop("versions")
-        self.__dict__.update(state)
-        self.versions = (tensor_version(self.a), tensor_version(self.delta)) if intact else (-1, -1)
 
 
 @dataclass

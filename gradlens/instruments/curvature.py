@@ -286,22 +286,13 @@ class WindowGraph:
 
 @dataclass
 class _CurvState:
+    #: the window's graph, bound by the Lens (never saved: a Lens state refuses one that holds
+    #: micro-steps, :mod:`gradlens.lens.state_codec`, and the loading Lens binds its own)
     graph: WindowGraph | None = None
     done: bool = False
     value: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """For ``Lens.state_dict()``: the graph is never saved (the Lens binds its own on load);
-        inside a window whose micro-steps it holds, there is nothing valid to save."""
-        if self.graph is not None and self.graph.grad:
-            raise RuntimeError(
-                "Lens.state_dict() was called inside a tracked window of a curvature instrument "
-                "(HessMaxEV, HessTrace, TICDiag, TICTrace) after some of its micro-steps: their "
-                "autograd graphs cannot be saved; call it between windows (after optimizer.step())"
-            )
-        return {**vars(self), "graph": None}
 
 
 class _Curvature(Instrument):

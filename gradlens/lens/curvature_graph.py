@@ -31,17 +31,17 @@ class CurvatureGraph:
         self.instruments = [i for i in instruments if "graph_grad" in i.needs]
         self.graph: WindowGraph | None = None
 
-    def open(self, params: dict, group: Any, model: Any, meter: Any, states: dict[int, Any]) -> None:
+    def open(self, params: dict, group: Any, model: Any, meter: Any) -> None:
         """A tracked window opens: its graph, whose parameter hooks collect the micro-steps'
-        gradients; the Meter and the instruments' window states see it."""
+        gradients; the Meter sees it (the window's states: :meth:`bind`)."""
         if self.instruments:
             self.graph = WindowGraph(params, group, model)
             self.graph.install()
             meter.graph = self.graph
-            self.bind(states)
 
     def bind(self, states: dict[int, Any]) -> None:
-        """Bind the instruments' window states (``id(instrument) -> state``) to the graph."""
+        """Bind the instruments' window states (``id(instrument) -> state``: a window just
+        opened, or loaded from a checkpoint) to the graph."""
         for i in self.instruments:
             i.bind_graph(states[id(i)], self.graph)
 

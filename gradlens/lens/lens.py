@@ -27,7 +27,6 @@ import torch
 from torch import Tensor, nn
 
 from gradlens.lens.amp import ScalerSkips, warn_nonfinite
-from gradlens.capture.events import Site
 from gradlens.capture.tracked import model_exclusions, trainable_split
 from gradlens.capture.losses import take_loss_calls
 from gradlens import compat
@@ -40,6 +39,7 @@ from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import Accumulators, WindowStats
+from gradlens.core.window import Window
 from gradlens.core.limits import CHUNK_ELEMENTS
 from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
@@ -104,9 +104,10 @@ def _params_probe(lens: "Lens"):
         if owner is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         owner._probes.disarm()
-        if owner._window is not None and not owner._window.micro_steps and owner._meter.micro is None:
+        window = owner._window
+        if window is not None and not window.micro_steps and owner._meter.micro is None:
             before = compat.pre_hook_ids(module)
-            owner._refresh_params()
+            window.coverage = owner._refresh_params()
             # hooks the Tap reinstalled on the model: torch runs this forward's hooks as they
             # were when it started (the removed ones do nothing then), so the new ones run here
             compat.run_pre_hooks_added(module, before, args, kwargs)
@@ -296,12 +297,12 @@ class Lens:
 
         self._hooks = _optimizer_hooks(optimizer, self)  # its real updates close the windows
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
-        self._empty_micro_steps = 0
         self._pending = PendingRecord()  # a record waiting for the next window (Alpha)
         self._compiled = CompileNotice(compiled_wrapper)  # torch.compile: warned once
         self._probes = _ForwardProbes(model, self._compiled, self._ddp_route)  # tracked windows only
-        self._window: WindowStats | None = None
-        self._states: dict[int, Any] = {}
+        #: the current tracked window (gradlens.core.window), None while untracked: dropping a
+        #: window (skipped, discarded, a failed capture) is replacing this one object
+        self._window: Window | None = None
         self._closed = False
         self._curvature = CurvatureGraph(instruments)  # HessMaxEV, ...: the gradients with their graphs
         model.__dict__["_gradlens_lens"] = weakref.ref(self)  # plain attribute, not a submodule
@@ -322,24 +323,24 @@ class Lens:
         return bool(self.every(step)) if callable(self.every) else step % self.every == 0
 
     def _open_window(self) -> None:
-        self._meter.drop_carried()  # a window closed (settled) or dropped
-        self._empty_micro_steps = 0  # (a dropped window's go with it)
+        """Start the current window afresh: a new :class:`~gradlens.core.window.Window` when it
+        is tracked (the one before, closed or dropped, goes with its stacked uses and empty
+        micro-steps), None when not."""
+        self._window = None
         self._curvature.release(self._meter)  # the previous window's graphs go
         self._ranks.drop_issued()  # issued for a window dropped since: every rank waits
         if self.is_tracked():
-            self._refresh_params()
+            coverage = self._refresh_params()
             self._probes.arm(self)  # the window's first forward refreshes them again
-            self._window = WindowStats(
+            stats = WindowStats(
                 sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
                 grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
             )
             for i in self.instruments:  # parameter -> group (Lens(groups=...)), before the states
                 i.bind_groups(self._meter.group_of)
-            self._states = {id(i): i.start_window() for i in self.instruments}
-            self._curvature.open(self._tap.params, self._group, self.model, self._meter, self._states)
-            if self._sharded is not None:  # GradHist2d's parameter axis: the gathered values
-                self._sharded.bin_values(self.instruments, self._states, self._tap.params)
-            self._window_sites: dict[str, Site] = {}  # every use measured in this window
+            window = Window(stats, {id(i): i.start_window() for i in self.instruments}, coverage=coverage)
+            self._curvature.open(self._tap.params, self._group, self.model, self._meter)
+            self._use_window(window)
             with presenting(self._sharded):
                 self._meter.install()
             self._probes.install()
@@ -347,27 +348,34 @@ class Lens:
                 self._ddp_route.reset()
             self._amp.window_opened()
         else:
-            self._window = None
-            self._states = {}
             self._meter.remove()
             self._probes.remove()  # and the params probe
         self._ranks.done = False
+
+    def _use_window(self, window: Window) -> None:
+        """Make ``window`` (just opened, or loaded from a checkpoint into a window just opened)
+        the current one: the curvature instruments' states get the window's graph, GradHist2d
+        under FSDP2 the gathered parameter values."""
+        self._window = window
+        self._curvature.bind(window.states)
+        if self._sharded is not None:  # GradHist2d's parameter axis: the gathered values
+            self._sharded.bin_values(self.instruments, window.states, self._tap.params)
 
     def _merge_ranks(self, defer_off: bool = False) -> None:
         """Under torch.distributed: replace this rank's window statistics and instrument states
         by those of all ranks (one all_reduce, plus one all_gather when per-sample vectors are
         kept; see :mod:`gradlens.distributed.merge`). Once per tracked window; nothing otherwise."""
-        if self._window is not None:  # small uses measured at the window's end
-            self._meter.settle(self._window)
+        window = self._window
+        if window is not None:  # small uses measured at the window's end
+            self._meter.settle(window)
         ranks = self._ranks
-        if not ranks.due(self._window):
+        if not ranks.due(window):
             return
-        sites = [self._window_sites[n] for n in sorted(self._window_sites)]
+        sites = [window.sites[n] for n in sorted(window.sites)]
         ctx = ranks.context(dict(self._tap.params), sites, self._meter.plan.needs, self._ddp_route, self.step,
                             tuple(self._meter.groups))
         # merge="deferred" (not defer_off): the previous window's collective came first, it finishes first
-        self._window, self._states = ranks.merge(self._window, self.instruments, self._states, ctx,
-                                                 defer=not defer_off, first=self._finish_inflight)
+        self._window = ranks.merge(window, self.instruments, ctx, defer=not defer_off, first=self._finish_inflight)
 
     # ------------------------------------------------------------------ coverage
     #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
@@ -391,14 +399,15 @@ class Lens:
         total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
-    def _refresh_params(self) -> None:
-        """Follow parameters frozen, unfrozen or added since the last tracked window."""
+    def _refresh_params(self) -> float:
+        """Follow parameters frozen, unfrozen or added since the last tracked window; returns
+        the coverage of the tracked ones (the window's, :attr:`Window.coverage <gradlens.core.window.Window.coverage>`)."""
         params, total = trainable_split(self.model, self._exclude)  # names checked at build
         if self._sharded is not None:
             params = self._sharded.unsharded(params)
         with presenting(self._sharded):
             self._meter.follow(params)
-        self._window_coverage = sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
+        return sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _on_pre_step(self, optimizer, args, kwargs):
         if self._window is None:
@@ -408,17 +417,19 @@ class Lens:
     def _before_update(self) -> None:
         if self._window is not None:
             self._merge_ranks()
+            states = self._window.states
             if self._sharded is not None:  # Alpha's theta_t: the gathered values
-                self._sharded.present_values(self.instruments, self._states, self._tap.params)
+                self._sharded.present_values(self.instruments, states, self._tap.params)
             for i in self.instruments:
-                i.before_update(self._states[id(i)])
+                i.before_update(states[id(i)])
 
     def _on_step(self, optimizer, args, kwargs) -> None:
         if self._window is not None:
+            states = self._window.states
             if self._sharded is not None:  # Alpha's theta_{t+1}: the gathered values
-                self._sharded.present_values(self.instruments, self._states, self._tap.params)
+                self._sharded.present_values(self.instruments, states, self._tap.params)
             for i in self.instruments:
-                i.after_update(self._states[id(i)])
+                i.after_update(states[id(i)])
         self._close_window()
 
     def flush(self) -> Record | None:
@@ -432,8 +443,8 @@ class Lens:
             self._finish_inflight()
         self._merge_ranks(defer_off=sync)
         record = None  # merge="deferred": the record comes with the next window
-        if not self._ranks.hold(self.step, self._window, self._states, self._empty_micro_steps):
-            record = self._emit(self.step, self._window, self._states, self._empty_micro_steps)
+        if not self._ranks.hold(self.step, self._window):
+            record = self._emit(self.step, self._window)
         self._counter.close(updated=True)
         self._open_window()
         return record
@@ -443,7 +454,7 @@ class Lens:
         done = self._ranks.finish_inflight()
         return None if done is None else self._emit(*done)
 
-    def _emit(self, step: int, window: WindowStats | None, states: dict[int, Any], empty: int) -> Record | None:
+    def _emit(self, step: int, window: Window | None) -> Record | None:
         """The record of a closed window (merged across ranks when distributed), to
         :attr:`records` and the sinks; None if it was not tracked or captured nothing."""
         record = None
@@ -451,12 +462,11 @@ class Lens:
             self._sinks.first_window = step
         captured = window is not None and bool(window.micro_steps)
         reason = None if captured else f"window {step} (the next one) was not tracked or captured nothing"
-        self._pending.settle(self.instruments, reason, states, self._sinks.write)
+        self._pending.settle(self.instruments, reason, window.states if captured else {}, self._sinks.write)
         if captured:
-            record = window_record(step, window, states, self.instruments, self._window_coverage, empty,
-                                   self._meter.groups)
+            record = window_record(step, window, self.instruments, self._meter.groups)
             warn_nonfinite(record, self.optimizer, self.grad_scaler)
-            deferring = end_window(states, self.instruments)
+            deferring = end_window(window.states, self.instruments)
             keep_record(self.records, record, self.keep_records)
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks
                 self._pending.held = (record, deferring)
@@ -542,11 +552,10 @@ class Lens:
         self._compiled.warn_once(self._tap, meter.plan.light)
         undefined = len(meter.undefined_params)
         try:
-            micro = meter.begin(reduction, loss, multiplier, losses, calls, self._window, self._states,
-                                self._window_sites)
+            micro = meter.begin(reduction, loss, multiplier, losses, calls, self._window)
         finally:
             if len(meter.undefined_params) != undefined:  # undefined="exclude" left some out
-                self._window_coverage = self.coverage
+                self._window.coverage = self.coverage
         if self._ddp_route is not None:
             self._ddp_route.start_micro(self._tap.params)
         try:
@@ -568,9 +577,9 @@ class Lens:
         finally:
             meter.end(micro)
             if len(meter.undefined_params) != undefined:  # excluded during backward
-                self._window_coverage = self.coverage
+                self._window.coverage = self.coverage
         if micro.empty:
-            self._empty_micro_steps += 1
+            self._window.empty_micro_steps += 1
             return
         if not micro.seen:
             raise RuntimeError(
@@ -586,7 +595,7 @@ class Lens:
             )
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
             self._curvature.end_micro(micro, drop=self._open_window)
-        self._window = meter.fold(micro, self._window, self._states)
+        self._window = meter.fold(micro, self._window)
         if isinstance(self.optimizer, GradientAccumulateOptimizer):
             self.optimizer.note_micro_batch(micro.batch_size)  # its step(num_samples=...) must agree
         if self._ddp_route is not None:
@@ -607,9 +616,14 @@ class Lens:
         own partial window); a new Lens on the loaded model then gives the same records as the
         run that was not interrupted.
 
-        Format: :mod:`gradlens.lens.state` (version 2), plain data that
-        ``torch.load(weights_only=True)`` reads; the partial window and the pending record are a
-        pickle inside a uint8 tensor. Like any pickle, load only checkpoints you trust.
+        Format: :mod:`gradlens.lens.state` (version 3), plain data only (tensors, numbers,
+        strings, bools, None, lists / tuples / dicts of those) that ``torch.load(weights_only=True)``
+        reads; the partial window and the pending record are written field by field
+        (:mod:`gradlens.lens.state_codec`), their tensors copied (the state does not change as
+        the Lens goes on). A checkpoint cannot run code: :meth:`load_state_dict` rebuilds it by
+        constructing gradlens' own state classes from an explicit list, never by unpickling.
+        A custom instrument's window state of its own class is refused mid-window (between
+        windows nothing of the window is saved).
         """
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
         if self._window is not None:  # the partial window complete with its small uses
@@ -621,11 +635,17 @@ class Lens:
         model). The records, the log lines and the pending record continue where the saved
         Lens stopped. Everything is checked before anything changes (:mod:`gradlens.lens.state`).
 
+        The state is data, never code: an entry that holds anything but plain data and
+        gradlens' own state classes (an altered or foreign checkpoint) is refused, and nothing
+        in it runs.
+
         Raises:
             gradlens.lens.state.StateDictError (a ValueError and a TypeError): not a gradlens Lens
-                state dict, another version, other instruments (set, order, keys, settings such
-                as bins or seeds), other tracked parameters (names, shapes, dtypes), or a
-                partial window that this Lens's schedule does not track.
+                state dict, another version (version 2 and 1 states of earlier gradlens
+                included: the message names the way out), other instruments (set, order, keys,
+                settings such as bins or seeds), other tracked parameters (names, shapes,
+                dtypes), a partial window that this Lens's schedule does not track, or an entry
+                that holds what a Lens state does not.
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)
@@ -645,7 +665,7 @@ class Lens:
             return
         self._finish_inflight()
         if write_pending:
-            self._pending.settle(self.instruments, "the Lens was closed before the next window closed", self._states,
+            self._pending.settle(self.instruments, "the Lens was closed before the next window closed", {},
                                  self._sinks.write)
         self._pending.held = None
         self._closed = True

@@ -4,8 +4,8 @@
 keeps the Lens' bookkeeping of *when*: once per tracked window, at the real update that closes it.
 ``merge="sync"`` waits for the collective there, so the window's record is complete at once.
 ``merge="deferred"`` issues it there (what depends on ``p.grad`` is read before the update) and
-lets it run during the next window: the closed window waits *in flight* (its step, statistics,
-states and empty micro-steps) and gets its record when the next window closes, or at
+lets it run during the next window: the closed window waits *in flight* (its step and its
+:class:`~gradlens.core.window.Window`) and gets its record when the next window closes, or at
 ``flush()`` / ``close()`` / ``state_dict()``. Deferred merging is for instruments of the window
 gradient only, whose next window does not depend on the merged one.
 """
@@ -19,7 +19,8 @@ from gradlens.distributed.merge import (
     merge_window_start,
 )
 from gradlens.instruments.base import Instrument
-from gradlens.core.stats import LIGHT_QUANTITIES, WindowStats
+from gradlens.core.stats import LIGHT_QUANTITIES
+from gradlens.core.window import Window
 
 __all__ = ["RankMerge", "check_merge"]
 
@@ -54,8 +55,7 @@ class RankMerge:
             all-reduced ``p.grad`` when that is exact; else None.
         done: the current window was merged (or its collective issued): once per window.
         issued: ``merge="deferred"``: the current window's collective, issued and not finished.
-        inflight: ``(step, window, states, empty micro-steps, issued)`` of a closed window whose
-            collective still runs.
+        inflight: ``(step, window, issued)`` of a closed window whose collective still runs.
         memo: the gathered shapes of the last merge (:func:`gradlens.distributed.merge.exchange`).
     """
 
@@ -84,7 +84,7 @@ class RankMerge:
             fingerprint["parameters"] = f"groups={groups!r}; " + fingerprint["parameters"]
         check_ranks_agree(self.group, fingerprint, self.timeout)
 
-    def due(self, window: WindowStats | None) -> bool:
+    def due(self, window: Window | None) -> bool:
         """Whether ``window`` (None: untracked) is still to be merged."""
         return self.group is not None and window is not None and not self.done
 
@@ -94,37 +94,37 @@ class RankMerge:
         return MergeContext(params, sites, needs, route=route, memo=self.memo, timeout=self.timeout,
                             step=step, groups=groups)
 
-    def merge(self, window: WindowStats, instruments: Sequence[Instrument], states: dict[int, Any],
-              ctx: MergeContext, defer: bool, first: Callable[[], Any]) -> tuple[WindowStats, dict[int, Any]]:
-        """Merge the window: ``(window, states)`` of all ranks. With ``merge="deferred"`` and
-        ``defer``, ``first()`` (the window in flight finishes first: collectives of a group run
-        in the order they were issued), then the window's collective is issued and ``(window,
-        states)`` come back unchanged; :meth:`hold` and :meth:`finish_inflight` do the rest."""
+    def merge(self, window: Window, instruments: Sequence[Instrument], ctx: MergeContext, defer: bool,
+              first: Callable[[], Any]) -> Window:
+        """Merge the window: the :class:`~gradlens.core.window.Window` of all ranks. With
+        ``merge="deferred"`` and ``defer``, ``first()`` (the window in flight finishes first:
+        collectives of a group run in the order they were issued), then the window's collective
+        is issued and ``window`` comes back unchanged; :meth:`hold` and :meth:`finish_inflight`
+        do the rest."""
         if self.mode == "deferred" and defer:
             first()
-            self.issued = merge_window_start(window, instruments, states, self.group, ctx)
+            self.issued = merge_window_start(window, instruments, self.group, ctx)
         else:
-            window, states = merge_window(window, instruments, states, self.group, ctx)
+            window = merge_window(window, instruments, self.group, ctx)
         self.done = True
-        return window, states
+        return window
 
-    def hold(self, step: int, window: WindowStats | None, states: dict[int, Any], empty: int) -> bool:
+    def hold(self, step: int, window: Window | None) -> bool:
         """At the window's close: if its collective was issued, keep the window in flight (True);
         its record comes from :meth:`finish_inflight`."""
         if self.issued is None:
             return False
-        self.inflight = (step, window, states, empty, self.issued)
+        self.inflight = (step, window, self.issued)
         self.issued = None
         return True
 
-    def finish_inflight(self) -> tuple[int, WindowStats, dict[int, Any], int] | None:
-        """Wait for the window in flight: ``(step, window, states, empty)`` merged, or None."""
+    def finish_inflight(self) -> tuple[int, Window] | None:
+        """Wait for the window in flight: ``(step, window)`` merged, or None."""
         if self.inflight is None:
             return None
-        step, window, states, empty, issued = self.inflight
+        step, _, issued = self.inflight
         self.inflight = None
-        window, states = issued.finish()
-        return step, window, states, empty
+        return step, issued.finish()
 
     def drop_issued(self) -> None:
         """A new window opens: a collective issued for a window dropped since is finished (every

@@ -1,7 +1,7 @@
 """The record of a closed window: what the Lens writes when a tracked window closes.
 
-:func:`window_record` turns a window's merged statistics (:class:`~gradlens.core.stats.WindowStats`)
-and the instruments' window states into one :class:`~gradlens.core.records.Record`: each instrument's
+:func:`window_record` turns a window (:class:`~gradlens.core.window.Window`: its merged statistics
+and the instruments' window states) into one :class:`~gradlens.core.records.Record`: each instrument's
 finalized value under its key (per group too, ``record.groups``), the window's mean loss and the
 meta data; :func:`keep_record` keeps it as ``Lens(keep_records=...)`` says; :class:`PendingRecord` holds one
 that waits for the next window (Alpha) until that window completes it.
@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 from gradlens.instruments.base import Instrument
 
-from gradlens.core.stats import WindowStats
 from gradlens.core.records import Record
+from gradlens.core.window import Window
 
 __all__ = ["RESERVED_KEYS", "PendingRecord", "end_window", "keep_record", "window_record"]
 
@@ -23,11 +23,12 @@ __all__ = ["RESERVED_KEYS", "PendingRecord", "end_window", "keep_record", "windo
 RESERVED_KEYS = ("loss",)
 
 
-def window_record(step: int, window: WindowStats, states: dict[int, Any], instruments: Sequence[Instrument],
-                  coverage: float, empty: int, groups: dict[str, tuple[str, ...]] | None = None) -> Record:
+def window_record(step: int, whole: Window, instruments: Sequence[Instrument],
+                  groups: dict[str, tuple[str, ...]] | None = None) -> Record:
     """The record of a captured window: each instrument's finalized value under its key, the
     window's mean loss (None if unknown) and the meta data (coverage as of the window's opening,
     units, empty micro-steps, what the instruments add)."""
+    window, states, empty = whole.stats, whole.states, whole.empty_micro_steps
     values = {i.key: i.finalize(window, states[id(i)]) for i in instruments}
     for i in instruments:
         values.update(i.extra(states[id(i)]))  # values beside record[key], e.g. hess_trace_stderr
@@ -35,7 +36,7 @@ def window_record(step: int, window: WindowStats, states: dict[int, Any], instru
     unknown = window.loss_unknown > 0  # a micro-step had no loss to read (Meter.fold)
     values["loss"] = None if unknown else loss_value
     record = Record(step, window.num_samples, window.micro_steps, values)
-    record.meta["coverage"] = coverage  # as of the window's opening
+    record.meta["coverage"] = whole.coverage  # as of the window's opening
     if unknown:
         record.meta["loss"] = (
             "unknown: a functional loss without loss=; use lens.capture(reduction=..., loss=loss)"

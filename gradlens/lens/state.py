@@ -1,54 +1,66 @@
 """Checkpoints: the Lens' state format, its validation, and the instruments' state contract.
 
-A Lens state (:meth:`gradlens.Lens.state_dict`, format version 2) is a dict of plain data that
-``torch.load(..., weights_only=True)`` reads (tensors, dicts, lists, str / int / float / bool /
-None)::
+A Lens state (:meth:`gradlens.Lens.state_dict`, format version 3) is a dict of plain data that
+``torch.load(..., weights_only=True)`` reads (tensors, dicts, lists, tuples, str / int / float /
+bool / None), and nothing else::
 
     "format":            "gradlens.Lens"
-    "version":           2
+    "version":           3
     "step":              int, the window index (the schedule's position)
     "skipped_windows":   int
     "empty_micro_steps": int, captures of the current window whose backward reached nothing
     "instruments":       [{"type": class name, "key": record key, "state": dict}], in the Lens'
                          order; "state" is :meth:`Instrument.state_dict` (what the instrument
-                         keeps BETWEEN windows)
+                         keeps BETWEEN windows: plain data)
     "parameters":        {"names": [str], "shapes": [[int]], "dtypes": [str]}: the tracked
                          parameters (qualified names as in ``model.named_parameters()``)
     "undefined":         [str]: parameters left out by ``Lens(undefined="exclude")``
     "window":            bool: saved inside a tracked window that captured micro-steps
     "pending":           int or None: the step of the record waiting for the next window (Alpha)
-    "blob":              uint8 tensor or None: a pickle of the partial window (its
-                         :class:`~gradlens.core.stats.WindowStats`, each instrument's
-                         window state and the uses measured so far) and of the pending record
-                         with its states, in which parameters, modules and instruments are
-                         referred to by name or position
+    "partial_window":    None, or (``"window"`` true) the :class:`~gradlens.core.window.Window`
+                         so far: {"stats": its WindowStats, "states": [each instrument's window
+                         state, in the Lens' order], "sites": {use name: Site}, "coverage": float}
+                         (its stacked uses are measured into "stats" first, its empty
+                         micro-steps are "empty_micro_steps", its ``sum_blocks`` a cache)
+    "pending_record":    None, or (``"pending"`` set) {"record": the Record, "states":
+                         [[instrument position, its window state], ...] of the instruments that
+                         complete it}
 
-:func:`load_lens_state_dict` checks the header (version, instruments by type, key and order,
-parameter names, shapes and dtypes, every instrument's state) before it unpickles the blob: a
-state of another Lens is a ``ValueError`` there, naming what differs and the fix, never a crash
-at the next capture. The blob is a pickle: load only checkpoints you trust.
+The values inside "partial_window" and "pending_record" are written by
+:mod:`gradlens.lens.state_codec`: plain data, in which gradlens' own state classes are
+``("obj", class name, index, {field: value})`` and the Lens' parameters, modules, instruments
+and buffer pools are referred to by name or position. Loading one constructs those classes
+only; nothing is unpickled, so a checkpoint cannot run code.
 
-Version 1 (gradlens before this format: the instruments' attributes pickled as a whole, with no
-names or shapes to check) is not read; its error says so.
+:func:`load_lens_state_dict` checks the header (version, entries, instruments by type, key and
+order, parameter names, shapes and dtypes, that every instrument's state is plain data) and
+rebuilds the partial window and the pending record before anything of ``lens`` changes: a state
+of another Lens, or one that holds what a Lens state does not, is a :class:`StateDictError`
+naming what differs and the fix, never a crash at the next capture.
+
+Earlier versions are not read, and their errors say so: version 2 (an earlier gradlens: the
+partial window and the pending record were a pickle inside a uint8 tensor, which could name code
+to run when loaded) and version 1 (the instruments' attributes pickled as a whole, with no names or
+shapes to check).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from gradlens.capture.events import Site
 from gradlens.core.stats import WindowStats
+from gradlens.core.window import Window
 from gradlens.core.records import Record
 from gradlens.core.state_checks import *  # noqa: F401,F403 - StateDictError and the validators, re-exported
+from gradlens.lens.state_codec import Decoder, Encoder, is_plain
 
 # (annotations name the instruments' and the Lens' classes without importing them: no cycle)
 
 #: the format version :func:`lens_state_dict` writes and :func:`load_lens_state_dict` reads
-LENS_STATE_VERSION = 2
+LENS_STATE_VERSION = 3
 
 __all__ = ["LENS_STATE_VERSION", "StateDictError", "check_state", "lens_state_dict", "load_lens_state_dict"]
 
@@ -57,23 +69,13 @@ _FORMAT = "gradlens.Lens"
 _COUNTERS = {"updates": "step", "skipped": "skipped_windows"}
 _HEADER = {
     "format", "version", "step", "skipped_windows", "empty_micro_steps", "instruments",
-    "parameters", "undefined", "window", "pending", "blob",
+    "parameters", "undefined", "window", "pending", "partial_window", "pending_record",
 }
+_WINDOW_KEYS = {"stats", "states", "sites", "coverage"}
+_PENDING_KEYS = {"record", "states"}
 
 
 # =============================================================================== the Lens
-def _object_ids(lens: "Lens", by_pid: bool = False):
-    """Objects a saved state refers to by name: tracked parameters, the model's modules, the
-    instruments and the buffer pools of the window sums (``{id: pid}``, or ``[(obj, pid)]``)."""
-    pairs = [(pool, ("pools", name)) for name, pool in lens._pools.items()]
-    pairs += [(p, ("p", q)) for q, p in lens._tap.params.items()]
-    pairs += [(m, ("m", n)) for n, m in lens.model.named_modules()]
-    pairs += [(i, ("i", str(n))) for n, i in enumerate(lens.instruments)]
-    if by_pid:
-        return pairs
-    return {id(obj): pid for obj, pid in pairs}
-
-
 def _version() -> int:
     return LENS_STATE_VERSION
 
@@ -87,66 +89,32 @@ def _parameters(lens: "Lens") -> dict[str, list]:
     }
 
 
-def _dumps(payload: Any, lens: "Lens") -> Tensor:
-    """``payload`` pickled into a uint8 tensor; the Lens' parameters, modules, instruments and
-    buffer pools are written as references (:func:`_object_ids`), not copied."""
-    ids = _object_ids(lens)
-
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, obj):
-            return ids.get(id(obj))
-
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _loads(blob: Tensor, lens: "Lens") -> Any:
-    objs = dict((pid, obj) for obj, pid in _object_ids(lens, by_pid=True))
-    kinds = {"p": "parameter", "m": "module", "i": "instrument"}
-
-    class _Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid):
-            if pid in objs:
-                return objs[pid]
-            if isinstance(pid, tuple) and pid[:1] == ("pools",):  # buffers reused across windows
-                return lens._pools.setdefault(pid[1], {})
-            kind = kinds.get(pid[0], pid[0]) if isinstance(pid, tuple) and pid else pid
-            name = pid[1] if isinstance(pid, tuple) and len(pid) > 1 else ""
-            raise StateDictError(
-                f"the Lens state_dict refers to {kind} {name!r}, which this Lens does not have; "
-                "build it on the same model with the same instruments (in the same order) and "
-                "exclusions"
-            )
-
-    try:
-        return _Unpickler(io.BytesIO(blob.cpu().numpy().tobytes())).load()
-    except StateDictError:
-        raise
-    except Exception as err:  # a cut or altered file: say so, not a pickle traceback
-        raise StateDictError(
-            f"the Lens state_dict's blob (the partial window / pending record) does not unpickle "
-            f"({type(err).__name__}: {err}); the checkpoint is damaged: resume from an earlier one"
-        ) from err
-
-
 def lens_state_dict(lens: "Lens") -> dict[str, Any]:
-    """The state of ``lens`` (format in the module docstring). Call with no merge in flight."""
+    """The state of ``lens`` (format in the module docstring). Call with no merge in flight and
+    the window's stacked uses settled. The tensors of the partial window and of the pending
+    record are copies (on their devices): the state does not change as the Lens goes on."""
     window = lens._window
     mid_window = window is not None and window.micro_steps > 0
-    payload: dict[str, Any] = {"window": None, "states": None, "sites": None, "pending": None}
+    encode = Encoder(lens)
+    partial = None
     if mid_window:
-        payload["window"] = window
-        payload["states"] = [lens._states.get(id(i)) for i in lens.instruments]
-        payload["sites"] = dict(lens._window_sites)  # the uses measured so far (rank merging)
-    pending_step = None
+        if window.carried:
+            raise RuntimeError("Lens.state_dict(): the window's stacked uses were not settled (a gradlens bug)")
+        partial = {
+            "stats": encode(window.stats, "partial window's stats"),
+            "states": [encode(window.states.get(id(i)), f"partial window's state of {label(i)}")
+                       for i in lens.instruments],
+            "sites": encode(dict(window.sites), "partial window's sites"),  # the uses measured so far
+            "coverage": float(window.coverage),
+        }
+    pending = None
     if lens._pending.held is not None:
         record, states = lens._pending.held
-        pending_step = int(record.step)
-        payload["pending"] = (
-            record,
-            {n: states[id(i)] for n, i in enumerate(lens.instruments) if id(i) in states},
-        )
+        pending = {
+            "record": encode(record, "pending record"),
+            "states": [[n, encode(states[id(i)], f"pending record's state of {label(i)}")]
+                       for n, i in enumerate(lens.instruments) if id(i) in states],
+        }
     instruments = []
     for inst in lens.instruments:
         state = inst.state_dict()
@@ -160,42 +128,57 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
         "format": _FORMAT,
         "version": _version(),
         **lens._counter.state_dict(_COUNTERS),
-        "empty_micro_steps": int(lens._empty_micro_steps),
+        "empty_micro_steps": 0 if window is None else int(window.empty_micro_steps),
         "instruments": instruments,
         "parameters": _parameters(lens),
         "undefined": sorted(lens._meter.undefined_params),
         "window": mid_window,
-        "pending": pending_step,
-        "blob": _dumps(payload, lens) if mid_window or pending_step is not None else None,
+        "pending": None if pending is None else int(lens._pending.held[0].step),
+        "partial_window": partial,
+        "pending_record": pending,
     }
 
 
 def _check_header(state: Any) -> None:
-    """The plain part of a Lens state: its kind, version and the types of its entries."""
-    if not isinstance(state, dict) or not ({"version", "blob"} <= set(state)):
+    """The plain part of a Lens state: its kind, version, entries and their types."""
+    if not isinstance(state, dict) or "version" not in state:
         got = f"a dict with keys {sorted(map(str, state))}" if isinstance(state, dict) else type(state).__name__
         raise StateDictError(
             f"Lens.load_state_dict(state_dict=...) takes the dict from Lens.state_dict(), got {got}"
         )
     version = state["version"]
-    if version == 1:
+    restart = ("start this Lens afresh (do not call load_state_dict; the model and optimizer checkpoints "
+               "still load)")
+    if type(version) is int and version == 1:
         raise StateDictError(
             "this Lens state_dict has version 1 (written by an earlier gradlens, which pickled the "
             f"instruments' attributes without names or shapes to check); this gradlens reads "
-            f"version {_version()} only. Resume it with the gradlens that wrote it, or start this "
-            "Lens afresh (do not call load_state_dict; the model and optimizer checkpoints still load)"
+            f"version {_version()} only. Resume it with the gradlens that wrote it, or {restart}"
         )
-    if version != _version():
+    if type(version) is int and version == 2:
+        raise StateDictError(
+            "this Lens state_dict has version 2 (written by an earlier gradlens, which kept the partial "
+            "window and the pending record as a pickle: loading it could run code named in the "
+            f"file); this gradlens reads version {_version()} only and never unpickles a checkpoint. "
+            f"Resume it with the gradlens that wrote it if you trust the file, or {restart}"
+        )
+    if not (type(version) is int and version == _version()):
         raise StateDictError(
             f"Lens state_dict version {version!r}; this gradlens reads version {_version()}: load "
             "it with the gradlens that wrote it, or start this Lens afresh (do not call "
             "load_state_dict)"
         )
-    missing = sorted(_HEADER - set(state))
+    missing, extra = sorted(_HEADER - set(state)), sorted(map(repr, set(state) - _HEADER))
     if missing:
         raise StateDictError(
             f"the Lens state_dict lacks {missing}; pass the dict that Lens.state_dict() returned, "
             "unchanged"
+        )
+    if extra:
+        raise StateDictError(
+            f"the Lens state_dict has entries [{', '.join(extra)}] that a version {_version()} Lens "
+            "state does not have; the checkpoint was altered: pass the dict that Lens.state_dict() "
+            "returned, unchanged"
         )
     if state["format"] != _FORMAT:
         raise StateDictError(
@@ -208,22 +191,38 @@ def _check_header(state: Any) -> None:
             ("skipped_windows", is_count(state["skipped_windows"])),
             ("empty_micro_steps", is_count(state["empty_micro_steps"])),
             ("instruments", isinstance(state["instruments"], list)
-             and all(isinstance(e, dict) and {"type", "key", "state"} <= set(e) for e in state["instruments"])),
+             and all(type(e) is dict and set(e) == {"type", "key", "state"} and type(e["type"]) is str
+                     and type(e["key"]) is str for e in state["instruments"])),
             ("parameters", _is_parameter_table(state["parameters"])),
-            ("undefined", isinstance(state["undefined"], list)),
+            ("undefined", type(state["undefined"]) is list and all(type(q) is str for q in state["undefined"])),
             ("window", isinstance(state["window"], bool)),
             ("pending", state["pending"] is None or is_count(state["pending"])),
-            ("blob", state["blob"] is None
-             or (isinstance(state["blob"], Tensor) and state["blob"].dtype == torch.uint8)),
+            ("partial_window", state["partial_window"] is None if not state["window"] is True else (
+                type(state["partial_window"]) is dict and set(state["partial_window"]) == _WINDOW_KEYS
+                and type(state["partial_window"]["states"]) is list
+                and isinstance(state["instruments"], list)
+                and len(state["partial_window"]["states"]) == len(state["instruments"])
+                and is_float(state["partial_window"]["coverage"]))),
+            ("pending_record", state["pending_record"] is None if state["pending"] is None else (
+                type(state["pending_record"]) is dict and set(state["pending_record"]) == _PENDING_KEYS
+                and type(state["pending_record"]["states"]) is list
+                and all(type(e) is list and len(e) == 2 and is_count(e[0])
+                        for e in state["pending_record"]["states"]))),
         ) if not ok
     ]
-    if not bad and (state["window"] or state["pending"] is not None) and state["blob"] is None:
-        bad = ["blob"]
     if bad:
         raise StateDictError(
             f"the Lens state_dict has malformed entries {bad}; the checkpoint is damaged or was "
             "edited: pass the dict that Lens.state_dict() returned, unchanged"
         )
+    for n, e in enumerate(state["instruments"]):
+        if not is_plain(e["state"]):
+            raise StateDictError(
+                f"the Lens state_dict's state of instrument {n} ({e['type']}, record key {e['key']!r}) "
+                "holds objects other than plain data (tensors, numbers, strings, bools, None, lists / "
+                "tuples / dicts of those); the checkpoint is damaged or was altered: resume from an "
+                "earlier one"
+            )
 
 
 def _is_parameter_table(p: Any) -> bool:
@@ -327,12 +326,14 @@ def _restore(lens: "Lens", before: list[dict]) -> None:
 
 def load_lens_state_dict(lens: "Lens", state: Any) -> None:
     """Resume ``lens`` from :func:`lens_state_dict`'s dict: the header is checked (module
-    docstring) before the blob is unpickled; nothing of ``lens`` changes if a check fails.
+    docstring) and the partial window and the pending record are rebuilt before anything of
+    ``lens`` changes; nothing of ``lens`` changes if a check fails.
 
     Raises:
         StateDictError (a ValueError and a TypeError): not a Lens state, another version, other
             instruments (set, order, keys, settings), other parameters (names, shapes, dtypes),
-            a partial window that this Lens' schedule does not track.
+            a partial window that this Lens' schedule does not track, or an entry that holds
+            what a Lens state does not (a damaged or altered checkpoint).
     """
     _check_header(state)
     _check_instruments(state, lens)
@@ -343,48 +344,56 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
             "Lens's schedule (every=...) does not track; use the same schedule"
         )
     _check_parameter_tensors(state, lens)
-    # every instrument checks its state (part of the header) before the blob is unpickled
-    before = _load_instruments(state, lens)  # before the window opens: its ranges start the window
-    payload = None
+    # every instrument checks its state (part of the header) before the window is rebuilt; and
+    # before the window opens: its ranges start the window
+    before = _load_instruments(state, lens)
     try:
-        if state["blob"] is not None:
-            payload = _loads(state["blob"], lens)
-            _check_payload(payload, state, lens)
+        window, pending = _decode(state, lens)  # plain data -> gradlens' own state classes, or refused
     except BaseException:
         _restore(lens, before)
         raise
     lens._counter.load_state_dict(state, _COUNTERS, where="the Lens state_dict")  # checked above
     lens._open_window()
-    if state["window"]:
-        lens._window = payload["window"]
-        lens._states = {id(i): st for i, st in zip(lens.instruments, payload["states"])}
-        lens._window_sites.update(payload["sites"])
-        lens._curvature.bind(lens._states)  # curvature: bind the window states to this Lens' graph
-    lens._empty_micro_steps = state["empty_micro_steps"]
-    lens._pending.held = None
-    if state["pending"] is not None:
-        record, states = payload["pending"]
-        lens._pending.held = (record, {id(lens.instruments[n]): st for n, st in states.items()})
-    if lens._sharded is not None and lens._window is not None:  # GradHist2d: bins of the window (FSDP2)
-        lens._sharded.bin_values(lens.instruments, lens._states, lens._tap.params)
+    if window is not None:
+        lens._use_window(Window(window["stats"], {id(i): st for i, st in zip(lens.instruments, window["states"])},
+                                window["sites"], coverage=window["coverage"]))
+    if lens._window is not None:
+        lens._window.empty_micro_steps = state["empty_micro_steps"]
+    lens._pending.held = pending
 
 
-def _check_payload(payload: Any, state: dict, lens: "Lens") -> None:
+def _decode(state: dict, lens: "Lens") -> tuple[dict | None, tuple | None]:
+    """The partial window (``{"stats", "states", "sites", "coverage"}``, or None) and the
+    pending record (``(record, {id(instrument): state})``, or None) of ``state``, rebuilt
+    (:class:`gradlens.lens.state_codec.Decoder`) and checked; changes nothing of ``lens``."""
+    decode = Decoder(lens)
+    window = pending = None
     n = len(lens.instruments)
-    ok = isinstance(payload, dict) and {"window", "states", "sites", "pending"} <= set(payload)
-    if ok and state["window"]:
-        ok = (
-            isinstance(payload["window"], WindowStats) and isinstance(payload["sites"], dict)
-            and isinstance(payload["states"], list) and len(payload["states"]) == n
-        )
-    if ok and state["pending"] is not None:
-        pend = payload["pending"]
-        ok = (
-            isinstance(pend, tuple) and len(pend) == 2 and isinstance(pend[0], Record)
-            and isinstance(pend[1], dict) and all(is_int(k) and 0 <= k < n for k in pend[1])
-        )
-    if not ok:
-        raise StateDictError(
-            "the Lens state_dict's blob does not hold the partial window or pending record its "
-            "header announces; the checkpoint is damaged: resume from an earlier one"
-        )
+    if state["partial_window"] is not None:
+        raw = state["partial_window"]
+        window = {
+            "stats": decode(raw["stats"], "partial window's stats"),
+            "states": [decode(st, f"partial window's state {k}") for k, st in enumerate(raw["states"])],
+            "sites": decode(raw["sites"], "partial window's sites"),
+            "coverage": float(raw["coverage"]),
+        }
+        if not (isinstance(window["stats"], WindowStats) and type(window["sites"]) is dict
+                and all(type(s) is Site and s.name == name for name, s in window["sites"].items())):
+            raise StateDictError(
+                "the Lens state_dict's partial window does not hold window statistics and the sites "
+                "of its uses; the checkpoint is damaged or was altered: resume from an earlier one"
+            )
+    if state["pending_record"] is not None:
+        raw = state["pending_record"]
+        record = decode(raw["record"], "pending record")
+        positions = [k for k, _ in raw["states"]]
+        if not (isinstance(record, Record) and record.step == state["pending"]
+                and all(k < n for k in positions) and len(set(positions)) == len(positions)):
+            raise StateDictError(
+                f"the Lens state_dict's pending record is not the record of window {state['pending']} "
+                "with the states of this Lens' instruments that complete it; the checkpoint is damaged "
+                "or was altered: resume from an earlier one"
+            )
+        states = {id(lens.instruments[k]): decode(st, f"pending record's state {k}") for k, st in raw["states"]}
+        pending = (record, states)
+    return window, pending

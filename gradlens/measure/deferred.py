@@ -23,8 +23,9 @@
   autograd node of the use for its dL/dp.
 
 :func:`measure` runs at the end of the micro-step (:meth:`gradlens.measure.meter.Meter.finish`);
-:func:`carry` keeps its stacked uses when it folds into the window, :func:`settle` measures
-them before anything reads the window (:meth:`gradlens.measure.meter.Meter.settle`).
+:func:`carry` keeps its stacked uses in the :class:`~gradlens.core.window.Window` when it folds
+into it, :func:`settle` measures them before anything reads the window
+(:meth:`gradlens.measure.meter.Meter.settle`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gradlens.capture.events import Site
 from gradlens.kernels.linear import OpLinear
 from gradlens.capture.units import MicroStep
 from gradlens.core.limits import SMALL_SUM, SMALL_USE, STACK_BUDGET
+from gradlens.core.window import Window
 
 __all__ = [
     "SMALL_SUM", "SMALL_USE", "STACK_BUDGET", "add_shared", "carry", "fits", "measure", "settle", "stack",
@@ -104,8 +106,10 @@ def stack(micro: MicroStep, site: Site, a: Tensor, delta: Tensor, static: tuple,
 
 def measure(meter, micro: MicroStep) -> None:
     """Measure the shared parameters the micro-step kept (each one's g_n summed over its uses),
-    through ``meter`` (the :class:`gradlens.measure.meter.Meter` whose micro-step ends). Its stacked
-    small uses wait for the window (:func:`carry`, :func:`settle`)."""
+    through ``meter`` (the :class:`gradlens.measure.meter.Meter` whose micro-step ends: its
+    :meth:`~gradlens.measure.meter.Meter.measure_use` and
+    :meth:`~gradlens.measure.meter.Meter.measure_param`). Its stacked small uses wait for the
+    window (:func:`carry`, :func:`settle`)."""
     linear: dict[tuple, list] = {}
     for site, a, delta in micro.linear_uses:
         linear.setdefault(tuple(sorted(site.params.items())), []).append((site, a, delta))
@@ -126,39 +130,40 @@ def measure(meter, micro: MicroStep) -> None:
         attrs = tuple(attr for attr, _ in key)
         stand_in = OpLinear(m.weight, getattr(m, "bias", None), attrs)
         name = "+".join(q for _, q in key) + "#uses"
-        meter._measure(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
+        meter.measure_use(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
     for q, g in micro.shared.items():
-        meter._measure_materialised(f"{q}#uses", q, g, micro)
+        meter.measure_param(f"{q}#uses", q, g, micro)
     micro.linear_uses, micro.shared = [], {}
 
 
-def carry(meter, micro: MicroStep, index: int) -> None:
-    """Keep the micro-step's stacked uses for the window's end (``meter.carried``: stack key ->
+def carry(window: Window, micro: MicroStep, index: int) -> None:
+    """Keep the micro-step's stacked uses for the window's end (``window.carried``: stack key ->
     blocks, one per micro-step: the uses' sites, the uses, the micro-step's per-sample scale,
     its batch size and its place ``index`` among the window's ``batch_l2`` vectors)."""
     scale = micro.scale()
     for key, uses in micro.stacked.items():
         sites = tuple((u[0].name, tuple(u[0].params.items()), u[4]) for u in uses)
-        meter.carried.setdefault(key, []).append((sites, uses, scale, uses[0][2].shape[0], index))
-    meter.carried_elements += micro.stacked_elements
+        window.carried.setdefault(key, []).append((sites, uses, scale, uses[0][2].shape[0], index))
+    window.carried_elements += micro.stacked_elements
     micro.stacked, micro.stacked_elements = {}, 0
 
 
-def settle(meter, window) -> None:
-    """Measure the stacked uses carried so far into ``window`` (the Lens' window, whose
-    micro-steps they belong to). Per stack key and set of sites, the uses are concatenated
-    site by site (each site's samples over the window, then the next site's) and scaled to
-    per-sample units (each micro-step its own scale), so that every site's norms, window
-    gradient and sum of squares (what the plan wants) come from one call
-    (:meth:`~gradlens.kernels.Kernel.stacked_reduce`); the ``[N]`` norms are added to the
+def settle(window: Window, use_sums: frozenset) -> None:
+    """Measure the stacked uses ``window`` carries into its statistics (``use_sums``: the sums
+    the plan wants, :attr:`gradlens.measure.meter.Meter.use_sums`). Per stack key and set of
+    sites, the uses are concatenated site by site (each site's samples over the window, then
+    the next site's) and scaled to per-sample units (each micro-step its own scale), so that
+    every site's norms, window gradient and sum of squares (what the plan wants) come from one
+    call (:meth:`~gradlens.kernels.Kernel.stacked_reduce`); the ``[N]`` norms are added to the
     micro-steps' ``batch_l2`` (and ``group_l2``) vectors, the sums into the window's
     accumulators."""
-    carried = meter.carried
+    carried = window.carried
     if not carried:
         return
-    meter.carried, meter.carried_elements = {}, 0
-    acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}  # (untouched)
-    totals, squares = "grad_sum" in meter.use_sums, "sum_grad_squared" in meter.use_sums
+    window.carried, window.carried_elements = {}, 0
+    stats = window.stats
+    acc = {"sum_grad_squared": stats.sum_grad_squared, "grad_sum": stats.grad_sum}  # (untouched)
+    totals, squares = "grad_sum" in use_sums, "sum_grad_squared" in use_sums
     parts: dict[tuple, dict] = {}  # micro-steps (their indices) -> group -> [k, N] norms of uses
     scales: dict[tuple, Tensor | None] = {}  # (micro-steps, dtype, device) -> [1, N, 1] per-sample scale
     for blocks in carried.values():
@@ -180,7 +185,7 @@ def settle(meter, window) -> None:
                     "sum_grad_squared": list(site0.params) if squares else []}
             l2, got = site0.kernel.stacked_reduce(site0.module, a, d, k, [names for _, names in split0], want, acc)
             for q, by_attr in got.items():
-                _add_stacked_sums(first, q, by_attr, acc[q], meter.sum_blocks)
+                _add_stacked_sums(first, q, by_attr, acc[q], window.sum_blocks)
             into = parts.setdefault(steps, {})
             for j in range(len(split0)):  # the same attributes per group in every use
                 groups = [u[3][j][0] for u in first]
@@ -192,14 +197,14 @@ def settle(meter, window) -> None:
                         for i, g in enumerate(groups):
                             into.setdefault(g, []).append(rows[i:i + 1])
     for steps, by_group in parts.items():
-        sizes = [int(window.batch_l2[i].shape[0]) for i in steps]
+        sizes = [int(stats.batch_l2[i].shape[0]) for i in steps]
         total = None
         for g, rows in by_group.items():  # [k, n] blocks of uses: one sum over all of them
             v = (torch.cat(rows) if len(rows) > 1 else rows[0]).sum(0)
             total = v if total is None else total + v
             if g is not None:
-                _add_pieces(window.group_l2[g], steps, v.split(sizes))
-        _add_pieces(window.batch_l2, steps, total.split(sizes))
+                _add_pieces(stats.group_l2[g], steps, v.split(sizes))
+        _add_pieces(stats.batch_l2, steps, total.split(sizes))
 
 
 def _per_sample(run: list, like: Tensor) -> Tensor | None:
@@ -223,7 +228,7 @@ def _add_stacked_sums(uses: list, quantity: str, got: dict[str, Tensor], acc: di
     """Each stacked use's sum over its samples of ``quantity`` (``"grad_sum"``: sum_n g_n,
     ``"sum_grad_squared"``: sum_n g_n * g_n; ``got``: attribute -> ``[k, *param]``, per-sample
     units) into the window's ``acc``. A ``[k, *param]`` block becomes the uses' accumulators
-    (row i is use i's; remembered in ``blocks``, the Meter's); a later one for the same uses
+    (row i is use i's; remembered in ``blocks``, the window's ``sum_blocks``); a later one for the same uses
     (the window settled before, e.g. for a checkpoint) is added onto it in one operation (if
     ``acc`` still holds those rows). A use's window gradient of an attribute that autograd's
     node hook delivers (its ``via``) is not added here."""

@@ -9,8 +9,9 @@ rescales each output gradient to per-sample units (:class:`gradlens.capture.unit
 computes, once per use, what the :class:`Plan` asks for (the kernel's reductions, factor
 products, materialised slices, sums), handing the same pieces to every instrument that needs
 them. The Lens starts and ends micro-steps (:meth:`Meter.begin`, :meth:`Meter.finish`,
-:meth:`Meter.end`, :meth:`Meter.fold`) and owns the window's state; the Meter holds references
-to it for one micro-step only.
+:meth:`Meter.end`, :meth:`Meter.fold`) and owns the window's state, one
+:class:`~gradlens.core.window.Window`: the Meter takes it at :meth:`Meter.begin`, holds it for
+that micro-step only, and gives it back folded (:meth:`Meter.fold`, :meth:`Meter.settle`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gradlens.capture import ops
 from gradlens.capture import CONV1D, LINEAR, LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import LIGHT_QUANTITIES, WindowStats
+from gradlens.core.window import Window
 from gradlens.compat import queue_backward_callback
 from gradlens.core.groups import group_params
 from gradlens.measure.window_grad import WindowGradient
@@ -122,8 +124,8 @@ class Meter(WindowGradient):
             installed (:meth:`install`) while the Lens' window is tracked.
         grad_sq_hooks: parameter hooks giving ||dL/dp||^2 ("micro_grad_sq"), or None.
         undefined_params: parameters left out as undefined: name -> the mixing layer.
-        micro, window, sites: the micro-step being captured, the Lens' window it folds into and
-            the window's measured uses (name -> Site); set by :meth:`begin`, cleared by :meth:`end`.
+        micro, window: the micro-step being captured and the Lens' :class:`~gradlens.core.window.Window`
+            it folds into; set by :meth:`begin`, cleared by :meth:`end`.
     """
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], plan: Plan, *,
@@ -138,8 +140,7 @@ class Meter(WindowGradient):
         self.graph = None
         self.consumed: set[int] = set()  # forward passes measured by earlier captures
         self.micro: MicroStep | None = None
-        self.window: WindowStats | None = None
-        self.sites: dict[str, Site] = {}
+        self.window: Window | None = None
         if plan.light:
             self.tap = ParamTap(model, params, self.on_param_grad)
         else:
@@ -167,12 +168,6 @@ class Meter(WindowGradient):
         if self._stacks:  # small uses' window gradients come with their stacked norms
             self.tap.sums_here = deferred.sums_here
             self.tap.stacks_if = deferred.fits
-        #: the window gradients of stacked uses, as blocks of rows (see gradlens.measure.deferred)
-        self.sum_blocks: dict = {}
-        #: stacked uses of the window's folded micro-steps, not measured yet (deferred.carry;
-        #: measured by settle) and their elements
-        self.carried: dict = {}
-        self.carried_elements = 0
 
     # ------------------------------------------------------------------ hooks and parameters
     def install(self) -> None:
@@ -215,17 +210,17 @@ class Meter(WindowGradient):
 
     # ------------------------------------------------------------------ micro-step lifecycle
     def begin(self, reduction: str | None, loss: Tensor | None, multiplier: Any, losses: Tensor | None,
-              calls: list[LossCall], window: WindowStats, states: dict[int, Any],
-              sites: dict[str, Site]) -> MicroStep:
+              calls: list[LossCall], window: Window) -> MicroStep:
         """A capture starts (arguments of :meth:`gradlens.Lens.capture`, checked; ``calls``: the
         extended losses computed since the last capture): the new micro-step, to which
-        backward's events now go. ``window`` (whose sums are accumulated in place), the
-        instruments' window ``states`` (read: each instrument's micro-step state starts from
-        its own) and ``sites`` (this window's measured uses) belong to the Lens."""
+        backward's events now go. ``window`` is the Lens' (its sums are accumulated in place,
+        its measured uses noted in ``window.sites``; each instrument's micro-step state starts
+        from its window state in ``window.states``), held until :meth:`end`."""
         calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
         settle_flattened(calls, self.tap.batch, getattr(self.tap, "output_nodes", {}))
+        states = window.states
         if expected is not None:
-            check_reduction(window, expected)
+            check_reduction(window.stats, expected)
         micro = MicroStep(
             reduction=reduction,
             batch_size=calls[0].batch_size if len(calls) == 1 else None,
@@ -240,25 +235,25 @@ class Meter(WindowGradient):
         micro.factor = multiplier
         if self.tap.tainted:
             self.check_undefined()
-        self.micro, self.window, self.sites = micro, window, sites
+        self.micro, self.window = micro, window
         return micro
 
     def end(self, micro: MicroStep) -> None:
         """A capture ends (normally or not): forget it, reset the Tap's per-micro-step state and
         remember the forward passes it measured (bounded: forward ids only grow)."""
-        self.micro, self.window, self.sites = None, None, {}
+        self.micro, self.window = None, None
         self.tap.reset_micro()
         if micro.forwards:
             self.consumed.update(micro.forwards)
             newest = max(self.consumed)
             self.consumed = {f for f in self.consumed if f > newest - 64}
 
-    def fold(self, micro: MicroStep, window: WindowStats, states: dict[int, Any]) -> WindowStats:
-        """After a measured micro-step: its statistics (loss sum, per-sample norms, ||s_k||^2 in
-        per-sample units) merged into ``window``, returned as the window's new statistics; the
-        instruments' micro-step states merged into their window states ``states`` (the Lens'
-        dict, instrument id -> state, updated in place). A tracked parameter the backward never
-        reached has g_n = 0 for this micro-step's samples."""
+    def fold(self, micro: MicroStep, window: Window) -> Window:
+        """After a measured micro-step: ``window`` with it folded in and returned: its
+        statistics (loss sum, per-sample norms, ||s_k||^2 in per-sample units) merged into
+        ``window.stats``, the instruments' micro-step states merged into ``window.states``, its
+        stacked uses carried (measured by :meth:`settle`). A tracked parameter the backward
+        never reached has g_n = 0 for this micro-step's samples."""
         micro.resolve()
         b = micro.batch_size
         s = micro.stats
@@ -290,38 +285,36 @@ class Meter(WindowGradient):
             scale = micro.scale()
             s.micro_grad_sq = micro.grad_sq * (scale * scale)
             s.micro_size_sq = float(b) ** 2
-        index = len(window.batch_l2)  # this micro-step's place among the window's [B_k] vectors
-        window = window.merge(s)
+        index = len(window.stats.batch_l2)  # this micro-step's place among the window's [B_k] vectors
+        window.stats = stats = window.stats.merge(s)
         if micro.stacked:
-            deferred.carry(self, micro, index)
-            if self.carried_elements > deferred.STACK_BUDGET:
-                deferred.settle(self, window)
+            deferred.carry(window, micro, index)
+            if window.carried_elements > deferred.STACK_BUDGET:
+                deferred.settle(window, self.use_sums)
         skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
         if "sum_grad_squared" in self.plan.needs:  # every tracked parameter has an entry, zeros if unreached
             for q in skipped:
-                if q not in window.sum_grad_squared:
+                if q not in stats.sum_grad_squared:
                     p = self.tap.params[q]
-                    window.sum_grad_squared[q] = torch.zeros(
+                    stats.sum_grad_squared[q] = torch.zeros(
                         p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
         for inst in self.plan.per_sample:
             for q in skipped:
                 inst.update_zeros(micro.states[id(inst)], q, self.tap.params[q], b)
+        states = window.states
         for inst in self.plan.micro:
             key = id(inst)
             inst.micro_done(micro.states[key], b, micro.reduction, micro.losses)
             states[key] = inst.merge(states[key], micro.states[key])
         return window
 
-    def settle(self, window: WindowStats) -> None:
-        """Measure the stacked uses the window's micro-steps left for its end into ``window``
-        (:func:`gradlens.measure.deferred.settle`): before anything reads the window's statistics."""
-        if self.carried:
+    def settle(self, window: Window) -> Window:
+        """``window`` with the stacked uses its micro-steps left for its end measured into its
+        statistics (:func:`gradlens.measure.deferred.settle`): before anything reads them."""
+        if window.carried:
             with torch.no_grad():
-                deferred.settle(self, window)
-
-    def drop_carried(self) -> None:
-        """Forget the stacked uses of a window that is dropped."""
-        self.carried, self.carried_elements = {}, 0
+                deferred.settle(window, self.use_sums)
+        return window
 
     def check_undefined(self) -> None:
         """Parameters whose output reached a layer that mixes samples (found in the forward):
@@ -414,7 +407,7 @@ class Meter(WindowGradient):
             self.check_undefined()
         micro.resolve()
         if micro.reduction is not None:
-            check_reduction(self.window, micro.reduction)
+            check_reduction(self.window.stats, micro.reduction)
         if micro.batch_size is None:
             micro.batch_size = batch
         elif batch != micro.batch_size:
@@ -483,12 +476,12 @@ class Meter(WindowGradient):
                 part = site if len(single) == len(site.params) else site.only(single)
                 wg = (slot, scale) if slot is not None and "weight" in single else None
                 if self.plan.carry_scale and not shared:
-                    self._measure(part, a, raw, micro, False, wg, scale=scale)
+                    self.measure_use(part, a, raw, micro, False, wg, scale=scale)
                 else:
                     via = frozenset(attr for attr in weight_via_node if attr in single) if weight_via_node else ()
                     if not (self._stacks and wg is None and self._stack(micro, part, a, raw, via, made)):
                         delta = raw * scale
-                        self._measure(part, a, delta, micro, via, wg)
+                        self.measure_use(part, a, delta, micro, via, wg)
             if shared:
                 if delta is None:
                     delta = raw * scale
@@ -517,7 +510,7 @@ class Meter(WindowGradient):
             got = self._stacking[id(site)] = (site, deferred.stack_key(site, self._split(site.params, True)), numel)
         if got[1] is None or not deferred.stack(micro, site, a, delta, got[1], via, made, got[2]):
             return False
-        self.sites[site.name] = site
+        self.window.sites[site.name] = site
         return True
 
     def on_op_use(self, use: OpUse, g: Tensor) -> None:
@@ -554,13 +547,16 @@ class Meter(WindowGradient):
             for q, gq in per_q.items():
                 micro.seen.add(q)
                 if tap.uses[q] <= 1:
-                    self._measure_materialised(f"{use.name}:{q}", q, gq, micro)
+                    self.measure_param(f"{use.name}:{q}", q, gq, micro)
                 else:
                     add_into(micro.shared, q, gq)
 
-    def _measure_materialised(self, name: str, q: str, g: Tensor, micro: MicroStep) -> None:
+    def measure_param(self, name: str, q: str, g: Tensor, micro: MicroStep) -> None:
+        """Measure the materialised per-sample gradients ``g [B, *param]`` of tracked parameter
+        ``q`` as one use named ``name`` (shared parameters summed over their uses, the exact
+        per-operation rule)."""
         site = Site(name, Materialised("p", self.tap.params[q]), MaterialisedKernel(), {"p": q})
-        self._measure(site, g, g.new_zeros(g.shape[0]), micro)
+        self.measure_use(site, g, g.new_zeros(g.shape[0]), micro)
 
     def finish(self, micro: MicroStep) -> None:
         """After backward: measure the shared parameters (sum over their uses) and check that
@@ -582,7 +578,7 @@ class Meter(WindowGradient):
                 f"them: Lens(..., exclude={missing!r})"
             )
 
-    def _measure(
+    def measure_use(
         self, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, weight_via_node=(),
         weight_grad=None, scale=None,
     ) -> None:
@@ -598,14 +594,15 @@ class Meter(WindowGradient):
         factors, and one pass of materialised ``[b, *param]`` slices whose squares serve both
         the norms and the sum of squares."""
         if scale is not None:
-            self.sites[w.name] = w
+            self.window.sites[w.name] = w
             for inst in self.plan.layer:
                 fill = weight_grad is not None and weight_grad[0].value is None and inst.fills_weight_grad
                 inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad if fill else None,
                                   scale=scale)
             return
-        self.sites[w.name] = w
-        kernel, module, window = w.kernel, w.module, self.window
+        window = self.window
+        window.sites[w.name] = w
+        kernel, module, stats = w.kernel, w.module, window.stats
         per_sample = bool(self.plan.per_sample)
         # Rank-one weights (Linear): instruments with a factor fast path skip materialisation.
         factors = kernel.outer_factors(module, a, delta) if self.plan.exact else {}
@@ -616,13 +613,13 @@ class Meter(WindowGradient):
         want = self.use_sums - from_chunks
         if want:
             # sums go straight into the window's accumulators (in place, no per-step copies)
-            acc = {"sum_grad_squared": window.sum_grad_squared, "grad_sum": window.grad_sum}
+            acc = {"sum_grad_squared": stats.sum_grad_squared, "grad_sum": stats.grad_sum}
             if weight_grad is not None:
                 acc["weight_grad"] = weight_grad
             skip = {("grad_sum", attr) for attr in weight_via_node} if weight_via_node else ()
             for group, names in self._split(w.params, "batch_l2" in want):
                 for l2 in kernel.reduce(module, a, delta, want, names, acc, skip):
-                    self._add_l2(micro, l2, group)
+                    micro.add_l2(l2, group)
         for inst in self.plan.layer:
             if weight_grad is not None and weight_grad[0].value is None and getattr(inst, "fills_weight_grad", False):
                 inst.update_layer(micro.states[id(inst)], w, a, delta, weight_grad=weight_grad)
@@ -665,20 +662,6 @@ class Meter(WindowGradient):
         for attr, q in names.items():
             parts.setdefault(of[q], {})[attr] = q
         return list(parts.items())
-
-    def _add_l2(self, micro: MicroStep, l2: Tensor, group: str | None = None) -> None:
-        """A use's ``[b]`` ||g_n||^2 part: kept in ``micro.l2_parts`` (summed once into
-        ``batch_l2`` at the fold), and added to its group's part."""
-        micro.l2_parts.append(l2)
-        if group is not None:
-            self._add_group_l2(micro, l2, group)
-
-    @staticmethod
-    def _add_group_l2(micro: MicroStep, l2: Tensor, group: str) -> None:
-        """Add ``[b]`` ||g_n||^2 over some parameters of ``group`` into the micro-step's part."""
-        got = micro.group_l2
-        l2 = l2.double()
-        got[group] = l2 if group not in got else got[group] + l2
 
 #: dtypes measured as given (lower precisions are measured in float32)
 _MEASURED = (torch.float32, torch.float64)

@@ -26,13 +26,15 @@ __all__ = ["CPU_SLICE_ELEMENTS", "measure"]
 
 def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: list[str], done: set,
             from_chunks: frozenset, weight_via_node, weight_grad) -> None:
-    """The materialising pass of one use for ``meter`` (the :class:`gradlens.measure.meter.Meter`):
+    """The materialising pass of one use for ``meter`` (the :class:`gradlens.measure.meter.Meter`,
+    whose plan, tracked parameters and chunk bound it reads): the sums go into the window's
+    statistics (``meter.window.stats``), the norms into the micro-step ``micro``;
     ``attrs`` the attributes to form, ``done`` the ``(id(instrument), attr)`` pairs already
     served (factors, sampled entries), ``from_chunks`` the sums to take from the chunks,
     ``weight_via_node`` the attributes whose window gradient autograd delivers, ``weight_grad``
     ``(slot, per-sample scale)`` of a fused Linear call (its dL/dW, if not yet formed, is the
     sum of the chunks' weight slices over the scale)."""
-    kernel, module, window = w.kernel, w.module, meter.window
+    kernel, module, stats = w.kernel, w.module, meter.window.stats
     numel = sum(getattr(module, attr).numel() for attr in attrs)
     l2_parts = []
     of = meter.group_of
@@ -65,15 +67,15 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
                     else:
                         chunks.append(part)
             if "sum_grad_squared" in from_chunks:
-                add_into(window.sum_grad_squared, qname, sq.sum(0))
+                add_into(stats.sum_grad_squared, qname, sq.sum(0))
             if "grad_sum" in from_chunks and attr not in weight_via_node:  # else from autograd
-                add_into(window.grad_sum, qname, gb.sum(0))
+                add_into(stats.grad_sum, qname, gb.sum(0))
         if "batch_l2" in from_chunks:
             l2_parts.append(l2)
     if l2_parts:
-        meter._add_l2(micro, torch.cat(l2_parts) if len(l2_parts) > 1 else l2_parts[0])
+        micro.add_l2(torch.cat(l2_parts) if len(l2_parts) > 1 else l2_parts[0])
         for group, chunks in group_parts.items():
-            meter._add_group_l2(micro, torch.cat(chunks), group)
+            micro.add_group_l2(torch.cat(chunks), group)
     if wsum is not None:
         holder, scale = weight_grad
         holder.value = (wsum / scale).to(module.weight.dtype)

@@ -10,7 +10,7 @@ anyway: a mixin of :class:`gradlens.measure.meter.Meter`.
   instruments of the window gradient only): a parameter's dL/dp in this backward.
 * :meth:`WindowGradient.on_grad_sq`: ||dL/dp||^2 of the parameter hooks of "micro_grad_sq".
 
-The sums go straight into the window's accumulators (``window.grad_sum``, per-sample units).
+The sums go straight into the window's accumulators (``window.stats.grad_sum``, per-sample units).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class WindowGradient:
         one pass (one no-grad context, one scale, no call per gradient)."""
         parts, micro.grad_parts = micro.grad_parts, []
         scale = micro.scale()
-        acc = self.window.grad_sum
+        acc = self.window.stats.grad_sum
         with torch.no_grad():
             for key, grad in parts:
                 if key not in acc:
@@ -70,7 +70,7 @@ class WindowGradient:
     def _add_grad_sum(self, key: str, grad: Tensor, scale: float | Tensor) -> None:
         """``grad_sum[key] += scale * grad`` (a buffer of the pool on the first add)."""
         with torch.no_grad():
-            acc = self.window.grad_sum
+            acc = self.window.stats.grad_sum
             if key in acc:
                 if isinstance(scale, Tensor):
                     acc[key].addcmul_(grad, scale)
@@ -101,7 +101,7 @@ class WindowGradient:
                     "gradlens.extend(loss_fn), or run the forward through the watched model"
                 )
             if micro.reduction is not None:
-                check_reduction(self.window, micro.reduction)
+                check_reduction(self.window.stats, micro.reduction)
             if micro.batch_size == 0:
                 micro.empty = True
         micro.seen.add(q)

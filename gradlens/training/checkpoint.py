@@ -6,17 +6,28 @@ goes to a temporary file in the same folder, is flushed and ``fsync``-ed, and re
 checkpoint with ``os.replace`` (atomic on POSIX and Windows); the folder is ``fsync``-ed too, so
 after a crash or a power loss the path holds either the previous checkpoint or the new one,
 complete.
+
+What a checkpoint may and may not do: it holds plain data only (tensors, numbers, strings,
+bools, None, and lists / tuples / dicts of those), read with ``torch.load(weights_only=True)``,
+which refuses any other object before building it; the Lens' state inside it is plain data too
+(:mod:`gradlens.lens.state`), rebuilt by constructing gradlens' own state classes, never
+unpickled. Loading a checkpoint therefore runs no code named in the file: an altered file is
+refused (:class:`~gradlens.core.state_checks.StateDictError`), and what it would have run does
+not run. It can still hold wrong numbers: load the checkpoints of your own runs.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from gradlens.core.state_checks import StateDictError
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -40,7 +51,7 @@ def save_checkpoint(
         optimizer: any ``torch.optim.Optimizer``; a :class:`~gradlens.GradientAccumulateOptimizer`
             saves its partial window with it, so a checkpoint taken mid-window resumes exactly.
         lens: a :class:`~gradlens.Lens` (its ``state_dict()``: schedule position, pending record,
-            partial window).
+            partial window; plain data, see :meth:`gradlens.Lens.state_dict`).
         **extra: more values to keep (the epoch, a data-loader position, an LR scheduler's
             ``state_dict()``): tensors, numbers, strings and lists / dicts of those, so that
             :func:`load_checkpoint` can read them with ``torch.load(weights_only=True)``.
@@ -95,7 +106,9 @@ def load_checkpoint(
     Build the Lens on the loaded model with the same instruments, schedule and log before
     calling this; the Lens then goes on at the saved step, and its log records replace those
     the stopped run wrote after the checkpoint (see ``Lens(log_mode=...)``). The file is read
-    with ``torch.load(weights_only=True)``.
+    with ``torch.load(weights_only=True)``: it cannot run code (module docstring). The model's,
+    then the optimizer's and the Lens' states are loaded, each checked by its own
+    ``load_state_dict`` before any of it is applied.
 
     Args:
         path: the checkpoint file.
@@ -110,12 +123,25 @@ def load_checkpoint(
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is not a gradlens checkpoint, or lacks the optimizer's or the
             Lens's state asked for.
+        gradlens.lens.state.StateDictError (a ValueError): the file holds objects other than
+            plain data (it was altered, or not written by :func:`save_checkpoint`; nothing of it
+            is loaded or run), or a Lens state that this Lens refuses.
     """
     path = Path(path)
     _check(model, optimizer, lens, "load_checkpoint")
     if not path.is_file():
         raise FileNotFoundError(f"load_checkpoint(path={str(path)!r}): no such checkpoint file")
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:  # an object weights_only does not build: refused unbuilt
+        lines = [ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
+        why = f" ({lines[0]})" if lines else ""
+        raise StateDictError(
+            f"load_checkpoint(path={str(path)!r}): the file holds objects that "
+            f"torch.load(weights_only=True) refuses{why}; a checkpoint of save_checkpoint holds "
+            "plain data only, so this file was altered or written by something else: nothing of it "
+            "was loaded or run. Resume from another checkpoint"
+        ) from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(
             f"load_checkpoint(path={str(path)!r}): not a checkpoint of gradlens.save_checkpoint; "
