@@ -30,7 +30,7 @@ __all__ = [
     "BatchNormBase", "LossBase", "ConvTransposeBase", "InstanceNormBase", "run_pre_hooks_added",
     "pre_hook_ids", "register_load_state_dict_pre_hook", "batchnorm_check_input_dim", "set_module_parameter", "sparse_values", "fsdp_module_params", "named_parameters", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "compile_stance", "set_compile_stance", "compiled_in_place",
+    "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "is_compiled_node", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "grad_scaler_scale", "optimizer_grad_scale",
@@ -307,6 +307,13 @@ def embedding_saved(fn: Any) -> tuple[Tensor, int, bool]:
     if pad >= 1 << 63:
         pad -= 1 << 64
     return fn._saved_indices, pad, bool(fn._saved_scale_grad_by_freq)
+
+
+def is_compiled_node(fn: Any) -> bool:
+    """Whether an autograd node is the backward of a graph ``torch.compile`` made (AOTAutograd's
+    ``CompiledFunction``: its node class is ``CompiledFunctionBackward``). Such a backward runs
+    a compiled kernel that cannot be batched over samples (``is_grads_batched``)."""
+    return (node_name(fn) or "").startswith("CompiledFunction")
 
 
 def view_input_sizes(fn: Any) -> tuple[int, ...] | None:

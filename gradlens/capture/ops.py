@@ -228,11 +228,34 @@ def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor |
     direct = _embedding_lookup(t, params, g)
     if direct is not None:
         return [direct]
-    return list(
-        torch.autograd.grad(
-            t, params, grad_outputs=g, is_grads_batched=True, retain_graph=True, allow_unused=True
+    if not _through_compiled(t.grad_fn):
+        return list(
+            torch.autograd.grad(
+                t, params, grad_outputs=g, is_grads_batched=True, retain_graph=True, allow_unused=True
+            )
         )
-    )
+    # a graph that torch.compile made (a forward traced with gradlens' hooks: the Lens got the
+    # plain module of a compiled forward) has a compiled backward, which cannot be batched over
+    # samples: one VJP per sample through it, stacked (exact; that window only, the next
+    # tracked ones run eagerly)
+    rows = [torch.autograd.grad(t, params, grad_outputs=g[n], retain_graph=True, allow_unused=True)
+            for n in range(g.shape[0])]
+    return [None if rows[0][i] is None else torch.stack([r[i] for r in rows]) for i in range(len(params))]
+
+
+def _through_compiled(fn: Any) -> bool:
+    """Whether the autograd graph from ``fn`` to its leaves (the parameters a derived tensor
+    was computed from: a small graph) passes through a node of a ``torch.compile``'d graph."""
+    seen, todo = set(), [fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if compat.is_compiled_node(node):
+            return True
+        todo.extend(nxt for nxt, _ in getattr(node, "next_functions", ()))
+    return False
 
 
 def _embedding_lookup(t: Tensor, params: list[Tensor], g: Tensor) -> Tensor | None:
