@@ -33,6 +33,7 @@ __all__ = [
     "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "is_compiled_node", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
+    "process_group_timeout",
     "grad_scaler_scale", "optimizer_grad_scale",
     "fsdp_params", "fsdp_unsharded_param", "fsdp_param_slots",
 ]
@@ -405,6 +406,22 @@ def ddp_join_enabled(ddp: Any) -> bool:
     (``ddp._join_config.enable``; torch 2.13 leaves it set after the Join block exits)."""
     join = getattr(ddp, "_join_config", None)
     return join is not None and bool(join.enable)
+
+
+def process_group_timeout(group: Any) -> float | None:
+    """The timeout in seconds that process group ``group`` (None: the default group) was made
+    with (``init_process_group(timeout=...)`` / ``new_group(timeout=...)``): its backend's
+    ``options._timeout``; None where it cannot be read (a backend without options)."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            value = pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for this device, or one without options
+            continue
+        return float(value.total_seconds())
+    return None
 
 
 # ---------------------------------------------------------------------------- GradScaler

@@ -429,6 +429,17 @@ def test_compile_stance():
            f"set_compile_stance('force_eager') then back gave {during!r}, {after!r}")
 
 
+def test_is_compiled_node():
+    torch._dynamo.reset()
+    w = nn.Parameter(torch.randn(3, 2))
+    with _entry("is_compiled_node"):
+        t = torch.compile(lambda w: (w * 2).sin(), backend="aot_eager")(w)
+        got = (compat.is_compiled_node(t.grad_fn), compat.is_compiled_node((w * 2).grad_fn), compat.is_compiled_node(None))
+    torch._dynamo.reset()
+    _check("is_compiled_node", got == (True, False, False),
+           f"a compiled graph's output / an eager mul / no node gave {got} (node {compat.node_name(t.grad_fn)})")
+
+
 def test_view_input_sizes():
     x = torch.randn(2, 3, 5, requires_grad=True) * 1
     with _entry("view_input_sizes"):
@@ -547,6 +558,18 @@ def test_ddp_join_enabled(group):
         ddp(x).sum().backward()
     # torch leaves the Join config in place when the block exits (gradlens then stays careful)
     _check("ddp_join_enabled", seen[:2] == [False, True], f"forwards before / inside Join gave {seen[:2]}")
+
+
+def test_process_group_timeout(group):
+    from datetime import timedelta
+
+    with _entry("process_group_timeout"):
+        default = compat.process_group_timeout(None)
+        own = dist.new_group([0], timeout=timedelta(seconds=7))
+        got = compat.process_group_timeout(own)
+    _check("process_group_timeout", got == 7.0, f"a group made with timeout=7 s gave {got!r}")
+    _check("process_group_timeout", isinstance(default, float) and default > 0,
+           f"the default group gave {default!r}, not its timeout in seconds")
 
 
 # ---------------------------------------------------------------------------- GradScaler

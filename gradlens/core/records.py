@@ -370,6 +370,10 @@ def record_to_json(record: Record) -> dict[str, Any]:
     return data
 
 
+#: the fields every record line has (:func:`record_to_json`)
+_RECORD_FIELDS = ("step", "num_samples", "micro_steps", "values")
+
+
 def record_from_json(data: Mapping[str, Any]) -> Record:
     """Rebuild a :class:`Record` from :func:`record_to_json` output.
 
@@ -377,6 +381,15 @@ def record_from_json(data: Mapping[str, Any]) -> Record:
         ValueError: if ``data`` lacks a record's fields, or its ``"groups"`` is not a mapping of
             group name -> mapping of values.
     """
+    if isinstance(data, Mapping):
+        missing = [k for k in _RECORD_FIELDS if k not in data]
+        if missing:
+            raise ValueError(
+                f"not a gradlens record: no {', '.join(repr(k) for k in missing)} (a record line holds "
+                f"{', '.join(repr(k) for k in _RECORD_FIELDS)}; this one holds "
+                f"{', '.join(repr(str(k)) for k in list(data)[:8]) or 'nothing'}"
+                f"{', ...' if len(data) > 8 else ''}): a line some other program wrote into the log?"
+            )
     groups = data.get("groups", {}) if isinstance(data, Mapping) else {}
     if not isinstance(groups, Mapping) or not all(isinstance(v, Mapping) for v in groups.values()):
         raise ValueError(

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import time
 import weakref
 from datetime import timedelta
 from dataclasses import dataclass, field
@@ -146,22 +147,38 @@ def check_timeout(timeout: Any) -> float | None:
     return float(timeout)
 
 
-def wait(work: Any, timeout: float | None, what: str) -> None:
-    """``work.wait()`` of an ``async_op=True`` collective, at most ``timeout`` seconds (None: the
-    process group's timeout); a collective that fails or times out raises a RuntimeError naming
-    ``what`` and ``Lens(timeout=...)``."""
+def wait(work: Any, timeout: float | None, what: str, group: Any = None) -> None:
+    """``work.wait()`` of an ``async_op=True`` collective over ``group``, at most ``timeout``
+    seconds (None: the process group's timeout); a collective that fails or times out raises a
+    RuntimeError naming ``what`` and the limit that ended the wait: ``Lens(timeout=...)``, or
+    the process group's own timeout where that is shorter (a wait lasts the smaller of the two,
+    so raising the Lens's would change nothing)."""
+    start = time.monotonic()
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timeout=timedelta(seconds=timeout))
     except Exception as err:
+        waited = time.monotonic() - start
+        own = compat.process_group_timeout(group)
+        cause = f"({type(err).__name__}: {err})"
+        if timeout is not None and own is not None and own < timeout:
+            raise RuntimeError(
+                f"{what} across ranks failed after {waited:.1f} s, before the Lens's timeout={timeout:g} s: "
+                f"the process group's own timeout ({own:g} s) is shorter and ends every wait first "
+                "(a wait lasts the smaller of the two). Another rank has not reached it (stalled, "
+                "crashed, or its Lens tracks other windows): make every rank run the same windows "
+                "with the same Lens; to wait longer, raise the process group's timeout "
+                "(init_process_group(..., timeout=timedelta(seconds=...))), not Lens(timeout=...). "
+                + cause
+            ) from err
         limit = "the process group's timeout (timeout=None)" if timeout is None else f"timeout={timeout:g} s"
         raise RuntimeError(
             f"{what} across ranks failed or did not complete within {limit}: another rank has "
             "not reached it (stalled, crashed, or its Lens tracks other windows). Make every rank "
             "run the same windows with the same Lens; Lens(..., timeout=seconds) sets how long "
-            f"to wait. ({type(err).__name__}: {err})"
+            f"to wait (it ended after {waited:.1f} s). {cause}"
         ) from err
 
 
@@ -219,7 +236,7 @@ def check_ranks_agree(group: Any, fingerprint: dict[str, str], timeout: float | 
     names = list(fingerprint)
     buf = torch.zeros(world, len(names), dtype=torch.float64, device=device)
     buf[rank] = torch.tensor([_hash52(fingerprint[n]) for n in names], dtype=torch.float64)
-    wait(dist.all_reduce(buf, group=group, async_op=True), timeout, "the Lens configuration check")
+    wait(dist.all_reduce(buf, group=group, async_op=True), timeout, "the Lens configuration check", group)
     rows = buf.cpu()
     differ = []
     for j, name in enumerate(names):
@@ -409,7 +426,7 @@ def _exchange(
         # else: this rank's shapes differ from the prediction; seen by every rank below
     work = dist.all_reduce(buf, group=group, async_op=True)
     yield
-    wait(work, timeout, what)
+    wait(work, timeout, what, group)
 
     meta_end = sum_len + world * meta_len
     meta = buf[sum_len:meta_end].view(world, meta_len).cpu().double() if meta_len else torch.zeros(world, 0, dtype=f64)
@@ -453,7 +470,7 @@ def _exchange(
                     goff += t.numel()
         gathered = torch.empty(world * longest, dtype=f64, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        wait(gather(gathered, send, group=group, async_op=True), timeout, what)
+        wait(gather(gathered, send, group=group, async_op=True), timeout, what, group)
         gathered = gathered.view(world, longest)
 
     out = []

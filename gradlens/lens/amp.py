@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
@@ -61,9 +61,13 @@ class ScalerSkips:
         return True
 
 
-def warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
-    """A record with inf/nan gradients behind a real update: with a plain optimizer and a
-    GradScaler that the Lens does not know, an earlier skipped window was merged here."""
+def warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any, params: Iterable[Tensor] = ()) -> None:
+    """A record with inf/nan gradients behind a real update, under a plain optimizer and no
+    GradScaler known to the Lens. ``params`` (the tracked parameters) tell the two causes
+    apart: the optimizer's own ``p.grad`` holds inf/nan too, so this window's inputs, loss or
+    parameters were not finite (a GradScaler would have skipped that step); or ``p.grad`` is
+    finite, so the inf/nan came from an earlier window whose step a GradScaler unknown to the
+    Lens skipped, merged into this one."""
     if optimizer is None or isinstance(optimizer, GradientAccumulateOptimizer):
         return
     if grad_scaler is not None:
@@ -72,12 +76,25 @@ def warn_nonfinite(record: Record, optimizer: Any, grad_scaler: Any) -> None:
     bad = (isinstance(gn, float) and not math.isfinite(gn)) or (
         isinstance(l2, Tensor) and not bool(torch.isfinite(l2).all())
     )
-    if bad:
-        warnings.warn(
-            f"the record of window {record.step} holds inf/nan per-sample gradients although "
-            "the optimizer updated: if a GradScaler skipped an earlier step, that window was "
-            "merged into this one; pass Lens(..., grad_scaler=scaler) so skipped windows are "
-            "dropped",
-            RuntimeWarning,
-            stacklevel=3,
+    if not bad:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    stepped_bad = bool(grads) and not bool(torch.stack(
+        [torch.isfinite(g.coalesce().values() if g.is_sparse else g).all() for g in grads]).all())
+    if stepped_bad:
+        message = (
+            f"the record of window {record.step} holds inf/nan per-sample gradients, and so did "
+            "the gradient the optimizer stepped with (p.grad): this window's inputs, loss or "
+            "parameters were not finite (no GradScaler skipped this step; the update applied "
+            "them). Check the data and the loss (e.g. torch.isfinite(x).all()); to skip such "
+            "steps use a torch.amp.GradScaler, or GradientAccumulateOptimizer(..., "
+            "skip_nonfinite=True)"
         )
+    else:
+        message = (
+            f"the record of window {record.step} holds inf/nan per-sample gradients although "
+            "the optimizer updated with a finite gradient: if a GradScaler skipped an earlier "
+            "step, that window was merged into this one; pass Lens(..., grad_scaler=scaler) so "
+            "skipped windows are dropped"
+        )
+    warnings.warn(message, RuntimeWarning, stacklevel=3)

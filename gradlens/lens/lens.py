@@ -465,7 +465,7 @@ class Lens:
         self._pending.settle(self.instruments, reason, window.states if captured else {}, self._sinks.write)
         if captured:
             record = window_record(step, window, self.instruments, self._meter.groups)
-            warn_nonfinite(record, self.optimizer, self.grad_scaler)
+            warn_nonfinite(record, self.optimizer, self.grad_scaler, self._tap.params.values())
             deferring = end_window(window.states, self.instruments)
             keep_record(self.records, record, self.keep_records)
             if deferring:  # e.g. Alpha: completed by the next window, then written to the sinks

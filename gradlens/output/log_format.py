@@ -131,4 +131,5 @@ def parse_line(raw: bytes) -> Record:
     try:
         return record_from_json(data)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as err:
-        raise CorruptLine(f"not a gradlens record: {err}") from None
+        text = str(err)
+        raise CorruptLine(text if text.startswith("not a gradlens record") else f"not a gradlens record: {text}") from None
