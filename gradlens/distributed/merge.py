@@ -61,10 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
-import time
 import weakref
-from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -76,15 +73,13 @@ from gradlens.core.stats import LIGHT_QUANTITIES, DistParts
 from gradlens.core.window import Window
 from gradlens.core.sq_norms import sum_sq
 from gradlens.core.limits import INLINE_GATHER_MAX
+from gradlens.distributed.waits import DEFAULT_TIMEOUT_S, check_timeout, wait  # re-exported
 
 __all__ = [
     "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
     "merge_window_start", "exchange", "exchange_start", "is_writer", "DEFAULT_TIMEOUT_S",
     "check_timeout", "lens_fingerprint", "check_ranks_agree",
 ]
-
-#: seconds a Lens's collective waits for the other ranks before it raises (``Lens(timeout=...)``)
-DEFAULT_TIMEOUT_S = 300.0
 
 #: windows of a callable schedule compared across ranks (from the Lens's first step)
 SCHEDULE_PROBE = 64
@@ -131,55 +126,6 @@ def resolve_group(process_group: Any) -> Any:
             )
         group = process_group
     return group if dist.get_world_size(group) > 1 else None
-
-
-def check_timeout(timeout: Any) -> float | None:
-    """``Lens(timeout=...)``: seconds > 0 (finite), or None (the process group's own)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-        math.isfinite(timeout) and timeout > 0
-    ):
-        raise ValueError(
-            f"timeout must be a number of seconds > 0 or None (the process group's own timeout), "
-            f"got {timeout!r}; e.g. Lens(..., timeout={DEFAULT_TIMEOUT_S:g})"
-        )
-    return float(timeout)
-
-
-def wait(work: Any, timeout: float | None, what: str, group: Any = None) -> None:
-    """``work.wait()`` of an ``async_op=True`` collective over ``group``, at most ``timeout``
-    seconds (None: the process group's timeout); a collective that fails or times out raises a
-    RuntimeError naming ``what`` and the limit that ended the wait: ``Lens(timeout=...)``, or
-    the process group's own timeout where that is shorter (a wait lasts the smaller of the two,
-    so raising the Lens's would change nothing)."""
-    start = time.monotonic()
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout=timedelta(seconds=timeout))
-    except Exception as err:
-        waited = time.monotonic() - start
-        own = compat.process_group_timeout(group)
-        cause = f"({type(err).__name__}: {err})"
-        if timeout is not None and own is not None and own < timeout:
-            raise RuntimeError(
-                f"{what} across ranks failed after {waited:.1f} s, before the Lens's timeout={timeout:g} s: "
-                f"the process group's own timeout ({own:g} s) is shorter and ends every wait first "
-                "(a wait lasts the smaller of the two). Another rank has not reached it (stalled, "
-                "crashed, or its Lens tracks other windows): make every rank run the same windows "
-                "with the same Lens; to wait longer, raise the process group's timeout "
-                "(init_process_group(..., timeout=timedelta(seconds=...))), not Lens(timeout=...). "
-                + cause
-            ) from err
-        limit = "the process group's timeout (timeout=None)" if timeout is None else f"timeout={timeout:g} s"
-        raise RuntimeError(
-            f"{what} across ranks failed or did not complete within {limit}: another rank has "
-            "not reached it (stalled, crashed, or its Lens tracks other windows). Make every rank "
-            "run the same windows with the same Lens; Lens(..., timeout=seconds) sets how long "
-            f"to wait (it ended after {waited:.1f} s). {cause}"
-        ) from err
 
 
 def _settings(inst: Any) -> str:
