@@ -31,7 +31,7 @@ class _LossMode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in _LOSS_FUNCTIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
-            _note_functional_loss(func, kwargs, out, self.tap.batch)
+            _note_functional_loss(func, kwargs, out, self.tap.batch, args)
         return out
 
 

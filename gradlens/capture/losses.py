@@ -50,6 +50,10 @@ class LossCall:
     batch_size: int | None
     output: Tensor | None  # the loss (0-d) until a capture hooks it, then dropped
     target: tuple[Tensor, int] | None = None  # (class targets, ignore_index) of a mean CE/NLL
+    #: the targets' count that a mean CE/NLL divided by (those not ``ignore_index``), a 0-d
+    #: tensor, taken by :meth:`watch_multiplier` when there are more targets than samples (a
+    #: token-mean loss); None otherwise
+    counted: Tensor | None = None
     module_name: str = ""
     #: the loss input's dim 0 is a row-major flattening of these leading dims (``[B, T]`` of
     #: ``logits.view(-1, V)``); ``batch_size`` is then their product until the Meter settles it
@@ -76,6 +80,10 @@ class LossCall:
         forget it."""
         if self.output is not None and self.output.requires_grad:
             self.output.register_hook(self.seen)
+        samples = self.rows[0] if self.rows else self.batch_size
+        if self.counted is None and self.target is not None and samples and self.target[0].numel() > samples:
+            y, ignore = self.target
+            self.counted = (y != ignore).sum()  # on y's device: no host read
         self.output = None
         self.target = None
         self.rows_node = None
@@ -197,13 +205,20 @@ _LOSS_FUNCTIONS = frozenset(
 )
 
 
-def _note_functional_loss(func, kwargs, out, batch) -> None:
+def _note_functional_loss(func, kwargs, out, batch, args=()) -> None:
     """A loss function called inside the model's forward (e.g. ``model(x, labels=y).loss`` of
     transformers): reported like an extended loss module, so ``lens.capture()`` knows its
-    reduction and divides out what multiplied it in backward (1/K, a GradScaler scale)."""
+    reduction and divides out what multiplied it in backward (1/K, a GradScaler scale). A mean
+    ``F.cross_entropy`` / ``F.nll_loss`` on class targets keeps them (its counted targets)."""
     reduction = kwargs.get("reduction", "mean")
     if reduction not in ("mean", "sum") or not isinstance(out, Tensor) or out.dim() != 0:
         return
     if reduction == "mean" and kwargs.get("weight") is not None:
         return  # divides by the sum of class weights: no per-sample split
-    _note_loss(LossCall(reduction=reduction, batch_size=batch, output=out, module_name=f"F.{func.__name__}"))
+    target = None
+    if reduction == "mean" and func in (F.cross_entropy, F.nll_loss):
+        y = args[1] if len(args) > 1 else kwargs.get("target")
+        if isinstance(y, Tensor) and not y.is_floating_point():
+            target = (y, int(kwargs.get("ignore_index", -100)))
+    _note_loss(LossCall(reduction=reduction, batch_size=batch, output=out, target=target,
+                        module_name=f"F.{func.__name__}"))

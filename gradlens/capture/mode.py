@@ -148,7 +148,7 @@ class _UseMode(TorchFunctionMode):
                 else:
                     tap._carry(func, args, kwargs, first, fax, out)
                 if grad and kind & _IS_LOSS:
-                    _note_functional_loss(func, kwargs, out, tap._batch)
+                    _note_functional_loss(func, kwargs, out, tap._batch, args)
             return out
         if not is_data:
             out = func(*args, **kwargs)

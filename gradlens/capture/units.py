@@ -127,6 +127,13 @@ class MicroStep:
         total = sum(m * c.value.double() for m, c in zip(mults, active))
         self._multiplier, self.loss_value = common, total / common
 
+    @property
+    def multiplier(self) -> float | Tensor | None:
+        """c, what multiplied the micro-step's objective on its way to ``backward`` (measured:
+        1/K, a GradScaler's scale; times a stated ``multiplier=``), once resolved; None for 1."""
+        self.resolve()
+        return self._multiplier
+
     def scale(self) -> float | Tensor:
         """Output gradients -> per-sample units: B / c under a mean loss, 1 / c under a sum,
         c being what multiplied the loss in backward (1, a GradScaler scale, 1/K, ...)."""
@@ -184,7 +191,14 @@ def loss_calls_for(
         if loss is not None:  # the user names the loss: what multiplies it is divided out
             if not (isinstance(loss, Tensor) and loss.dim() == 0):
                 raise TypeError(f"loss must be the 0-d loss tensor, got {type(loss).__name__}")
-            calls = [LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")]
+            named = LossCall(reduction=reduction, batch_size=None, output=loss, module_name="loss")
+            for call in calls:  # the loss as a loss function computed it: its counted targets
+                if call.output is loss and call.target is not None and reduction == call.reduction:
+                    samples = call.rows[0] if call.rows else call.batch_size
+                    y, ignore = call.target
+                    if samples and y.numel() > samples:
+                        named.counted = (y != ignore).sum()
+            calls = [named]
         elif multiplier is not None:  # a known factor already applied to the loss
             calls = []
         elif calls:  # a loss computed inside the model (or an extended one): it knows more

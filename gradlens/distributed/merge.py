@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from gradlens import compat
-from gradlens.core.stats import LIGHT_QUANTITIES, DistParts
+from gradlens.core.stats import DistParts
 from gradlens.core.window import Window
 from gradlens.core.sq_norms import sum_sq
 from gradlens.core.limits import INLINE_GATHER_MAX
@@ -561,7 +561,7 @@ def _merge_window(whole: Window, instruments, group: Any, ctx: MergeContext):
     if route is not None:
         verdict = route.verdict(window, ctx.params)
         parts.append(DistParts(per_rank=[verdict]))
-        if fast and ctx.needs <= LIGHT_QUANTITIES and route.local_ok and not ctx.groups:
+        if fast and route.light and route.local_ok and not ctx.groups:
             # the instruments read ||sum g_n||^2 only (and no group needs its own part):
             # ||p.grad||^2 now, before the update
             light_sq = route.light_grad_sq(ctx.params)

@@ -3,6 +3,7 @@
 from gradlens.instruments.base import Instrument
 
 from gradlens.core.stats import WindowStats
+from gradlens.instruments.accumulation import AccumulationCheck
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.batch_dot import BatchDot
 from gradlens.instruments.criteria import CABS, EarlyStopping
@@ -35,6 +36,7 @@ __all__ = [
     "OrthoTest",
     "Distance",
     "UpdateSize",
+    "AccumulationCheck",
     "CABS",
     "EarlyStopping",
     "HessMaxEV",

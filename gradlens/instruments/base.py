@@ -74,6 +74,15 @@ class Instrument:
     #: it reads the parameters' values around the real update (:meth:`present_values`, Alpha):
     #: on an FSDP2-sharded model the Lens gives it the gathered full values there
     reads_update_values: ClassVar[bool] = False
+    #: it compares the gradient the optimizer steps with (``p.grad``) to the window's
+    #: (:class:`~gradlens.instruments.accumulation.AccumulationCheck`): the Lens then calls its
+    #: ``grads_before_backward(state, micro)`` before each captured backward,
+    #: ``grads_abort()`` when the capture ends (normally or not),
+    #: ``grads_after_backward(state, micro, scaler)`` once the micro-step folded (``scaler``: the
+    #: Lens's GradScaler or None), ``grads_written(state)`` when a
+    #: :class:`~gradlens.GradientAccumulateOptimizer` has written its window gradient, and
+    #: ``grads_before_update(state, stats, scaler)`` with the merged window right before the update
+    reads_optimizer_grads: ClassVar[bool] = False
 
     def sharded_refusal(self) -> str | None:
         """Why this instrument cannot measure a model sharded with FSDP2 (``fully_shard``): it
@@ -254,7 +263,14 @@ class Instrument:
         return {}
 
 
+#: what an instrument that sets ``reads_optimizer_grads`` defines (the Lens calls them)
+OPTIMIZER_GRADS_METHODS = ("grads_before_backward", "grads_after_backward", "grads_written", "grads_before_update",
+                           "grads_abort")
+
+
 def _defines(cls: type, name: str) -> bool:
+    if not hasattr(Instrument, name):
+        return callable(getattr(cls, name, None))
     return getattr(cls, name) is not getattr(Instrument, name)
 
 
@@ -321,11 +337,13 @@ def check_instrument(inst: Any) -> None:
         wanted.append(("bin_param", "bins_param_values = True"))
     if inst.reads_update_values:
         wanted.append(("present_values", "reads_update_values = True"))
+    if inst.reads_optimizer_grads:
+        wanted += [(m, "reads_optimizer_grads = True") for m in OPTIMIZER_GRADS_METHODS]
     for method, why in wanted:
         if not _defines(cls, method):
             raise TypeError(
                 f"{name} declares {why} but does not define {method}; define it, or drop that "
-                "declaration" if method in ("bin_param", "present_values") else
+                "declaration" if method in ("bin_param", "present_values", *OPTIMIZER_GRADS_METHODS) else
                 f"{name}.needs has {why} but {name} does not define {method}; define it, or "
                 "drop that quantity from needs"
             )

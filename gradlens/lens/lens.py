@@ -51,6 +51,7 @@ from gradlens.capture.units import check_multiplier
 from gradlens.core.counter import WindowCounter, counter_property
 from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 from gradlens.lens.record import PendingRecord, end_window, keep_record, window_record
+from gradlens.lens.optimizer_grads import OptimizerGrads
 
 __all__ = ["Lens"]
 
@@ -296,6 +297,8 @@ class Lens:
         self._sinks.extend(extra_sinks)
 
         self._hooks = _optimizer_hooks(optimizer, self)  # its real updates close the windows
+        self._readers = OptimizerGrads(instruments, self._sharded is not None)  # AccumulationCheck
+        self._hooks += self._readers.hooks(optimizer, lambda: self._readers.written(self._window))
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._pending = PendingRecord()  # a record waiting for the next window (Alpha)
         self._compiled = CompileNotice(compiled_wrapper)  # torch.compile: warned once
@@ -417,6 +420,7 @@ class Lens:
     def _before_update(self) -> None:
         if self._window is not None:
             self._merge_ranks()
+            self._readers.before_update(self._window, self.grad_scaler)
             states = self._window.states
             if self._sharded is not None:  # Alpha's theta_t: the gathered values
                 self._sharded.present_values(self.instruments, states, self._tap.params)
@@ -553,6 +557,7 @@ class Lens:
         undefined = len(meter.undefined_params)
         try:
             micro = meter.begin(reduction, loss, multiplier, losses, calls, self._window)
+            self._readers.before_backward(self._window, micro)
         finally:
             if len(meter.undefined_params) != undefined:  # undefined="exclude" left some out
                 self._window.coverage = self.coverage
@@ -576,6 +581,7 @@ class Lens:
             raise
         finally:
             meter.end(micro)
+            self._readers.abort()
             if len(meter.undefined_params) != undefined:  # excluded during backward
                 self._window.coverage = self.coverage
         if micro.empty:
@@ -596,6 +602,7 @@ class Lens:
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
             self._curvature.end_micro(micro, drop=self._open_window)
         self._window = meter.fold(micro, self._window)
+        self._readers.after_backward(self._window, micro, self.grad_scaler)
         if isinstance(self.optimizer, GradientAccumulateOptimizer):
             self.optimizer.note_micro_batch(micro.batch_size)  # its step(num_samples=...) must agree
         if self._ddp_route is not None:

@@ -30,11 +30,13 @@ def check_merge(merge: str, instruments: Sequence[Instrument], light: bool) -> N
     if merge not in ("sync", "deferred"):
         raise ValueError(f"merge must be 'sync' or 'deferred', got {merge!r}")
     if merge == "deferred" and not light:
-        heavy = sorted({type(i).__name__ for i in instruments if set(i.needs) - LIGHT_QUANTITIES})
+        heavy = sorted({type(i).__name__ for i in instruments
+                        if set(i.needs) - LIGHT_QUANTITIES or i.reads_optimizer_grads})
         raise ValueError(
             f"Lens(merge='deferred') is for instruments of the window gradient only (GradNorm, "
             f"NoiseScaleTwoBatch); {heavy} need per-sample statistics whose next window depends "
-            "on the merged one (histogram ranges, Alpha's direction): use merge='sync' (the default)"
+            "on the merged one (histogram ranges, Alpha's direction), or the merged window at the "
+            "update (AccumulationCheck): use merge='sync' (the default)"
         )
 
 
@@ -60,12 +62,15 @@ class RankMerge:
     """
 
     def __init__(self, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument], plan: Any):
-        check_merge(merge, instruments, plan.light)
+        # light: the instruments read ||sum g_n||^2 only, never sum_n g_n per parameter at the
+        # update (AccumulationCheck does: it compares it with p.grad)
+        light = plan.light and not any(i.reads_optimizer_grads for i in instruments)
+        check_merge(merge, instruments, light)
         self.group = group
         self.mode = merge
         self.timeout = check_timeout(timeout)
         self.route = (
-            DDPGradRoute(group, light=plan.light) if group is not None and "grad_sum" in plan.needs else None
+            DDPGradRoute(group, light=light) if group is not None and "grad_sum" in plan.needs else None
         )
         self.done = False
         self.issued: Pending | None = None

@@ -54,6 +54,7 @@ from gradlens.instruments.hist2d import _Hist2dState, _Theta
 from gradlens.instruments.sampling import Stratum
 from gradlens.instruments.tests import ShiftedMoments
 from gradlens.instruments.trajectory import SquaredNorms
+from gradlens.instruments.accumulation import CheckState
 
 __all__ = ["REGISTRY", "Decoder", "Encoder", "StateClass"]
 
@@ -219,6 +220,7 @@ REGISTRY: dict[str, StateClass] = {
     "Stratum": StateClass(Stratum, ("m", "numel", "cells", "width", "table"), build=_build_stratum),
     "ShiftedMoments": _dataclass(ShiftedMoments),
     "SquaredNorms": _dataclass(SquaredNorms),
+    "CheckState": _dataclass(CheckState),
     "_CurvState": _dataclass(_CurvState, skip=("graph",), read=_read_curv),
 }
 _BY_CLASS = {entry.cls: name for name, entry in REGISTRY.items()}
