@@ -19,7 +19,7 @@ import gradlens
 from gradlens import Lens, load_checkpoint, save_checkpoint
 from gradlens.instruments import (
     CABS, Alpha, BatchDot, BatchL2, Distance, EarlyStopping, GradHist1d, GradHist2d, GradNorm, InnerTest, MeanGSNR,
-    NoiseScale, NormTest, OrthoTest, SumGradSquared, UpdateSize,
+    NoiseScale, NormTest, OrthoTest, SumGradSquared, UpdateSize, AccumulationCheck,
 )
 from gradlens.core.records import TensorSummary
 from gradlens.instruments.base import Instrument
@@ -240,7 +240,7 @@ def test_every_state_class_the_registry_admits_is_written_read_with_weights_only
         model = gradlens.extend(Uses().double())
         opt = gradlens.GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=3)
         insts = [GradHist1d(bins=4, sample=0.5), GradHist2d(bins=(2, 3)), MeanGSNR(), BatchDot(), Alpha(), Distance(),
-                 NormSummary()]
+                 NormSummary(), AccumulationCheck()]
         return model, gradlens.extend(nn.CrossEntropyLoss()), opt, Lens(model, insts, optimizer=opt,
                                                                         sinks=[sink] if sink else [])
 

@@ -16,8 +16,10 @@ from gradlens.distributed.fsdp import ShardedView
 from gradlens.distributed.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.lens.record import RESERVED_KEYS
+from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
-__all__ = ["check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build", "watched_model"]
+__all__ = ["began_unseen", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build",
+           "watched_model"]
 
 
 def watched_model(model: nn.Module) -> nn.Module:
@@ -157,3 +159,25 @@ def check_sinks(sinks: Iterable[Any]) -> list[Any]:
                 "gradlens.output.sinks.JsonlSink(path) or gradlens.integrations.wandb.WandbSink()"
             )
     return out
+
+
+def began_unseen(optimizer: Any, step: int) -> bool:
+    """At the first capture of a tracked window: whether ``optimizer``, a
+    :class:`~gradlens.GradientAccumulateOptimizer`, has folded micro-steps of its current window
+    already (a Lens built, or its state loaded, mid-window: the rest of that window is not the
+    whole update). If so a ``RuntimeWarning`` says that window ``step`` is not recorded."""
+    if not isinstance(optimizer, GradientAccumulateOptimizer) or not optimizer.micro_step:
+        return False
+    import warnings
+
+    warnings.warn(
+        f"the GradientAccumulateOptimizer is inside a window ({optimizer.micro_step} of its "
+        f"{optimizer.accum_steps} micro-steps folded, after {optimizer.iterations} updates) that this Lens "
+        f"did not see from its start (a Lens built, or a checkpoint loaded without the Lens's state, "
+        f"mid-window): window {step} covers only part of that update, so it is not recorded (no record, "
+        f"no log line); the Lens records from window {step + 1}, the next whole one. To record every "
+        "window, build the Lens between windows, or load the Lens's state_dict saved with the checkpoint",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return True

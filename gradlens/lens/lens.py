@@ -29,11 +29,11 @@ from torch import Tensor, nn
 from gradlens.lens.amp import ScalerSkips, warn_nonfinite
 from gradlens.capture.tracked import model_exclusions, trainable_split
 from gradlens.capture.losses import take_loss_calls
-from gradlens import compat
 from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.lens.compiled import CompileNotice
+from gradlens.lens.probes import ForwardProbes
 from gradlens.lens.curvature_graph import CurvatureGraph
-from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, DDPGradRoute, is_writer, resolve_group
+from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer, resolve_group
 from gradlens.lens.optimizers import unwrap_optimizer  # imports no framework
 from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
@@ -41,7 +41,7 @@ from gradlens.instruments.base import Instrument
 from gradlens.core.stats import Accumulators, WindowStats
 from gradlens.core.window import Window
 from gradlens.core.limits import CHUNK_ELEMENTS
-from gradlens.lens.checks import check_instruments, check_options, check_sinks, tracked_at_build, watched_model
+from gradlens.lens.checks import began_unseen, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge
 from gradlens.core.records import Record
@@ -52,68 +52,9 @@ from gradlens.core.counter import WindowCounter, counter_property
 from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 from gradlens.lens.record import PendingRecord, end_window, keep_record, window_record
 from gradlens.lens.optimizer_grads import OptimizerGrads
+from gradlens.lens.stated import StatedFactors
 
 __all__ = ["Lens"]
-
-
-class _ForwardProbes:
-    """Forward pre-hooks of tracked windows on the model: one notes a compiled forward
-    (:meth:`gradlens.lens.compiled.CompileNotice.probe`); under torch.distributed one notes the DDP
-    module that runs the forward (see :class:`gradlens.distributed.merge.DDPGradRoute`); the one-shot
-    :func:`_params_probe` of a window (:meth:`arm`). ``install()`` / ``remove()`` (all three) and
-    ``disarm()`` are idempotent."""
-
-    def __init__(self, model: nn.Module, notice: CompileNotice, route: DDPGradRoute | None):
-        self.model, self.route, self.handles = model, route, []
-        self.refresh = None  # the handle of the window's _params_probe, while armed
-        self.probes = [notice.probe()]
-        if route is not None:
-            self.probes.append(lambda module, args: route.on_forward())
-
-    def install(self) -> None:
-        if not self.handles:
-            self.handles = [self.model.register_forward_pre_hook(p) for p in self.probes]
-
-    def arm(self, lens: "Lens") -> None:
-        """A tracked window opens in the optimizer's step post-hook, before the training loop
-        can freeze or unfreeze a parameter: its first forward with gradients refreshes the
-        tracked parameters again (registered first, so that the Tap's hooks of that forward see
-        the new set)."""
-        if self.refresh is None:
-            self.refresh = self.model.register_forward_pre_hook(_params_probe(lens), prepend=True, with_kwargs=True)
-
-    def disarm(self) -> None:
-        if self.refresh is not None:
-            self.refresh.remove()
-            self.refresh = None
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self.disarm()
-
-
-def _params_probe(lens: "Lens"):
-    """A one-shot forward pre-hook of a tracked window: at the window's first forward with
-    gradients, before anything of it is measured, re-read which parameters are trainable (a
-    freeze or unfreeze made after the optimizer's step opened the window counts from it)."""
-    ref = weakref.ref(lens)
-
-    def probe(module, args, kwargs) -> None:
-        owner = ref()
-        if owner is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return
-        owner._probes.disarm()
-        window = owner._window
-        if window is not None and not window.micro_steps and owner._meter.micro is None:
-            before = compat.pre_hook_ids(module)
-            window.coverage = owner._refresh_params()
-            # hooks the Tap reinstalled on the model: torch runs this forward's hooks as they
-            # were when it started (the removed ones do nothing then), so the new ones run here
-            compat.run_pre_hooks_added(module, before, args, kwargs)
-
-    return probe
 
 
 def _setting(holder: str, name: str, doc: str) -> property:
@@ -298,11 +239,12 @@ class Lens:
 
         self._hooks = _optimizer_hooks(optimizer, self)  # its real updates close the windows
         self._readers = OptimizerGrads(instruments, self._sharded is not None)  # AccumulationCheck
+        self._stated = StatedFactors()  # capture(multiplier=..., loss=...): never divided out twice
         self._hooks += self._readers.hooks(optimizer, lambda: self._readers.written(self._window))
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._pending = PendingRecord()  # a record waiting for the next window (Alpha)
         self._compiled = CompileNotice(compiled_wrapper)  # torch.compile: warned once
-        self._probes = _ForwardProbes(model, self._compiled, self._ddp_route)  # tracked windows only
+        self._probes = ForwardProbes(model, self._compiled, self._ddp_route)  # tracked windows only
         #: the current tracked window (gradlens.core.window), None while untracked: dropping a
         #: window (skipped, discarded, a failed capture) is replacing this one object
         self._window: Window | None = None
@@ -330,6 +272,8 @@ class Lens:
         is tracked (the one before, closed or dropped, goes with its stacked uses and empty
         micro-steps), None when not."""
         self._window = None
+        self._partial = False  # the window began before this Lens saw it (GradientAccumulateOptimizer)
+        self._stated.pending = []
         self._curvature.release(self._meter)  # the previous window's graphs go
         self._ranks.drop_issued()  # issued for a window dropped since: every rank waits
         if self.is_tracked():
@@ -413,11 +357,14 @@ class Lens:
         return sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
 
     def _on_pre_step(self, optimizer, args, kwargs):
+        if self._partial:
+            self._window = None  # began before this Lens saw it: no record
         if self._window is None:
             return None
         return _after_closure(args, kwargs, self._before_update)
 
     def _before_update(self) -> None:
+        self._stated.verify_or_raise(self._open_window)  # on an accelerator: read now
         if self._window is not None:
             self._merge_ranks()
             self._readers.before_update(self._window, self.grad_scaler)
@@ -443,6 +390,9 @@ class Lens:
         return self._close_window(sync=True)
 
     def _close_window(self, sync: bool = False) -> Record | None:
+        self._stated.verify_or_raise(self._open_window)  # on an accelerator: read now
+        if self._partial:
+            self._window = None
         if sync:
             self._finish_inflight()
         self._merge_ranks(defer_off=sync)
@@ -516,29 +466,28 @@ class Lens:
 
         The loss reduction and batch size come from the last forward pass of a loss module
         passed through :func:`gradlens.extend`, or of a loss function (``F.cross_entropy``, ...)
-        called inside the model's forward (``model(x, labels=y).loss``). For a functional loss
-        computed outside the model pass ``reduction="mean"|"sum"`` (the batch size is read
-        from the model's input), and ``loss=`` the loss tensor if what you backpropagate is a
-        multiple of it (``(loss / K).backward()``): the multiplier is then divided out.
-
+        called inside the model's forward (``model(x, labels=y).loss``): a plain ``capture()``,
+        which measures what multiplied that loss on its way to ``backward`` (a ``1/K``, a
+        GradScaler's scale) and divides it out. For a loss computed outside the model pass
+        ``reduction="mean"|"sum"`` (the batch size is read from the model's input) and ``loss=``.
         Units (docs/design.md): with ``L`` the micro-step's objective split by sample, g_n = B * dL_n
         for a mean objective (a token-mean language-model loss, ignored targets included) and
-        dL_n for a sum; ``record.meta["units"]`` says which.
-        ``losses``: optional per-sample losses ``[B]`` of this micro-step.
-
-        What multiplied the loss on its way to ``backward`` (a GradScaler's scale, the ``1/K``
-        of a framework that divides the loss by the accumulation count) must be divided out to
-        get per-sample gradients. An extended loss module measures it by itself. With
-        ``reduction=`` (a functional loss, or a loss computed inside the model) say it with:
+        dL_n for a sum; ``record.meta["units"]`` says which. ``losses``: optional per-sample
+        losses ``[B]`` of this micro-step. ``loss=`` and ``multiplier=`` have one meaning each
+        (:mod:`gradlens.lens.stated`):
 
         Args:
-            multiplier: a known factor (positive float, or 0-d tensor) by which the
-                backpropagated objective was multiplied relative to the loss of this micro-step
-                (or by which ``loss``, when given, is a multiple of the micro-step's objective:
-                that objective, and ``record["loss"]``, is then ``loss / multiplier``); e.g. ``1 / K``.
-            loss: the 0-d loss tensor as computed, before any such scaling; gradlens hooks it and
-                divides out whatever multiplies it between it and ``backward`` (measured in
-                backward, no host sync). Backward must pass through it.
+            loss: the 0-d loss tensor as computed; whatever multiplies it between it and
+                ``backward`` (``(loss / K).backward()``, ``scaler.scale(loss).backward()``) is
+                measured in backward (no host sync) and divided out. Backward must pass through it.
+            multiplier: a factor gradlens cannot see (positive float, or 0-d tensor). With
+                ``loss=``: one *inside* ``loss`` (``loss`` is ``multiplier`` times the micro-step's
+                mean objective, a declared window objective: the Hugging Face Trainer's ``B_k / N``;
+                the objective, and ``record["loss"]``, is ``loss / multiplier``). Without ``loss=``:
+                the factor between the micro-step's objective and what is backpropagated. A factor
+                that ``loss=`` lets gradlens measure, stated again (``capture(reduction="mean",
+                multiplier=1/K, loss=raw)`` around ``(raw / K).backward()``), is refused with a
+                ``ValueError`` (the window is dropped): it would be divided out twice.
         """
         self._check_open()
         if loss is not None and reduction is None:
@@ -553,6 +502,8 @@ class Lens:
             raise RuntimeError("lens.capture() is already active; captures cannot be nested")
         if self._window.micro_steps and self._amp.drop_skipped(self.step, self._counter):
             self._open_window()  # the GradScaler skipped the step that should have closed it
+        if not self._window.micro_steps and not self._partial:
+            self._partial = began_unseen(self.optimizer, self.step)  # not recorded: warned
         self._compiled.warn_once(self._tap, meter.plan.light)
         undefined = len(meter.undefined_params)
         try:
@@ -599,6 +550,10 @@ class Lens:
                 "so what multiplied it is unknown; pass the tensor that is backpropagated (or "
                 "scaled and then backpropagated), or state multiplier= instead"
             )
+        if self._stated.check(micro, self.grad_scaler):
+            err = self._stated.error()
+            self._open_window()  # its sums divided a factor out twice: drop them
+            raise err
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
             self._curvature.end_micro(micro, drop=self._open_window)
         self._window = meter.fold(micro, self._window)
@@ -633,9 +588,15 @@ class Lens:
         windows nothing of the window is saved).
         """
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
-        if self._window is not None:  # the partial window complete with its small uses
-            self._meter.settle(self._window)
-        return lens_state_dict(self)
+        window = self._window
+        if self._partial:  # a window begun before this Lens saw it is not kept
+            self._window = None
+        elif window is not None:  # the partial window complete with its small uses
+            self._meter.settle(window)
+        try:
+            return lens_state_dict(self)
+        finally:
+            self._window = window
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (of a Lens with the same instruments on the same
