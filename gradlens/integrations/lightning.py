@@ -179,10 +179,11 @@ class LensCallback(pl.Callback):
         sinks = list(self._sinks)
         if self.loggers:
             sinks.extend(_logger_sinks(trainer))
-        self.lens = Lens(
-            gradlens.extend(target), self.instruments, optimizer=optimizers[0], sinks=sinks,
-            **self._lens_kwargs,
-        )
+        kwargs = dict(self._lens_kwargs)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: its steps and scale
+        if scaler is not None and callable(getattr(scaler, "is_enabled", None)) and scaler.is_enabled():
+            kwargs.setdefault("grad_scaler", scaler)
+        self.lens = Lens(gradlens.extend(target), self.instruments, optimizer=optimizers[0], sinks=sinks, **kwargs)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()

@@ -32,6 +32,7 @@ import gradlens
 from gradlens.instruments import Alpha
 from gradlens.instruments.base import Instrument
 from gradlens.lens.lens import Lens
+from gradlens.lens.optimizers import unwrap_optimizer
 from gradlens.core.records import Record, flatten
 from gradlens.core.limits import CHUNK_ELEMENTS
 
@@ -164,8 +165,10 @@ class LensTrainerCallback(TrainerCallback):
         if not isinstance(model, nn.Module):
             raise TypeError(f"LensTrainerCallback: the Trainer's model is a {type(model).__name__}, not an nn.Module")
         optimizer = optimizer if optimizer is not None else trainer.optimizer
-        inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
-        if isinstance(inner, torch.optim.Optimizer):
+        # accelerate's AcceleratedOptimizer: the Lens watches the optimizer inside it and takes
+        # its GradScaler (fp16) as grad_scaler
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer) and unwrap_optimizer(optimizer)[0] is not inner:
             optimizer = inner
         sinks = [_UnitsNote(self)] + list(self._sinks)
         if self.log_history:
@@ -181,11 +184,18 @@ class LensTrainerCallback(TrainerCallback):
         self._flush_logs(control)
 
     def _wrap(self, trainer: Any) -> None:
-        """Watch the Trainer's ``compute_loss`` (the loss it backpropagates) and
-        ``get_batch_samples`` (the window's batches, fetched before its first micro-step), as
-        attributes of this Trainer only; :meth:`_close` restores them."""
+        """Watch the Trainer's ``compute_loss`` (the loss it backpropagates),
+        ``get_batch_samples`` (the window's batches, fetched before its first micro-step) and
+        ``training_step`` (its backward done: the capture closes there, before the Trainer
+        clips the gradients), as attributes of this Trainer only; :meth:`_close` restores them."""
         compute_loss, get_batch_samples = trainer.compute_loss, trainer.get_batch_samples
+        training_step = trainer.training_step
         cb = self
+
+        def watched_training_step(*args, **kw):
+            out = training_step(*args, **kw)
+            cb._end_micro_step()  # its backward is done: before the Trainer clips or unscales
+            return out
 
         def watched_compute_loss(model, inputs, *args, **kw):
             b = _batch_size(inputs)  # before compute_loss pops the labels
@@ -203,12 +213,14 @@ class LensTrainerCallback(TrainerCallback):
 
         watched_compute_loss._gradlens_wraps = compute_loss
         watched_get_batch_samples._gradlens_wraps = get_batch_samples
+        watched_training_step._gradlens_wraps = training_step
         trainer.compute_loss = watched_compute_loss
         trainer.get_batch_samples = watched_get_batch_samples
+        trainer.training_step = watched_training_step
 
     def _unwrap(self) -> None:
         trainer = self.trainer
-        for name in ("compute_loss", "get_batch_samples"):
+        for name in ("compute_loss", "get_batch_samples", "training_step"):
             if hasattr(getattr(trainer, name, None), "_gradlens_wraps"):
                 vars(trainer).pop(name, None)
 
