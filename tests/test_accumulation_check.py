@@ -434,3 +434,71 @@ def test_ddp_checks_the_all_reduced_gradient_against_the_global_window(sizes_of_
         else:
             O.close(v["rel_error"], _rel(g_opt, g), rtol=1e-9)
             assert v["cause"] is not None
+
+
+# ---------------------------------------------------------------- FSDP2: the record says why not
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    from test_distributed import _init
+    from test_fsdp import _shard
+
+    _init(rank, world, port)
+    try:
+        model = gradlens.extend(_shard(O.make_mlp(0), "mlp"))
+        loss_fn = gradlens.extend(nn.MSELoss())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        lens = Lens(model, [AccumulationCheck(), GradNorm()], optimizer=opt)
+        x, y = O.make_data(4, seed=rank)
+        loss = loss_fn(model(x), y)
+        with lens.capture():
+            loss.backward()
+        opt.step()
+        rec = lens.records[-1]
+        if rank == 0:
+            torch.save((rec[KEY], dict(rec.meta), rec["grad_norm"]), os.path.join(out_dir, "rank0.pt"))
+        lens.close()
+        del lens, opt, model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_says_why_it_is_not_measured():
+    from test_distributed import _spawn
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_fsdp_worker, 2, out_dir)
+        value, meta, grad_norm = torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+    assert value["rel_error"] is None and grad_norm > 0
+    assert meta[KEY].startswith("not measured: under FSDP2 (fully_shard) the gradient the optimizer steps with "
+                                "lives in the sharded parameters' .grad")
+
+
+# ---------------------------------------------------------------- a factor twice; the example
+def test_the_loss_divided_by_k_twice_is_a_factor_applied_twice():
+    model = gradlens.extend(O.make_mlp(0))
+    loss_fn = gradlens.extend(nn.MSELoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lens = Lens(model, [AccumulationCheck()], optimizer=opt)
+    x, y = O.make_data(12)
+    for i in range(3):
+        loss = loss_fn(model(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4]) / 3  # divided in the "model"
+        with lens.capture():
+            (loss / 3).backward()  # and again in the loop
+    with pytest.warns(RuntimeWarning, match=r"a factor applied twice or not at all: the optimizer got 0\.333333 x "
+                                             r"the window gradient \(1/K with K = 3: the loss divided by K twice\?\)"):
+        opt.step()
+    v = lens.records[-1][KEY]
+    O.close(v["ratio"], 1 / 3, rtol=1e-12)
+    O.close(v["rel_error"], 2 / 3, rtol=1e-12)
+
+
+def test_the_example_runs_as_the_readme_shows(capsys):
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "examples", "accumulation_check.py"),
+                   run_name="__main__")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "loss / K:        rel_error 0.526, ratio 1.030"
+    assert out[1].startswith("  cause: unequal micro-batches under loss / K: the window's 3 micro-batches of "
+                             "[3, 1, 4] samples")
+    assert out[2].startswith("loss * B_k / N:  rel_error ") and out[2].endswith("cause None")
+    assert float(out[2].split("rel_error ")[1].split(",")[0]) < 1e-6

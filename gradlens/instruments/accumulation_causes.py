@@ -61,7 +61,9 @@ def _cause_and_fix(state: Any, out: dict, optimizer: Any, tolerance: float) -> t
     s = out.get("grad_scale") or 1.0
     mults = [float(m) / s for m in state.mults]
     tokens = [float(t) for t in state.tokens] if state.reference == "tokens" else []
-    counts = tokens if tokens and len(tokens) == k else [float(b) for b in sizes]
+    if tokens and (len(tokens) != k or not _spread([t / b for t, b in zip(tokens, sizes)])):
+        tokens = []  # as many counted targets per sample in every micro-step: the samples tell
+    counts = tokens if tokens else [float(b) for b in sizes]
     what = "token counts" if tokens else "micro-batches"
     if state.where == "wrapper" and isinstance(optimizer, GradientAccumulateOptimizer):
         if not state.wrapper_weighted and _spread(counts):
