@@ -248,8 +248,8 @@ class AccumulationCheck(Instrument):
         """A GradientAccumulateOptimizer wrote its window gradient into ``p.grad`` (unscaled,
         before its clip)."""
         self._read(state, "wrapper")
-        st = getattr(self._optimizer, "accum_state", None)
-        state.wrapper_weighted = bool(getattr(st, "weighted", False))
+        if isinstance(self._optimizer, GradientAccumulateOptimizer):  # (the one that calls this)
+            state.wrapper_weighted = bool(self._optimizer.accum_state.weighted)
 
     def _read(self, state: CheckState, where: str) -> None:
         params = self._tracked()
