@@ -121,6 +121,8 @@ def _lens_from(form: str, engine, opt, instruments, **kw) -> Lens:
         return Lens(engine.module, instruments, optimizer=engine.optimizer, **kw)
     if form == "engine as optimizer":
         return Lens(engine.module, instruments, optimizer=engine, **kw)
+    if form == "engine and torch optimizer":
+        return Lens(engine, instruments, optimizer=opt, **kw)
     return Lens(engine.module, instruments, optimizer=opt, **kw)
 
 
@@ -149,7 +151,8 @@ def _refusals(engine, opt, stage: int) -> dict[str, str]:
         with pytest.raises(ValueError, match=why) as err:
             Lens(engine.module, [BatchL2()], optimizer=given)
         out[key] = str(err.value)
-    for form in ("engine", "engine.optimizer", "engine as optimizer") + (("torch optimizer",) if stage == 3 else ()):
+    for form in ("engine", "engine.optimizer", "engine as optimizer", "engine and torch optimizer") + (
+            ("torch optimizer",) if stage == 3 else ()):
         lens = _lens_from(form, engine, opt, [BatchL2()])
         assert lens.model is engine.module and lens.optimizer is opt, form
         assert lens.coverage == 1.0, form  # counted in the model's shapes (ZeRO-3: ds_numel)

@@ -124,7 +124,7 @@ def resolve(model: Any, optimizer: Any) -> tuple[Any, Any, "ZeroView | None"]:
     the engine, or the torch optimizer DeepSpeed was given (Accelerate's wrapper is unwrapped
     before, by :func:`gradlens.lens.optimizers.unwrap_optimizer`).
     """
-    ds_opt = None
+    ds_opt = engine = None
     if is_engine(model):
         engine, model = model, model.module
         if optimizer is None:
@@ -139,6 +139,8 @@ def resolve(model: Any, optimizer: Any) -> tuple[Any, Any, "ZeroView | None"]:
         optimizer = optimizer.optimizer
     if _is_ds_optimizer(optimizer):
         ds_opt, optimizer = optimizer, optimizer.optimizer
+    elif engine is not None and _is_ds_optimizer(engine.optimizer) and optimizer is engine.optimizer.optimizer:
+        ds_opt = engine.optimizer  # Lens(engine, ..., optimizer=the torch optimizer DeepSpeed was given)
     if not isinstance(model, nn.Module):
         return model, optimizer, None
     linked = linked_optimizer(model)
