@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gradlens import compat
+from gradlens.core.param_shapes import full_shape
 from gradlens.kernels.base import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
 __all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "CHUNK_ELEMENTS"]
@@ -177,7 +178,7 @@ def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tenso
         return None
     fn = t.grad_fn
     weight = params[0]
-    if compat.node_name(fn) != "EmbeddingBackward0" or weight.dim() != 2 or b >= t.dim() - 1:
+    if compat.node_name(fn) != "EmbeddingBackward0" or len(full_shape(weight)) != 2 or b >= t.dim() - 1:
         return None
     leaf = fn.next_functions[0][0] if fn.next_functions else None
     if getattr(leaf, "variable", None) is not weight:
@@ -207,7 +208,7 @@ def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tenso
         return None
     if ids.shape != t.shape[:-1]:
         return None
-    v, width = weight.shape
+    v, width = full_shape(weight)  # (ZeRO-3: the data may be an empty partition by now)
     if b:
         ids, g = ids.movedim(b, 0), g.movedim(b, 0)
     rows = ids.reshape(t.shape[b], -1) + torch.arange(0, n * v, v, device=ids.device).unsqueeze(1)
@@ -266,15 +267,16 @@ def _embedding_lookup(t: Tensor, params: list[Tensor], g: Tensor) -> Tensor | No
         return None
     weight = params[0]
     leaf = fn.next_functions[0][0] if fn.next_functions else None
-    if getattr(leaf, "variable", None) is not weight or weight.dim() != 2:
+    if getattr(leaf, "variable", None) is not weight or len(full_shape(weight)) != 2:
         return None
     ids, pad, by_freq = compat.embedding_saved(fn)
     if by_freq:
         return None
     b = g.shape[0]
     ids = ids.reshape(-1)
-    out = g.new_zeros(b, *weight.shape)
-    out.index_add_(1, ids, g.reshape(b, ids.numel(), weight.shape[1]))
-    if 0 <= pad < weight.shape[0]:
+    shape = full_shape(weight)
+    out = g.new_zeros(b, *shape)
+    out.index_add_(1, ids, g.reshape(b, ids.numel(), shape[1]))
+    if 0 <= pad < shape[0]:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out

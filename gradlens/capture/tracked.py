@@ -8,6 +8,7 @@ from typing import Iterable
 from torch import nn
 
 from gradlens import compat
+from gradlens.core.param_shapes import full_numel
 from gradlens.capture.losses import _loss_forward_hook
 
 __all__ = ["extend", "declared_batch_dim", "is_extended", "model_exclusions", "tracked_parameters", "trainable_split"]
@@ -112,7 +113,7 @@ def trainable_split(model: nn.Module, exclude: tuple[str, ...] = ()) -> tuple[di
     params, total = {}, 0
     for n, p in compat.named_parameters(model):
         if p.requires_grad:
-            total += p.numel()
+            total += full_numel(p)
             if not exclude or not _excluded(n, exclude):
                 params[n] = p
     return params, total

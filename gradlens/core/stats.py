@@ -17,6 +17,7 @@ from torch import Tensor
 
 from gradlens.compat import storage_use_count
 from gradlens.core.limits import SMALL_NUMEL as _SMALL_NUMEL
+from gradlens.core.param_shapes import full_shape
 
 __all__ = ["Accumulators", "DistParts", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES"]
 
@@ -235,7 +236,7 @@ class WindowStats:
             present = []
             for q, p in ctx.params.items():
                 present.append(1.0 if q in acc else 0.0)
-                sums.append(acc[q] if q in acc else p.new_zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32)))
+                sums.append(acc[q] if q in acc else p.new_zeros(full_shape(p), dtype=torch.promote_types(p.dtype, torch.float32)))
             sums.append(torch.tensor(present, dtype=f64))
         pieces = [self.batch_l2_all().double()] if "batch_l2" in ctx.needs else []
         groups = getattr(ctx, "groups", ())

@@ -95,6 +95,10 @@ class ShardedView:
     Build it with :meth:`of` (None when nothing in the model is sharded).
     """
 
+    #: the Lens' parameters (the unsharded ones) are full-shaped objects of their own: small uses
+    #: may be stacked to the window's end (see :class:`gradlens.distributed.deepspeed.ZeroView`)
+    partitioned = False
+
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -160,14 +164,21 @@ class ShardedView:
         readers = [i for i in instruments if i.reads_update_values and id(i) in states]
         if not readers:
             return
+        full = self.full_values(params)
+        for inst in readers:
+            inst.present_values(states[id(inst)], full)
+
+    def full_values(self, params: dict[str, nn.Parameter]) -> dict[str, Any]:
+        """Name -> the full values of every parameter in ``params`` (the unsharded ones of the
+        Lens), gathered in a fixed order (``DTensor.full_tensor()``: one all-gather of D numbers;
+        a collective, every rank calls it at the same point)."""
         fps = compat.fsdp_params(self.model)
         sharded = {id(compat.fsdp_unsharded_param(fp)): fp.sharded_param for fp in fps.values()}
         full = {}
         for q, p in params.items():
             src = sharded.get(id(p))
             full[q] = src.full_tensor().detach() if src is not None else p
-        for inst in readers:
-            inst.present_values(states[id(inst)], full)
+        return full
 
     @contextlib.contextmanager
     def presented(self) -> Iterator[None]:

@@ -74,6 +74,7 @@ from gradlens.core.window import Window
 from gradlens.core.sq_norms import sum_sq
 from gradlens.core.limits import INLINE_GATHER_MAX
 from gradlens.distributed.waits import DEFAULT_TIMEOUT_S, check_timeout, wait  # re-exported
+from gradlens.core.param_shapes import full_shape
 
 __all__ = [
     "DistParts", "DDPGradRoute", "Pending", "resolve_group", "check_not_sharded", "merge_window",
@@ -160,7 +161,7 @@ def lens_fingerprint(instruments: Sequence[Any], every: Any, step: int, merge: s
     return {
         "instruments": "[" + "; ".join(_settings(i) for i in instruments) + "]",
         "schedule": f"{schedule}, merge={merge!r}",
-        "parameters": "; ".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params.items()),
+        "parameters": "; ".join(f"{n}:{tuple(full_shape(p))}:{p.dtype}" for n, p in params.items()),
     }
 
 

@@ -69,10 +69,11 @@ class Instrument:
     #: :meth:`finalize_group` once per group for ``record.groups[group][key]``
     per_group: bool = False
     #: it bins the tracked parameters' values once per window (:meth:`bin_param`, GradHist2d):
-    #: on an FSDP2-sharded model the Lens gives it the gathered full values when a window opens
+    #: on a sharded model (FSDP2, DeepSpeed ZeRO-3) the Lens gives it the gathered full values
+    #: when a window opens
     bins_param_values: ClassVar[bool] = False
-    #: it reads the parameters' values around the real update (:meth:`present_values`, Alpha):
-    #: on an FSDP2-sharded model the Lens gives it the gathered full values there
+    #: it reads the parameters' values around the real update (:meth:`present_values`: Alpha,
+    #: UpdateSize, Distance): on a sharded model the Lens gives it the gathered full values there
     reads_update_values: ClassVar[bool] = False
     #: it compares the gradient the optimizer steps with (``p.grad``) to the window's
     #: (:class:`~gradlens.instruments.accumulation.AccumulationCheck`): the Lens then calls its
@@ -185,10 +186,13 @@ class Instrument:
     def attach(self, params: Callable[[], Mapping[str, Tensor]], optimizer: Any) -> None:
         """Called once by the :class:`~gradlens.Lens` when it is built, before its first window:
         ``params()`` returns the tracked parameters as they are now (qualified name ->
-        parameter; the set may change between windows when layers are frozen or unfrozen),
-        ``optimizer`` is the Lens' optimizer (None without one). For instruments that read the
-        parameters themselves (Distance's theta_0) or the optimizer's settings (CABS' learning
-        rate); raise ``ValueError`` here to refuse an optimizer. Default: nothing."""
+        parameter; the set may change between windows when layers are frozen or unfrozen; on a
+        sharded model, FSDP2 or DeepSpeed ZeRO-3, their gathered full values: a collective, so
+        call it only where every rank does, as the Lens' own calls are), ``optimizer`` is the
+        Lens' optimizer (None without one; under DeepSpeed the torch optimizer inside
+        DeepSpeed's). For instruments that read the parameters themselves (Distance's theta_0) or
+        the optimizer's settings (CABS' learning rate); raise ``ValueError`` here to refuse an
+        optimizer. Default: nothing."""
         return None
 
     def before_update(self, state: Any) -> None:

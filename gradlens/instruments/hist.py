@@ -42,6 +42,7 @@ from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate
 from gradlens.core.records import Hist1d
 from gradlens.core.state_checks import COUNT, RANGE, check_state
 from gradlens.core.sync import device_paths
+from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import MAX_BINS  # read here: raise it with gradlens.instruments.hist.MAX_BINS = ...
 
 
@@ -348,7 +349,7 @@ class GradHist1d(_GroupedHist):
 
     def update_zeros(self, state: _Hist1dState, name, param, count):
         """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer)."""
-        n = count * param.numel()
+        n = count * full_numel(param)
         dst = self._dst(state, name)
         dst.to(param.device)
         zero = torch.zeros(1, dtype=torch.float32, device=dst.counts.device)

@@ -14,6 +14,7 @@ from gradlens.core.records import Hist2d
 from gradlens.core.state_checks import COUNT, RANGE, check_state
 from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.sync import device_paths
+from gradlens.core.param_shapes import full_numel
 from gradlens.kernels.base import sample_chunks
 from gradlens.instruments.binning import _affine, bin_of, count_2d, tally
 from gradlens.instruments.hist import (
@@ -237,7 +238,7 @@ class GradHist2d(_GroupedHist):
             return False
         pbins, gbins = self.bins
         lo, hi = state.grange
-        o, width = param.shape
+        o, width = delta.shape[1], a.shape[1]  # param's [O, I] (under ZeRO-3 its data may be a [0] partition)
         vmin, vmax = row_extremes(delta, a)
         first, last = bin_of(vmin, lo, hi, gbins), bin_of(vmax, lo, hi, gbins)
         inside = (vmin >= lo) & (vmax <= hi)
@@ -303,7 +304,7 @@ class GradHist2d(_GroupedHist):
         dst.counts.index_add_(0, idx, torch.full(idx.shape, count, dtype=dst.counts.dtype,
                                                  device=idx.device))
         if not lo <= 0.0 <= hi:
-            dst.clamped_grad += count * param.numel()
+            dst.clamped_grad += count * full_numel(param)
         if self.adapt is not None:
             z = torch.zeros((), device=off.device)
             self._grad_extremes(state, z, z)

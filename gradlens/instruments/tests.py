@@ -35,6 +35,7 @@ from gradlens.instruments.base import Instrument
 
 from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.state_checks import check_state
+from gradlens.core.param_shapes import full_shape
 
 __all__ = ["NormTest", "MeanGSNR", "NoiseScale", "ShiftedMoments"]
 
@@ -288,7 +289,7 @@ class MeanGSNR(Instrument):
                 n = int(round(float(rows[r, i])))
                 if n == 0:
                     continue
-                block = pieces[i][r].reshape(3, *p.shape)
+                block = pieces[i][r].reshape(3, *full_shape(p))
                 part.count[q], part.shift[q], part.s1[q], part.s2[q] = n, block[0], block[1], block[2]
             merged = merged.merge(part)
         return merged

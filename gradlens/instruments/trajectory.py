@@ -30,12 +30,16 @@ __all__ = ["Distance", "UpdateSize", "SquaredNorms"]
 class SquaredNorms:
     """A window state of :class:`Distance` / :class:`UpdateSize`: ``sq`` parameter name ->
     0-d float64 squared norm (None until measured); ``snapshot`` holds theta_t during the
-    optimizer's update (UpdateSize only). Merging adds the squares of the same parameter (the
-    states of micro-steps and ranks hold none: the parameters are measured once per window)."""
+    optimizer's update (UpdateSize only); ``presented``: the parameters' full values the Lens
+    hands over right before the next ``before_update`` / ``after_update`` on a sharded model
+    (FSDP2, DeepSpeed ZeRO-3; read once, then dropped; never saved). Merging adds the squares of
+    the same parameter (the states of micro-steps and ranks hold none: the parameters are
+    measured once per window)."""
 
     sq: dict[str, Tensor] | None = None
     snapshot: dict[str, Tensor] | None = None
     note: str = ""
+    presented: dict[str, Tensor] | None = None
 
     def merge(self, other: "SquaredNorms") -> "SquaredNorms":
         if other.sq is None:
@@ -45,7 +49,7 @@ class SquaredNorms:
         out = dict(self.sq)
         for q, v in other.sq.items():
             out[q] = out[q] + v if q in out else v
-        return SquaredNorms(out, self.snapshot, self.note)
+        return SquaredNorms(out, self.snapshot, self.note, self.presented)
 
     def norm(self, names: Iterable[str] | None = None) -> float | None:
         """sqrt of the summed squares (a host read) over all parameters, or over ``names`` (a
@@ -88,6 +92,20 @@ class _ParameterInstrument(Instrument):
 
     def start_window(self) -> SquaredNorms:
         return SquaredNorms()
+
+    #: theta_t and theta_{t+1} are read around the update: on a sharded model (FSDP2, DeepSpeed
+    #: ZeRO-3) the Lens presents their gathered full values (:meth:`present_values`); on other
+    #: models the parameters are read themselves
+    reads_update_values = True
+
+    def present_values(self, state: SquaredNorms, values: Mapping[str, Tensor]) -> None:
+        state.presented = dict(values)
+
+    def _current(self, state: SquaredNorms) -> Mapping[str, Tensor]:
+        """The tracked parameters' values now: those the Lens presented for this call (then
+        dropped), else the parameters (:meth:`_tracked`)."""
+        got, state.presented = state.presented, None
+        return got if got is not None else self._tracked()
 
     def merge(self, a: SquaredNorms, b: SquaredNorms) -> SquaredNorms:
         return a.merge(b)
@@ -143,9 +161,9 @@ class Distance(_ParameterInstrument):
         super().attach(params, optimizer)
         self._theta0 = {q: p.detach().clone() for q, p in params().items()}
 
-    def _measure(self) -> dict[str, Tensor]:
+    def _measure(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
         out = {}
-        for q, p in self._tracked().items():
+        for q, p in values.items():
             if q not in self._theta0:  # tracked since: its start is now
                 self._theta0[q] = p.detach().clone()
             t0 = self._theta0[q]
@@ -154,11 +172,14 @@ class Distance(_ParameterInstrument):
         return out
 
     def before_update(self, state: SquaredNorms) -> None:
-        state.sq = self._measure()  # theta_t: the point of this window's gradients
+        state.sq = self._measure(self._current(state))  # theta_t: the point of this window's gradients
+
+    def after_update(self, state: SquaredNorms) -> None:
+        state.presented = None  # theta_{t+1}, presented for UpdateSize: not needed here
 
     def finalize(self, stats: WindowStats, state: SquaredNorms) -> float:
         if state.sq is None:  # closed without an update (lens.flush()): still at theta_t
-            state.sq = self._measure()
+            state.sq = self._measure(self._current(state))
         return state.norm()
 
     # ---- checkpoints (gradlens.lens.state) ----------------------------------------------------
@@ -197,12 +218,13 @@ class UpdateSize(_ParameterInstrument):
         return "UpdateSize()"
 
     def before_update(self, state: SquaredNorms) -> None:
-        state.snapshot = {q: p.detach().clone() for q, p in self._tracked().items()}
+        state.snapshot = {q: p.detach().clone() for q, p in self._current(state).items()}
 
     def after_update(self, state: SquaredNorms) -> None:
         if state.snapshot is None:
+            state.presented = None
             return
-        params = self._tracked()
+        params = self._current(state)
         sq = {}
         for q, before in state.snapshot.items():
             if q in params:

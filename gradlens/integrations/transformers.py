@@ -74,6 +74,13 @@ class LensTrainerCallback(TrainerCallback):
     fetches for the window (``get_batch_samples``): a sample is a row of ``input_ids`` (else
     of ``labels``, else of the first tensor of the batch).
 
+    **DeepSpeed** (``TrainingArguments(deepspeed=config)``, ZeRO stages 1 to 3): the Lens takes
+    Accelerate's ``DeepSpeedOptimizerWrapper`` and hooks DeepSpeed's optimizer inside it
+    (:mod:`gradlens.distributed.deepspeed`). DeepSpeed updates inside ``accelerator.backward`` of
+    the window's last micro-step; that capture ends first, the window closes there, and a step
+    DeepSpeed skipped drops the window. On several processes the window's sample count (for the
+    window-normalised loss) is summed over the ranks, one small all_reduce per window.
+
     **Not available:** ``Alpha`` needs each sample's loss at two consecutive parameter points,
     but the Trainer only ever sees the model's reduced loss; the callback refuses it (use the
     Lightning callback or a plain loop with ``lens.capture(losses=...)``).
@@ -151,6 +158,11 @@ class LensTrainerCallback(TrainerCallback):
         self._window_samples: int | None = None
         self._units: str | None = None
         self._step_expected: int | None = None
+        self._window_step: int | None = None  # lens.step when the current micro-step's capture opened
+        #: the Trainer under DeepSpeed: ``accelerator.backward`` steps the engine inside the
+        #: window's last backward call, and the Lens closes (or, on a step DeepSpeed skipped,
+        #: drops) the window there itself (gradlens/distributed/deepspeed.py)
+        self._updates_in_backward = False
         trainer.add_callback(self)
 
     @property
@@ -170,6 +182,9 @@ class LensTrainerCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer) and unwrap_optimizer(optimizer)[0] is not inner:
             optimizer = inner
+        # under DeepSpeed the Lens takes Accelerate's DeepSpeedOptimizerWrapper as it is and hooks
+        # DeepSpeed's optimizer inside it (gradlens.distributed.deepspeed.resolve)
+        self._updates_in_backward = bool(getattr(trainer, "is_deepspeed_enabled", False))
         sinks = [_UnitsNote(self)] + list(self._sinks)
         if self.log_history:
             sinks.append(_QueueSink(self._queue))
@@ -208,7 +223,7 @@ class LensTrainerCallback(TrainerCallback):
         def watched_get_batch_samples(*args, **kw):
             batches, num_items = get_batch_samples(*args, **kw)
             sizes = [_batch_size(x) for x in batches]
-            cb._window_samples = None if None in sizes else sum(sizes)
+            cb._window_samples = None if None in sizes else _over_ranks(sum(sizes), trainer)
             return batches, num_items
 
         watched_compute_loss._gradlens_wraps = compute_loss
@@ -268,9 +283,11 @@ class LensTrainerCallback(TrainerCallback):
                     "sample axis (input_ids or labels [B, ...]); or set "
                     "trainer.model_accepts_loss_kwargs = False for a per-micro-batch mean loss"
                 )
-            # the loss is (this micro-step's share of the window objective L); as a mean over
-            # its B_k samples of N * L_n, it was multiplied by B_k / N: g_n = N * grad L_n
-            capture = lens.capture("mean", loss=loss, multiplier=batch / n)
+            # the loss is this micro-step's share of the window objective L (times R, the
+            # ranks, whose gradients DDP / DeepSpeed average); as a mean over its B_k samples of
+            # N * L_n (N the window's samples on all ranks) it was multiplied by R * B_k / N:
+            # g_n = N * grad L_n
+            capture = lens.capture("mean", loss=loss, multiplier=_world(self.trainer) * batch / n)
             self._units = "window"
         else:
             capture = lens.capture(self.reduction, loss=loss)
@@ -278,6 +295,7 @@ class LensTrainerCallback(TrainerCallback):
         stack = contextlib.ExitStack()
         stack.enter_context(capture)
         self._stack = stack
+        self._window_step = lens.step
 
     def _end_micro_step(self) -> None:
         stack, self._stack = self._stack, None
@@ -289,13 +307,13 @@ class LensTrainerCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._end_micro_step()
-        if self.lens is not None:
-            self._step_expected = self.lens.step
+        if self.lens is not None:  # (DeepSpeed: the window's index before its update, already made)
+            self._step_expected = self._window_step if self._updates_in_backward else self.lens.step
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         expected, self._step_expected = self._step_expected, None
         lens = self.lens
-        if expected is not None and lens is not None and lens.step == expected:
+        if expected is not None and lens is not None and lens.step == expected and not self._updates_in_backward:
             lens.discard_window()  # the optimizer did not update (e.g. fp16 inf/nan): no record
         elif expected is not None and lens is not None and self._units == "window" and lens.records:
             record = lens.records[-1]
@@ -322,6 +340,23 @@ class LensTrainerCallback(TrainerCallback):
                 self.trainer.log(scalars)
                 if should_log is not None:
                     control.should_log = should_log
+
+
+def _world(trainer: Any) -> int:
+    """The number of processes training, whose gradients DDP or DeepSpeed average (the default
+    process group's size; 1 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _over_ranks(n: int, trainer: Any) -> int:
+    """``n`` summed over the ranks (one small all_reduce, on every rank as it fetches the
+    window's batches) when the Trainer runs on several processes; ``n`` otherwise."""
+    if _world(trainer) == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=trainer.args.device)
+    torch.distributed.all_reduce(t)
+    return int(t.item())
 
 
 def _batch_size(inputs: Any) -> int | None:

@@ -68,6 +68,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor, nn
 from gradlens.core.limits import CHUNK_ELEMENTS
+from gradlens.core.param_shapes import full_numel
 
 __all__ = ["Kernel", "KINDS", "CHUNK_ELEMENTS", "check_kernel", "qualname", "sample_chunks", "tgram_cheaper", "add_into",
            "joint_sq_norm"]
@@ -263,7 +264,7 @@ class Kernel:
         return {}
 
     def _chunks(self, module, batch: int):
-        return sample_chunks(sum(p.numel() for p in module.parameters(recurse=False)), batch)
+        return sample_chunks(sum(full_numel(p) for p in module.parameters(recurse=False)), batch)
 
     def _reduce(self, module, a, delta, fn: Callable[[Tensor], Tensor], cat: bool) -> dict[str, Tensor]:
         parts: dict[str, list[Tensor]] = {}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradlens import compat
+from gradlens.core.param_shapes import full_shape
 from gradlens.kernels.base import Kernel, _by_columns, _with_bias_column, tgram_cheaper
 
 __all__ = ["Conv2dKernel", "VmapConvKernel"]
@@ -29,7 +30,7 @@ class _ConvMaths:
     def matrix_dims(self, module):
         if module.groups != 1:  # no single matrix: one sketch block per attribute
             return super().matrix_dims(module)
-        return module.out_channels, module.weight[0].numel()
+        return module.out_channels, full_shape(module.weight)[1:].numel()
 
     def positions(self, module, a, delta):
         return delta[0, 0].numel()
@@ -47,7 +48,7 @@ class _ConvMaths:
         ud = torch.einsum("kc,bct->bkt", u, delta.flatten(2))
         va = 0
         if "weight" in attrs:
-            va = compat.conv_forward(module, a, vw.reshape(-1, *module.weight.shape[1:]), None).flatten(2)
+            va = compat.conv_forward(module, a, vw.reshape(-1, *full_shape(module.weight)[1:]), None).flatten(2)
         if "bias" in attrs:
             va = va + vb[None, :, None]
         return (ud * va).sum(2)
@@ -131,7 +132,7 @@ class Conv2dKernel(_ConvMaths, Kernel):
             a[start:stop], module.kernel_size, module.dilation, padding, module.stride
         )  # [b, C_in*kh*kw, T]
         d = delta[start:stop].flatten(2)  # [b, C_out, T]
-        out = {"weight": torch.bmm(d, x.transpose(1, 2)).view(-1, *module.weight.shape)}
+        out = {"weight": torch.bmm(d, x.transpose(1, 2)).view(-1, *full_shape(module.weight))}
         if module.bias is not None:
             out["bias"] = d.sum(2)
         return {n: out[n] for n in self.params(module)}
@@ -145,7 +146,7 @@ class Conv2dKernel(_ConvMaths, Kernel):
         if any(padding):
             ph, pw = padding
             a = F.pad(a, (pw, pw, ph, ph))
-        c_out, c_per, kh, kw = module.weight.shape
+        c_out, c_per, kh, kw = full_shape(module.weight)
         co, r = j // (c_per * kh * kw), j % (c_per * kh * kw)
         c_in = (co // (c_out // module.groups)) * c_per + r // (kh * kw)
         ki, kj = (r // kw) % kh, r % kw
@@ -180,7 +181,7 @@ class Conv2dKernel(_ConvMaths, Kernel):
         if "weight" in names:
             a, padding = _explicit_padding(module, a)
             out["weight"] = torch.nn.grad.conv2d_weight(
-                a, module.weight.shape, d, module.stride, padding, module.dilation
+                a, full_shape(module.weight), d, module.stride, padding, module.dilation
             )
         if "bias" in names:
             out["bias"] = d.sum((0, 2, 3))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradlens.core.param_shapes import full_shape
 from gradlens.core.sync import device_paths
 from gradlens.kernels.base import (
     CHUNK_ELEMENTS, Kernel, _by_columns, _cat, _with_bias_column, add_into, qualname, sample_chunks, tgram_cheaper,
@@ -173,7 +174,7 @@ class _LinearSums(Kernel):
         out = []
         b_l2 = True  # the bias' ||g_n||^2 still to add (not in the weight's Gram sum)
         if "sum_grad_squared" in want and w:
-            n, shape = d.shape[0], tuple(module.weight.shape)
+            n, shape = d.shape[0], tuple(full_shape(module.weight))
             numel = shape[0] * shape[1]
             sgs = acc["sum_grad_squared"]
             gsum = "grad_sum" in want and ("grad_sum", "weight") not in skip
@@ -419,7 +420,7 @@ class TransposedLinearKernel(_LinearSums):
         parameters."""
 
         def __init__(self, module):
-            self.in_features, self.out_features = module.weight.shape
+            self.in_features, self.out_features = full_shape(module.weight)
             self._m = module
 
         def named_parameters(self, recurse=False):

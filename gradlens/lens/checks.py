@@ -13,6 +13,7 @@ from gradlens.capture.tracked import is_extended, tracked_parameters
 from gradlens.compat import compiled_original
 from gradlens.distributed.merge import check_not_sharded
 from gradlens.distributed.fsdp import ShardedView
+from gradlens.distributed.deepspeed import ZeroView
 from gradlens.distributed.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.lens.record import RESERVED_KEYS
@@ -46,15 +47,20 @@ def watched_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def tracked_at_build(model: nn.Module, exclude: tuple[str, ...],
-                     instruments: Sequence[Instrument]) -> tuple[dict[str, Tensor], ShardedView | None]:
+def tracked_at_build(model: nn.Module, exclude: tuple[str, ...], instruments: Sequence[Instrument],
+                     zero: ZeroView | None = None) -> tuple[dict[str, Tensor], ShardedView | ZeroView | None]:
     """The parameters a new Lens tracks (qualified name -> parameter) and, on a ``fully_shard``-ed
     model, its :class:`~gradlens.distributed.fsdp.ShardedView` (the Lens then tracks the unsharded
-    parameters; None otherwise), checked: some are left after ``exclude``, the instruments are
-    allowed under FSDP2, none is on the meta device."""
+    parameters), under DeepSpeed ZeRO ``zero`` (:class:`~gradlens.distributed.deepspeed.ZeroView`,
+    from :func:`~gradlens.distributed.deepspeed.resolve`), None otherwise; checked: some are left
+    after ``exclude``, the instruments are allowed under FSDP2 / the ZeRO stage, none is on the
+    meta device."""
     params = tracked_parameters(model, exclude)
     if not params:
         raise ValueError("the model has no trainable parameters left to track after exclusions")
+    if zero is not None:  # DeepSpeed ZeRO: gradlens/distributed/deepspeed.py
+        zero.check_instruments(instruments)
+        return params, zero
     sharded = ShardedView.of(model)  # FSDP2 (fully_shard): gradlens/distributed/fsdp.py
     if sharded is not None:
         check_sharded_instruments(instruments)

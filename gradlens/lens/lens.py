@@ -34,12 +34,14 @@ from gradlens.lens.compiled import CompileNotice
 from gradlens.lens.probes import ForwardProbes
 from gradlens.lens.curvature_graph import CurvatureGraph
 from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer, resolve_group
-from gradlens.lens.optimizers import unwrap_optimizer  # imports no framework
+from gradlens.lens.optimizers import after_closure, unwrap_optimizer  # imports no framework
 from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
+from gradlens.distributed.deepspeed import ZeroView, resolve as resolve_deepspeed
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import Accumulators, WindowStats
 from gradlens.core.window import Window
+from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import CHUNK_ELEMENTS
 from gradlens.lens.checks import began_unseen, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
@@ -189,11 +191,13 @@ class Lens:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         groups: Any = None,
     ):
+        optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
+        # DeepSpeed: the engine's module, the torch optimizer inside DeepSpeed's, a ZeroView
+        model, optimizer, zero = resolve_deepspeed(model, optimizer)
         # torch.compile(model) or model.compile(): tracked windows run the model eagerly
         compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
         model = watched_model(model)
         instruments = check_instruments(instruments)
-        optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
         if grad_scaler is None:
             grad_scaler = wrapped_scaler
         groups = check_groups(groups)
@@ -210,16 +214,19 @@ class Lens:
         self._counter = WindowCounter()  # step (windows closed) and skipped_windows
 
         self._exclude = model_exclusions(model) + tuple(exclude)
-        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/distributed/fsdp.py)
-        params, self._sharded = tracked_at_build(model, self._exclude, instruments)
+        # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/distributed/fsdp.py;
+        # DeepSpeed ZeRO: the ZeroView, gradlens/distributed/deepspeed.py)
+        params, self._sharded = tracked_at_build(model, self._exclude, instruments, zero)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
         with presenting(self._sharded):
             self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
-                                undefined=undefined)
+                                undefined=undefined, partitioned=self._sharded is not None and self._sharded.partitioned)
         self._tap = self._meter.tap
-        for inst in instruments:  # Instrument.attach (once): the tracked parameters and the optimizer
-            inst.attach(lambda: self._tap.params, optimizer)
+        view = self._sharded  # Instrument.attach (once): the optimizer, the tracked parameters (sharded: gathered)
+        tracked = (lambda: self._tap.params) if view is None else (lambda: view.full_values(self._tap.params))
+        for inst in instruments:
+            inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
         self._group = resolve_group(process_group)
@@ -241,6 +248,7 @@ class Lens:
         self._readers = OptimizerGrads(instruments, self._sharded is not None)  # AccumulationCheck
         self._stated = StatedFactors()  # capture(multiplier=..., loss=...): never divided out twice
         self._hooks += self._readers.hooks(optimizer, lambda: self._readers.written(self._window))
+        self._capturing: tuple | None = None  # (micro-step, undefined count) of the open capture
         self._pools: dict[str, dict] = {}  # buffers of large window sums, reused
         self._pending = PendingRecord()  # a record waiting for the next window (Alpha)
         self._compiled = CompileNotice(compiled_wrapper)  # torch.compile: warned once
@@ -343,8 +351,8 @@ class Lens:
     @property
     def coverage(self) -> float:
         """Fraction of the model's trainable elements whose per-sample gradients are tracked."""
-        total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
+        total = sum(full_numel(p) for p in self.model.parameters() if p.requires_grad)
+        return sum(full_numel(p) for p in self._tap.params.values()) / max(total, 1)
 
     def _refresh_params(self) -> float:
         """Follow parameters frozen, unfrozen or added since the last tracked window; returns
@@ -354,14 +362,14 @@ class Lens:
             params = self._sharded.unsharded(params)
         with presenting(self._sharded):
             self._meter.follow(params)
-        return sum(p.numel() for p in self._tap.params.values()) / max(total, 1)
+        return sum(full_numel(p) for p in self._tap.params.values()) / max(total, 1)
 
     def _on_pre_step(self, optimizer, args, kwargs):
         if self._partial:
             self._window = None  # began before this Lens saw it: no record
         if self._window is None:
             return None
-        return _after_closure(args, kwargs, self._before_update)
+        return after_closure(args, kwargs, self._before_update)
 
     def _before_update(self) -> None:
         self._stated.verify_or_raise(self._open_window)  # on an accelerator: read now
@@ -514,27 +522,52 @@ class Lens:
                 self._window.coverage = self.coverage
         if self._ddp_route is not None:
             self._ddp_route.start_micro(self._tap.params)
+        self._capturing = (micro, undefined)
         try:
             yield
-            if micro.seen:
-                meter.finish(micro)
         except BaseException:
-            # Sums of this window are accumulated in place: a micro-step that failed half way
-            # invalidates the whole window. Drop it (no record) and let the error through.
+            if self._capturing is not None and self._capturing[0] is micro:  # not ended early
+                self._capturing = None
+                self._drop_capture(micro, undefined, stacklevel=4)
+            raise
+        self._end_capture(micro, undefined)
+
+    def _drop_capture(self, micro, undefined: int, stacklevel: int) -> None:
+        """An exception inside the capture: the window's sums are accumulated in place, so a
+        micro-step that failed half way invalidates the window. Drop it (no record)."""
+        try:
             if micro.seen:
                 warnings.warn(
                     f"an exception inside lens.capture() interrupted window {self.step}; its "
                     "statistics are dropped",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=stacklevel,
                 )
                 self._open_window()
-            raise
         finally:
-            meter.end(micro)
+            self._meter.end(micro)
             self._readers.abort()
-            if len(meter.undefined_params) != undefined:  # excluded during backward
+            if len(self._meter.undefined_params) != undefined:  # excluded during backward
                 self._window.coverage = self.coverage
+
+    def _end_capture(self, micro, undefined: int) -> None:
+        """The capture's end: the micro-step folds into the window. Also called by DeepSpeed's
+        step inside the capture (``accelerator.backward`` steps the engine): the with-block's
+        exit then has nothing left to do."""
+        if self._capturing is None or self._capturing[0] is not micro:
+            return
+        self._capturing = None
+        meter = self._meter
+        try:
+            if micro.seen:
+                meter.finish(micro)
+        except BaseException:
+            self._drop_capture(micro, undefined, stacklevel=5)
+            raise
+        meter.end(micro)
+        self._readers.abort()
+        if len(meter.undefined_params) != undefined:  # excluded during backward
+            self._window.coverage = self.coverage
         if micro.empty:
             self._window.empty_micro_steps += 1
             return
@@ -668,34 +701,30 @@ def _optimizer_hooks(optimizer: torch.optim.Optimizer | None, lens: Lens) -> lis
     :class:`~gradlens.GradientAccumulateOptimizer`, the end of every window (skipped ones too)."""
     if optimizer is None:
         return []
+    if isinstance(lens._sharded, ZeroView):  # DeepSpeed's step writes the update into the model
+        return lens._sharded.step_hooks(lambda: _before_deepspeed_step(lens), lambda u: _after_deepspeed_step(lens, u))
     hooks = [optimizer.register_step_pre_hook(lens._on_pre_step), optimizer.register_step_post_hook(lens._on_step)]
     if isinstance(optimizer, GradientAccumulateOptimizer):
         hooks.append(optimizer.register_window_end_hook(lens._on_window_end))
     return hooks
 
 
-def _after_closure(args: tuple, kwargs: dict, before_update: Callable[[], None]):
-    """A step pre-hook's result that runs ``before_update`` just before the optimizer's update:
-    now (None: arguments unchanged), or, for ``optimizer.step(closure)`` (PyTorch Lightning),
-    once the closure has run this window's last micro-step inside ``step()``: the arguments
-    with the closure wrapped. ``args[0]`` is the optimizer (torch passes step's full positional
-    arguments)."""
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if not callable(closure):
-        before_update()
-        return None
-    done: list[bool] = []
+def _before_deepspeed_step(lens: Lens) -> None:
+    """DeepSpeed's optimizer is about to update (:mod:`gradlens.distributed.deepspeed`): a capture
+    still open ends first (the engine stepped inside its backward call), then the window is
+    complete (the ranks merge, theta_t is read)."""
+    if lens._capturing is not None:
+        lens._end_capture(*lens._capturing)
+    lens._before_update()
 
-    def closure_then_snapshot(*a, **k):
-        out = closure(*a, **k)
-        if not done:
-            done.append(True)
-            before_update()
-        return out
 
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": closure_then_snapshot}
-    return (args[0], closure_then_snapshot, *args[2:]), kwargs
+def _after_deepspeed_step(lens: Lens, updated: bool) -> None:
+    """DeepSpeed's optimizer wrote theta_{t+1} into the model (``updated``; the window closes)
+    or skipped the update (fp16 inf/nan; the window is dropped without a record)."""
+    if updated:
+        lens._on_step(None, (), {})
+    else:
+        lens._on_window_end(None, False)
 
 
 # ---------------------------------------------------------------------- sinks

@@ -53,6 +53,7 @@ from torch import Tensor
 from gradlens.capture.events import Site
 from gradlens.core.stats import WindowStats
 from gradlens.core.window import Window
+from gradlens.core.param_shapes import full_shape
 from gradlens.core.records import Record
 from gradlens.core.state_checks import *  # noqa: F401,F403 - StateDictError and the validators, re-exported
 from gradlens.lens.state_codec import Decoder, Encoder, is_plain
@@ -84,7 +85,7 @@ def _parameters(lens: "Lens") -> dict[str, list]:
     params = lens._tap.params
     return {
         "names": list(params),
-        "shapes": [list(p.shape) for p in params.values()],
+        "shapes": [list(full_shape(p)) for p in params.values()],  # (ZeRO-3: the model's shape)
         "dtypes": [str(p.dtype).replace("torch.", "") for p in params.values()],
     }
 
@@ -292,7 +293,7 @@ def _check_parameters(state: dict, lens: "Lens") -> None:
 
 def _check_parameter_tensors(state: dict, lens: "Lens") -> None:
     """Instrument states shaped like parameters (Alpha's last update) fit the tracked ones."""
-    shapes = {q: tuple(p.shape) for q, p in lens._tap.params.items()}
+    shapes = {q: tuple(full_shape(p)) for q, p in lens._tap.params.items()}
     for inst, entry in zip(lens.instruments, state["instruments"]):
         for key, tensors in inst.parameter_tensors(entry["state"]).items():
             for q, t in tensors.items():

@@ -219,7 +219,7 @@ REGISTRY: dict[str, StateClass] = {
     "_Theta": _dataclass(_Theta),
     "Stratum": StateClass(Stratum, ("m", "numel", "cells", "width", "table"), build=_build_stratum),
     "ShiftedMoments": _dataclass(ShiftedMoments),
-    "SquaredNorms": _dataclass(SquaredNorms),
+    "SquaredNorms": _dataclass(SquaredNorms, skip=("presented",)),  # transient: values handed over in one call
     "CheckState": _dataclass(CheckState),
     "_CurvState": _dataclass(_CurvState, skip=("graph",), read=_read_curv),
 }

@@ -32,6 +32,7 @@ from gradlens.capture import CONV1D, LINEAR, LossCall, OpUse, ParamTap, Site, Ta
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import LIGHT_QUANTITIES, WindowStats
 from gradlens.core.window import Window
+from gradlens.core.param_shapes import full_numel, full_shape
 from gradlens.compat import queue_backward_callback
 from gradlens.core.groups import group_params
 from gradlens.measure.window_grad import WindowGradient
@@ -118,6 +119,10 @@ class Meter(WindowGradient):
         plan: the compiled :class:`Plan`.
         chunk_elements: upper bound on the elements of one materialised ``[b, *param]`` slice.
         undefined: ``"error"`` or ``"exclude"`` (see :class:`gradlens.Lens`).
+        partitioned: the parameters' data is an empty partition outside their module's forward
+            (DeepSpeed ZeRO-3, :mod:`gradlens.distributed.deepspeed`): each use is measured in
+            backward (small uses are not stacked to the window's end); sizes are read from the
+            model's shapes (:mod:`gradlens.core.param_shapes`).
 
     Attributes:
         tap: the :class:`~gradlens.capture.tap.Tap` (or ``ParamTap``) whose events come here,
@@ -129,7 +134,7 @@ class Meter(WindowGradient):
     """
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], plan: Plan, *,
-                 chunk_elements: int = CHUNK_ELEMENTS, undefined: str = "error"):
+                 chunk_elements: int = CHUNK_ELEMENTS, undefined: str = "error", partitioned: bool = False):
         self.model = model
         self.plan = plan
         self.chunk_elements = chunk_elements
@@ -163,8 +168,10 @@ class Meter(WindowGradient):
         #: the sums the uses' measurement computes (decided once, not per use)
         self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
         #: small uses may be stacked (gradlens.measure.deferred): the plan wants only their norms and
-        #: sums (window gradient, sum of squares), nothing per sample or per layer
-        self._stacks = not plan.per_sample and not plan.layer and "batch_l2" in self.use_sums
+        #: sums (window gradient, sum of squares), nothing per sample or per layer; and the
+        #: parameters stay whole to the window's end (not under DeepSpeed ZeRO-3)
+        self._stacks = (not partitioned and not plan.per_sample and not plan.layer
+                        and "batch_l2" in self.use_sums)
         if self._stacks:  # small uses' window gradients come with their stacked norms
             self.tap.sums_here = deferred.sums_here
             self.tap.stacks_if = deferred.fits
@@ -297,7 +304,7 @@ class Meter(WindowGradient):
                 if q not in stats.sum_grad_squared:
                     p = self.tap.params[q]
                     stats.sum_grad_squared[q] = torch.zeros(
-                        p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+                        full_shape(p), dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
         for inst in self.plan.per_sample:
             for q in skipped:
                 inst.update_zeros(micro.states[id(inst)], q, self.tap.params[q], b)
@@ -324,9 +331,9 @@ class Meter(WindowGradient):
         if not bad:
             return
         params = self.tap.params
-        total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        lost = sum(params[q].numel() for q in bad)
-        keep = sum(p.numel() for p in params.values()) - lost
+        total = sum(full_numel(p) for p in self.model.parameters() if p.requires_grad)
+        lost = sum(full_numel(params[q]) for q in bad)
+        keep = sum(full_numel(p) for p in params.values()) - lost
         if self.undefined == "exclude":
             self.undefined_params.update(bad)
             rest = {q: p for q, p in params.items() if q not in bad}

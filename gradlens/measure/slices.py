@@ -19,6 +19,7 @@ from gradlens.capture.events import Site
 from gradlens.kernels.base import add_into, sample_chunks
 from gradlens.capture.units import MicroStep
 from gradlens.core.limits import CPU_SLICE_ELEMENTS
+from gradlens.core.param_shapes import full_numel, full_shape
 
 __all__ = ["CPU_SLICE_ELEMENTS", "measure"]
 
@@ -35,14 +36,14 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
     ``(slot, per-sample scale)`` of a fused Linear call (its dL/dW, if not yet formed, is the
     sum of the chunks' weight slices over the scale)."""
     kernel, module, stats = w.kernel, w.module, meter.window.stats
-    numel = sum(getattr(module, attr).numel() for attr in attrs)
+    numel = sum(full_numel(getattr(module, attr)) for attr in attrs)
     l2_parts = []
     of = meter.group_of
     # per group (Lens(groups=...)): this use's chunks of ||g_n||^2 over the group's parameters
     group_parts: dict[str, list] = {}
     # a fused Linear call not yet given its dL/dW: the sum of the slices formed here
     fill = weight_grad is not None and weight_grad[0].value is None and "weight" in attrs
-    wsum = delta.new_zeros(module.weight.shape) if fill else None
+    wsum = delta.new_zeros(full_shape(module.weight)) if fill else None
     budget = meter.chunk_elements if delta.device.type != "cpu" else min(meter.chunk_elements, CPU_SLICE_ELEMENTS)
     for s, e in sample_chunks(numel, delta.shape[0], budget):
         chunk = kernel.per_sample(module, a, delta, s, e, attrs=attrs)

@@ -1,0 +1,31 @@
+"""A tracked parameter's shape as the model defines it, whatever its data holds now.
+
+DeepSpeed ZeRO stage 3 partitions each parameter across the data-parallel ranks: outside its
+module's forward and backward, the ``nn.Parameter`` (the same object the model holds) has an
+empty ``[0]`` tensor as its data, and DeepSpeed keeps the model's shape in the attribute
+``ds_shape`` (``ds_numel`` its element count). What gradlens sizes from a tracked parameter after
+backward (zeros for a parameter no use reached, the buffers of the rank merge, the coverage)
+reads it through these two functions; for any other parameter they are ``p.shape`` and
+``p.numel()``. Told by the attribute, without importing DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["full_shape", "full_numel"]
+
+
+def full_shape(p: Any) -> torch.Size:
+    """``p``'s shape in the model: ``ds_shape`` for a ZeRO-3 parameter, else ``p.shape``."""
+    shape = getattr(p, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
+
+
+def full_numel(p: Any) -> int:
+    """``p``'s number of elements in the model: ``ds_numel`` for a ZeRO-3 parameter, else
+    ``p.numel()``."""
+    n = getattr(p, "ds_numel", None)
+    return int(n) if n is not None else p.numel()
