@@ -457,6 +457,8 @@ class Lens:
         if captured:
             record = window_record(step, window, states, self.instruments, self._window_coverage, empty,
                                    self._meter.groups)
+            if self._meter.undefined_params:  # Lens(undefined="exclude") left these out: why
+                record.meta["undefined"] = dict(self._meter.undefined_params)
             warn_nonfinite(record, self.optimizer, self.grad_scaler)
             deferring = end_window(states, self.instruments)
             keep_record(self.records, record, self.keep_records)
@@ -555,6 +557,8 @@ class Lens:
             yield
             if micro.seen:
                 meter.finish(micro)
+            else:
+                meter.check_unmeasured()  # a backward that ran but measured nothing: why
         except BaseException:
             # Sums of this window are accumulated in place: a micro-step that failed half way
             # invalidates the whole window. Drop it (no record) and let the error through.
