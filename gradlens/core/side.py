@@ -7,26 +7,27 @@ per-sample gradient, not a part of the window's."""
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 __all__ = ["side_backward", "in_side_backward"]
 
-# (a nested backward runs its hooks on the thread that started it: the flag is per thread)
-_state = threading.local()
+# Process-wide, not per thread: a nested backward on an accelerator may run its hooks on the
+# autograd engine's device thread, not on the thread that started it; the captured backward that
+# starts one waits for it, so nothing else of that micro-step runs meanwhile.
+_depth = [0]
 
 
 @contextmanager
 def side_backward() -> Iterator[None]:
     """Mark the backward passes run inside as gradlens' own."""
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _depth[0] += 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        _depth[0] -= 1
 
 
 def in_side_backward() -> bool:
     """Whether a hook now runs inside one of gradlens' own backward passes."""
-    return getattr(_state, "depth", 0) > 0
+    return _depth[0] > 0
