@@ -121,6 +121,11 @@ CASES: dict[type | str, list[Case]] = {
     nn.ConvTranspose3d: [
         Case("basic", lambda: nn.ConvTranspose3d(1, 2, 2), (2, 1, 2, 3, 2)),
     ],
+    nn.EmbeddingBag: [  # a bag (a row of the last dim) per sample; flat ids with offsets: tests/test_peer_layers.py
+        Case("sum", lambda: nn.EmbeddingBag(7, 3, mode="sum"), (3, 4), index=7),
+        Case("mean-padding-idx", lambda: nn.EmbeddingBag(6, 4, mode="mean", padding_idx=2), (4, 5), index=6),
+        Case("max", lambda: nn.EmbeddingBag(5, 2, mode="max"), (2, 3), index=5),
+    ],
     nn.Embedding: [
         Case("B1", lambda: nn.Embedding(7, 3), (1, 4), index=7),
         Case("padding-idx", lambda: nn.Embedding(6, 4, padding_idx=2), (3, 5), index=6),

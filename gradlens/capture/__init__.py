@@ -31,7 +31,9 @@ use's samples may hold several rows, each kernel declares on its class
 ``rows_per_sample``); the capture holds no list of kernel types. The sample axis of a use is
 followed from the model's input (dim 0, the ``batch_dim`` given to :func:`extend`, or dim 1
 where the model says ``batch_first=False``) through every data operation
-(:mod:`gradlens.capture.axes`), never guessed from sizes where they are ambiguous. A tracked
+(:mod:`gradlens.capture.axes`; rows of the batch reordered, selected, repeated or mixed:
+:mod:`gradlens.capture.rows`, :mod:`gradlens.capture.samples`), never guessed from sizes; an
+operation that mixes the samples of a micro-batch makes the parameters before it undefined. A tracked
 window runs a compiled model eagerly (compiler stance ``force_eager``).
 
 What the mode costs is Python per torch call (its dispatch, then the lookups and marks here), so

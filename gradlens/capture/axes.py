@@ -186,6 +186,29 @@ def _reshape_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
     return [reshaped(old, new, ax, batch)]
 
 
+def _squeeze_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    """``unsqueeze(d)`` / ``squeeze(d)``: the axis moves by the dim given (not by matching sizes,
+    which a micro-batch of 1 would make ambiguous); ``squeeze()`` of every size-1 dim: a reshape."""
+    if len(outs) != 1:
+        return None
+    a = ax[0]
+    if name.startswith("unsqueeze"):
+        d = _int_arg(args, kwargs, 1, "dim")
+        if not isinstance(d, int):
+            return None
+        d = d + nd + 1 if d < 0 else d
+        return [(a + 1 if d <= a else a, ax[1])]
+    dims = _int_arg(args, kwargs, 1, "dim", None)
+    if dims is None:
+        return _reshape_rule(name, func, args, kwargs, x, ax, outs, batch, nd)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = [_dim(d, nd) for d in dims]
+    dims = [d for d in dims if x.shape[d] == 1]
+    if a in dims:
+        return [None]  # the sample dim squeezed away (a micro-batch of one)
+    return [(a - sum(1 for d in dims if d < a), ax[1])]
+
+
 def _swap_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
     if len(outs) != 1:
         return None
@@ -307,6 +330,7 @@ def _reduction_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
 #: operation name -> its rule
 _RULES: dict[str, Any] = {
     **{n: _reshape_rule for n in _RESHAPES},
+    **{n: _squeeze_rule for n in ("squeeze", "squeeze_", "unsqueeze", "unsqueeze_")},
     **{n: _swap_rule for n in _SWAPS},
     "__get__": _get_rule,
     "rot90": _rot90_rule,

@@ -61,6 +61,10 @@ class OpUse:
     forward: int = 0  # id of the forward pass
     #: rows per sample on ``axis`` (its size is ``batch * factor``, samples the leading factor)
     factor: int = 1
+    #: the sample of each row of ``axis`` where they are not the samples in order (a
+    #: :class:`~gradlens.capture.rows.Rows` axis: reordered, selected or repeated rows); sample
+    #: n's gradient is the sum over its rows
+    rows: Any = None
 
 
 class WeightGrad:

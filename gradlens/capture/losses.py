@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from gradlens import compat
 
-__all__ = ["LossCall", "pending_loss_calls", "take_loss_calls", "settle_rows"]
+__all__ = ["LossCall", "pending_loss_calls", "take_loss_calls", "settle_rows", "settle_samples"]
 
 _loss_calls = threading.local()
 
@@ -61,6 +61,11 @@ class LossCall:
     #: the autograd node of the tensor that was flattened (walked up through copies and slices
     #: of other dims); compared with the model's outputs, then dropped
     rows_node: Any = None
+    #: the autograd node of the loss input (walked up through copies) and its shape: where the
+    #: input is an output of the model whose samples are not on dim 0 (``extend(model,
+    #: batch_dim=1)``, packed sequences), its batch is the model's; compared, then dropped
+    input_node: Any = None
+    input_shape: tuple = ()
     value: Tensor | None = None
     seen: _Multiplier = field(default_factory=_Multiplier)
 
@@ -87,6 +92,7 @@ class LossCall:
         self.output = None
         self.target = None
         self.rows_node = None
+        self.input_node = None
 
 
 #: losses computed since the last capture, in this thread (a validation forward's too: only
@@ -149,6 +155,8 @@ def _loss_forward_hook(module: nn.Module, inputs, output) -> None:
         module_name=type(module).__name__,
         rows=flat[0] if flat else None,
         rows_node=flat[1] if flat else None,
+        input_node=_copied_from(inputs[0]) if isinstance(inputs[0], Tensor) and not flat else None,
+        input_shape=tuple(inputs[0].shape) if isinstance(inputs[0], Tensor) else (),
     )
     _note_loss(call)
 
@@ -176,6 +184,27 @@ def _flattened_rows(x: Tensor) -> tuple[tuple[int, ...], Any] | None:
     return tuple(sizes[:k]), node
 
 
+def _copied_from(x: Tensor) -> Any:
+    """The autograd node of ``x``, walked up through copies (``.float()``, ``.contiguous()``)."""
+    node = x.grad_fn
+    while node is not None and compat.node_name(node) in _KEEP_LEADING:
+        node = node.next_functions[0][0] if node.next_functions else None
+    return node
+
+
+def settle_samples(call: LossCall, batch: int | None, output_nodes: dict) -> None:
+    """A loss whose input is an output of the model holding its samples elsewhere than on dim 0
+    (``[T, B, ...]`` under ``extend(model, batch_dim=1)``; the packed data of sequences): its
+    batch is the model's micro-batch. Sets ``call.batch_size``."""
+    if batch is None or call.batch_size == batch or call.input_node is None:
+        return
+    ax = output_nodes.get(call.input_node)
+    if ax is None:
+        return
+    if type(ax) is not tuple or (ax[1] == 1 and ax[0] < len(call.input_shape) and call.input_shape[ax[0]] == batch):
+        call.batch_size = batch  # (a tuple subclass: rows of samples, e.g. packed sequences)
+
+
 def settle_rows(call: LossCall, batch: int | None, output_nodes: dict) -> None:
     """A loss on flattened rows (``call.rows``, e.g. ``[B, T]`` of ``logits.view(-1, V)``): its
     samples are the micro-batch ``batch`` of the model's input where the rows' leading dim is
@@ -183,9 +212,15 @@ def settle_rows(call: LossCall, batch: int | None, output_nodes: dict) -> None:
     has that size, or the flattened tensor is an output of the model whose samples are on dim 0.
     Sets ``call.batch_size``; otherwise leaves it (the Meter's batch check then refuses it)."""
     rows = call.rows
-    if rows is None or batch is None or call.batch_size == batch or rows[0] != batch:
+    if rows is None or batch is None or call.batch_size == batch:
         return
-    if batch in rows[1:] and output_nodes.get(call.rows_node, None) != (0, 1):
+    ax = output_nodes.get(call.rows_node, None)
+    if type(ax) is tuple and ax[1] == 1 and 0 < ax[0] < len(rows) and rows[ax[0]] == batch:
+        call.batch_size = batch  # a sequence-first output ([T, B, V] logits of batch_dim=1) flattened
+        return
+    if rows[0] != batch:
+        return
+    if batch in rows[1:] and ax != (0, 1):
         return  # dim 0 has the micro-batch size, but so has another: which holds the samples?
     call.batch_size = batch
 

@@ -40,13 +40,6 @@ def _input_batch(inputs: tuple, hint: int) -> tuple[int, int] | None:
     return ax, int(first.shape[ax])
 
 
-def _only_axis(shape, batch: int) -> int | None:
-    """The one axis of ``shape`` whose size is the micro-batch size, or None (none, or several:
-    then the size says nothing)."""
-    cands = [i for i, s in enumerate(shape) if s == batch]
-    return cands[0] if len(cands) == 1 else None
-
-
 def _batch_first(t: Tensor, ax: int, factor: int, batch: int) -> Tensor:
     """``t`` with its sample axis ``ax`` moved to dim 0; ``[B * f, ...] -> [B, f, ...]`` where
     the samples are the leading factor of that axis."""

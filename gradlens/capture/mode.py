@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from gradlens.capture import axes, ops
+from gradlens.capture import axes, ops, samples
 from gradlens.capture.losses import _LOSS_FUNCTIONS, _note_functional_loss
 from gradlens.capture.marks import _outputs, _ref
+from gradlens.capture.rows import EVENTS, Rows
 
 #: torch calls that only read a tensor's metadata (they return no tensor): the mode passes
 #: them through before any lookup (about a third of the calls in a transformer's forward)
@@ -27,7 +28,7 @@ _METADATA = frozenset(
         "is_contiguous", "element_size", "get_device", "data_ptr", "__len__")]
 )
 
-_RULED = axes.RULED
+_RULED = axes.RULED | frozenset(samples.TABLE)
 
 #: argument types that are no tensor and hold none (as the mode's scan reads arguments: a
 #: list or tuple is looked into, nothing else): the scan passes them at once
@@ -64,6 +65,8 @@ class _UseMode(TorchFunctionMode):
         fax = None  # its sample axis
         tracked = None
         lead = True  # the first data argument is args[0], the others are plain (ints, shapes, ...)
+        more = False  # another data argument ...
+        odd = False  # ... with another axis than the first's (or none known)
         i = -1
         for x in args:
             i += 1
@@ -76,7 +79,9 @@ class _UseMode(TorchFunctionMode):
                         first, fax, is_data = x, e[1], True
                         lead = lead and i == 0
                     else:
-                        lead = False
+                        lead, more = False, True
+                        if e[1] is not fax and (fax is None or e[1] != fax):
+                            odd = True
                     continue
                 lead = False
                 items = ((i, x),)
@@ -89,6 +94,10 @@ class _UseMode(TorchFunctionMode):
                         if e is not None and e[0]() is y:
                             if first is None:
                                 first, fax, is_data = y, e[1], True
+                            else:
+                                more = True
+                                if e[1] is not fax and (fax is None or e[1] != fax):
+                                    odd = True
                         else:
                             items.append(((i, j), y))
                     elif type(y) not in _PLAIN:
@@ -98,8 +107,8 @@ class _UseMode(TorchFunctionMode):
                 continue
             for pos, y in items:
                 got = tap._not_data(pos, y)
-                if got is True:
-                    is_data = True
+                if got is True:  # data the mode did not see made: its axis is unknown
+                    is_data = more = odd = True
                 elif got is not None:
                     if tracked is None:
                         tracked = [got]
@@ -113,10 +122,14 @@ class _UseMode(TorchFunctionMode):
                     if e is not None and e[0]() is x:
                         if first is None:
                             first, fax, is_data = x, e[1], True
+                        else:
+                            more = True
+                            if e[1] is not fax and (fax is None or e[1] != fax):
+                                odd = True
                         continue
                     got = tap._not_data(k, x)
                     if got is True:
-                        is_data = True
+                        is_data = more = odd = True
                     elif got is not None:
                         if tracked is None:
                             tracked = [got]
@@ -125,6 +138,9 @@ class _UseMode(TorchFunctionMode):
         else:
             kwargs = _NO_KWARGS
         grad = torch.is_grad_enabled()  # off: e.g. inside a custom autograd.Function (follow the batch)
+        if kind & _IS_BAG and is_data:  # F.embedding_bag of flat ids with offsets: its bags are the samples
+            tap._bags(args, kwargs)
+            fax = tap._data.get(first) if first is not None else None
         if grad and is_data and kind & _IS_BATCH_NORM:
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
             if training or args[1] is None:
@@ -135,18 +151,23 @@ class _UseMode(TorchFunctionMode):
                 if isinstance(out, Tensor):  # one output: its mark set here
                     batch = tap._batch
                     if fax is None or batch is None:
-                        ax = None
+                        ax = None if batch is None else tap._unknown(func, args, kwargs, out)
+                    elif (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS:  # several data arguments
+                        ax = tap._several(func, args, kwargs, out)
                     elif not kind & _IS_RULED and fax[0] < out.dim() and out.shape == first.shape:
                         ax = fax  # the common case: what axes.carry gives without its rules
-                    elif lead:  # the rule's answer depends on the shapes and the other arguments only
-                        ax = _carried(func, args, first, fax, out, batch)
                     else:
-                        ax = axes.carry(func, args, kwargs, first, fax, [out], batch)[0]
+                        if lead and type(fax) is tuple:  # the answer depends on shapes and plain arguments only
+                            ax = _carried(func, args, first, fax, out, batch, kind)
+                        else:
+                            ax = tap._axes(func, args, kwargs, first, fax, [out], kind)[0]
+                        if ax.__class__ in EVENTS or ax is None:
+                            ax = tap._settle(ax, func, args, kwargs, first, fax, out)
                     data[id(out)] = (_ref(out), ax)
                     if len(data) > tap._data._limit:
                         tap._data.sweep()
                 else:
-                    tap._carry(func, args, kwargs, first, fax, out)
+                    tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
                 if grad and kind & _IS_LOSS:
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
             return out
@@ -162,24 +183,28 @@ class _UseMode(TorchFunctionMode):
         else:
             saved = args
         out = func(*args, **kwargs)
-        tap._carry(func, args, kwargs, first, fax, out)
+        tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
         tap._meet(func, saved, kwargs, tracked, out)
         return out
 
 
 #: what the mode needs to know of a torch function besides its arguments, as bit flags (one
 #: dict read per call): its sample-axis rule is not the default one, it is a loss, F.batch_norm,
-#: F.linear
-_IS_RULED, _IS_LOSS, _IS_BATCH_NORM, _IS_LINEAR = 1, 2, 4, 8
+#: F.linear, it may reorder, mix or pool the samples (:data:`gradlens.capture.samples.TABLE`), it is
+#: a product whose data arguments' dims do not line up elementwise, F.embedding_bag
+_IS_RULED, _IS_LOSS, _IS_BATCH_NORM, _IS_LINEAR, _IS_SAMPLES, _IS_CONTRACT, _IS_BAG, _IS_ROWS = 1, 2, 4, 8, 16, 32, 64, 128
 _KINDS: dict = {}
 _NO_KWARGS: dict = {}  # (never written)
 
 
 def _kind(func) -> int:
     """:data:`_KINDS` of ``func``, computed on its first call."""
-    kind = ((_IS_RULED if getattr(func, "__name__", "") in _RULED else 0)
+    name = getattr(func, "__name__", "")
+    kind = ((_IS_RULED if name in _RULED else 0)
             | (_IS_LOSS if func in _LOSS_FUNCTIONS else 0)
-            | (_IS_BATCH_NORM if func is F.batch_norm else 0) | (_IS_LINEAR if func is F.linear else 0))
+            | (_IS_BATCH_NORM if func is F.batch_norm else 0) | (_IS_LINEAR if func is F.linear else 0)
+            | (_IS_SAMPLES if name in samples.TABLE else 0) | (_IS_CONTRACT if name in samples.CONTRACTIONS else 0)
+            | (_IS_BAG if func is F.embedding_bag else 0) | (_IS_ROWS if name in samples.ROWS else 0))
     if len(_KINDS) > 4096:
         _KINDS.clear()
     _KINDS[func] = kind
@@ -189,21 +214,28 @@ def _kind(func) -> int:
 #: (func, axis, batch, input shape, output shape, other arguments) -> the output's axis, for the
 #: calls whose only tensor is their first argument and whose other arguments are plain values
 #: (a view, transpose, slice of the data): the memo holds no tensor and no object of the model
+#: (an answer that holds a tensor, the rows of a :class:`~gradlens.capture.rows.Rows` axis, is
+#: not kept)
 _AXES: dict = {}
 
 
-def _carried(func, args: tuple, x: Tensor, ax, out: Tensor, batch: int):
-    """``axes.carry`` of a call whose only tensor argument is ``x = args[0]``: its rule reads the
-    shapes, the axis, the batch size and the other (plain) arguments alone, so the answer is
-    kept per such key (a forward repeats the same calls layer after layer and step after step)."""
+def _carried(func, args: tuple, x: Tensor, ax, out: Tensor, batch: int, kind: int = 0):
+    """``axes.carry`` of a call whose only tensor argument is ``x = args[0]`` (and, for the
+    functions of :data:`gradlens.capture.samples.TABLE`, what it does to the samples): its rule
+    reads the shapes, the axis, the batch size and the other (plain) arguments alone, so the
+    answer is kept per such key (a forward repeats the same calls layer after layer and step
+    after step)."""
     try:
         key = (func, ax, batch, x.shape, out.shape, args[1:])
         got = _AXES.get(key, _AXES)
     except TypeError:  # an unhashable argument (a slice, before Python 3.12)
         key, got = None, _AXES
     if got is _AXES:
-        got = axes.carry(func, args, _NO_KWARGS, x, ax, [out], batch)[0]
-        if key is not None:
+        got = axes.carry(func, args, _NO_KWARGS, x, ax, [out], batch)
+        if kind & _IS_SAMPLES:
+            got = samples.follow(func, args, _NO_KWARGS, x, ax, [out], batch, got)
+        got = got[0]
+        if key is not None and type(got) is not Rows:
             if len(_AXES) > 4096:
                 _AXES.clear()
             _AXES[key] = got

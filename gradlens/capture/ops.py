@@ -30,9 +30,10 @@ from torch import Tensor
 
 from gradlens import compat
 from gradlens.core.param_shapes import full_shape
+from gradlens.core.side import side_backward
 from gradlens.kernels.base import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
-__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "CHUNK_ELEMENTS"]
+__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "rows_to_samples", "CHUNK_ELEMENTS"]
 
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
@@ -229,18 +230,19 @@ def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor |
     direct = _embedding_lookup(t, params, g)
     if direct is not None:
         return [direct]
-    if not _through_compiled(t.grad_fn):
-        return list(
-            torch.autograd.grad(
-                t, params, grad_outputs=g, is_grads_batched=True, retain_graph=True, allow_unused=True
+    with side_backward():  # the window's own parameter hooks stand aside (gradlens.core.side)
+        if not _through_compiled(t.grad_fn):
+            return list(
+                torch.autograd.grad(
+                    t, params, grad_outputs=g, is_grads_batched=True, retain_graph=True, allow_unused=True
+                )
             )
-        )
-    # a graph that torch.compile made (a forward traced with gradlens' hooks: the Lens got the
-    # plain module of a compiled forward) has a compiled backward, which cannot be batched over
-    # samples: one VJP per sample through it, stacked (exact; that window only, the next
-    # tracked ones run eagerly)
-    rows = [torch.autograd.grad(t, params, grad_outputs=g[n], retain_graph=True, allow_unused=True)
-            for n in range(g.shape[0])]
+        # a graph that torch.compile made (a forward traced with gradlens' hooks: the Lens got the
+        # plain module of a compiled forward) has a compiled backward, which cannot be batched over
+        # samples: one VJP per sample through it, stacked (exact; that window only, the next
+        # tracked ones run eagerly)
+        rows = [torch.autograd.grad(t, params, grad_outputs=g[n], retain_graph=True, allow_unused=True)
+                for n in range(g.shape[0])]
     return [None if rows[0][i] is None else torch.stack([r[i] for r in rows]) for i in range(len(params))]
 
 
@@ -280,3 +282,18 @@ def _embedding_lookup(t: Tensor, params: list[Tensor], g: Tensor) -> Tensor | No
     if 0 <= pad < shape[0]:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out
+
+
+def rows_to_samples(g: Tensor, use: Any) -> Tensor:
+    """``[B, *t]`` from per-row gradients ``g`` ``[R, *t]`` of a use whose rows are not the
+    samples in order (``use.rows``: the sample of each row): sample n's gradient is the sum over
+    its rows (none: zero)."""
+    rows = use.rows.to(g.device)
+    if rows.numel() and bool((rows < 0).any()):
+        raise RuntimeError(
+            f"gradlens cannot measure the use {use.name!r}: {int((rows < 0).sum())} of its rows hold no sample (a "
+            "constant joined to the batch's rows that no sample's row met); leave its parameters out: "
+            "Lens(..., exclude=[...])"
+        )
+    out = g.new_zeros((use.batch,) + tuple(g.shape[1:]))
+    return out.index_add_(0, rows, g)

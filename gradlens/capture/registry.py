@@ -40,7 +40,7 @@ from gradlens import compat
 from gradlens.kernels.backpack import _backpack_kernels
 from gradlens.kernels.base import Kernel, check_kernel, qualname
 from gradlens.kernels.conv import Conv2dKernel, VmapConvKernel
-from gradlens.kernels.embedding import EmbeddingKernel
+from gradlens.kernels.embedding import EmbeddingBagKernel, EmbeddingKernel
 from gradlens.kernels.linear import LinearKernel, TransposedLinearKernel
 from gradlens.kernels.norms import (
     BatchNormBatchStatsKernel, BatchNormEvalKernel, GroupNormKernel, InstanceNormKernel, LayerNormKernel, RMSNormKernel,
@@ -193,6 +193,11 @@ register_kernel(
     nn.Embedding,
     lambda m: None if m.scale_grad_by_freq else EmbeddingKernel(),
     "closed form (scatter of the output gradients)",
+)
+register_kernel(
+    nn.EmbeddingBag,
+    lambda m: None if m.mode == "max" or m.scale_grad_by_freq else EmbeddingBagKernel(),
+    "closed form (a bag is a sample: scatter of its weighted output gradient)",
 )
 register_kernel(compat.BatchNormBase, _batchnorm, "closed form (running or batch statistics)")
 register_kernel(compat.InstanceNormBase, lambda m: InstanceNormKernel() if m.affine else None, "closed form")

@@ -12,23 +12,31 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from gradlens import compat
-from gradlens.capture import axes
+from gradlens.capture import axes, samples
 from gradlens.capture.events import OnUse, OpUse, Site
+from gradlens.capture.losses import _LOSS_FUNCTIONS
 from gradlens.capture.fused import _elementwise_forward, _TrackedForward, fused_forward_for
 from gradlens.capture.marks import (
-    _batch_first, _declared, _hints, _input_batch, _only_axis, _outputs, _tensors, _TensorMarks,
+    _batch_first, _declared, _hints, _input_batch, _outputs, _tensors, _TensorMarks,
 )
-from gradlens.capture.mode import _UseMode
+from gradlens.capture.rows import EVENTS, Mix, Pool, Rows, packed_owner, rows_axis, samples_first
+from gradlens.capture.mode import _IS_SAMPLES, _UseMode
 from gradlens.capture.param_grads import _hook_param_grads
 from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
 from gradlens.capture.tracked import declared_batch_dim
+from gradlens.kernels.embedding import bag_rows as _bag_rows
 from gradlens.kernels.linear import LinearKernel, OpLinear
 
 __all__ = ["Tap"]
 
 _NOTHING: frozenset = frozenset()
+
+#: (func, einsum equation, output shape, data arguments' (position, shape, axis, requires grad))
+#: -> (aligned, output axis): :meth:`Tap._several`'s answers for plain axes (no tensor kept)
+_SEVERAL: dict = {}
 
 
 class Tap:
@@ -78,12 +86,20 @@ class Tap:
         self._declared = _declared(model)
         #: what the sample axis of a use could not be found for, this forward (one error lists all)
         self.axis_errors: list[str] = []
+        #: the parameters of each of :attr:`axis_errors` (an error about parameters that turn out
+        #: undefined anyway gives way to the undefined ones' error)
+        self._axis_names: dict[str, frozenset] = {}
+        self._axis_origin: dict[str, tuple] = {}
         #: autograd node -> sample axis ((dim, factor) or None) of the data tensors the model's
         #: last forward returned (until the capture ends)
         self.output_nodes: dict = {}
         #: data tensor -> its sample axis (see :mod:`gradlens.capture.axes`)
         self._data = _TensorMarks()
         self._derived = _TensorMarks()
+        #: data tensors reduced over the samples (that require grad): tensor -> (linear, what)
+        self._pooled = _TensorMarks()
+        #: data tensors whose sample axis was lost: tensor -> where
+        self._lost = _TensorMarks()
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
@@ -131,6 +147,8 @@ class Tap:
         self.received: set[str] = set()
         self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
         self.axis_errors = []
+        self._axis_names = {}
+        self._axis_origin = {}
         self.output_nodes = {}
         self._visited = set()
         self._ops = 0
@@ -223,10 +241,19 @@ class Tap:
             return None  # no gradients here, or a torch.func transform of the model (an oracle)
         if self._mode_depth == 0:
             inputs = tuple(args) + tuple(kwargs.values())
+            packed = [x for x in inputs if isinstance(x, PackedSequence)]
+            if packed:  # a sample is a sequence: the rows of its data are the samples' time steps
+                inputs = tuple(x for x in inputs if not isinstance(x, PackedSequence))
+                self._batch = int(packed[0].batch_sizes[0])
+                for p in packed:
+                    owner = packed_owner(p.batch_sizes, p.sorted_indices, p.data.device)
+                    self._data[p.data] = rows_axis(0, owner, self._batch)
             hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
             found = _input_batch(inputs, hint)
             if found is not None:
-                ax, self._batch = found
+                ax, batch = found
+                if not packed:
+                    self._batch = batch
                 for _, x in _tensors(inputs):
                     if x.dim() > ax and x.shape[ax] == self._batch:
                         self._data[x] = (ax, 1)
@@ -262,7 +289,9 @@ class Tap:
         """
         declared = self._declared.get(id(mod))
         gen = self._hooks_gen
-        use = self._site_use(mod, site) if is_site else None
+        is_bag = isinstance(mod, nn.EmbeddingBag)
+        bag_args: list = [None, None]  # this call's offsets and per-sample weights (keywords too)
+        use = self._site_use(mod, site, bag_args) if is_site else None
         entered: list[bool] = []  # per call of a submodule: whether it opened the forward
 
         def pre(module, args, kwargs=None):  # kwargs too: hf_model(input_ids=..., labels=...)
@@ -275,6 +304,10 @@ class Tap:
                 return None
             if declared is not None and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
+            if is_bag and args and isinstance(args[0], Tensor) and args[0].dim() == 1:
+                offsets = args[1] if len(args) > 1 else (kwargs or {}).get("offsets")
+                self._bags((args[0], None, offsets), {"include_last_offset": module.include_last_offset})
+                bag_args[:] = [offsets, args[2] if len(args) > 2 else (kwargs or {}).get("per_sample_weights")]
             if is_site:
                 if not self._skip and compat.top_function_mode() is self._mode:
                     self._mode.__exit__(None, None, None)  # back in the site's post-hook
@@ -305,13 +338,13 @@ class Tap:
 
         return pre, post
 
-    def _site_use(self, mod: nn.Module, site: Site | None):
+    def _site_use(self, mod: nn.Module, site: Site | None, bag_args: list | None = None):
         """The post-hook work of a closed-form site: its output takes the sample axis of its
         input (or its derived names), and its output gradient is hooked for the Meter."""
         routed = site is not None and site.kernel.routes_param_grads(mod)  # (declared by the kernel)
         stacks = routed and site.kernel.stack_key(mod, tuple(site.params)) is not None
         stateful = isinstance(mod, compat.BatchNormBase)  # kernel follows train/eval
-        is_embedding = isinstance(mod, nn.Embedding)
+        is_bag = isinstance(mod, nn.EmbeddingBag)
         may_fuse = site is not None and qualname(type(mod)) in site.kernel.fused_layers  # (only these run fused)
         data = self._data
 
@@ -335,26 +368,34 @@ class Tap:
                 elif a in self._derived and output.requires_grad:
                     self._derived[output] = self._derived[a]
                 return None
-            if is_embedding and ax is None and a.dim() <= 1:
-                ax = (0, 1)  # ids [B]: one id per sample
+            if is_bag:
+                return self._bag_use(module, site, a, ax, bag_args, output)
             data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
             if kernel is not None and kernel.mixes_samples:
                 self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
             if site is None or not output.requires_grad:
                 return None
             batch = self._batch
-            if ax is None or (ax[1] != 1 and not site.kernel.rows_per_sample):
-                self._refuse_axis(
-                    output,
-                    f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
-                    + ("" if ax is None else f" holds the samples as the leading factor of dim {ax[0]}"),
-                )
+            rows = type(ax) is Rows
+            what = f"the input of {site.name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+            if ax is None:
+                self._refuse_axis(output, what, site.params.values(), self._lost.get(a), detail=self._why_unknown(a))
                 return None
-            ax, factor = ax
+            if rows:
+                with compat.no_torch_function():
+                    owner = ax.owner[ax.owner >= 0]
+                    width = int(torch.bincount(owner, minlength=batch).max()) if owner.numel() else 1
+                if width > 1 and not site.kernel.rows_per_sample:
+                    self._refuse_axis(output, what + f" holds several rows of one sample on dim {ax[0]}",
+                                      site.params.values())
+                    return None
+            elif ax[1] != 1 and not site.kernel.rows_per_sample:
+                self._refuse_axis(output, what + f" holds the samples as the leading factor of dim {ax[0]}",
+                                  site.params.values())
+                return None
             uses = self.uses
             for q in site.params.values():
                 uses[q] = uses.get(q, 0) + 1
-            a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
             via: frozenset = _NOTHING  # attributes whose dL/dp of this call autograd reports
             if routed and self.on_weight_grad is not None and not (
                     stacks and self.sums_here is not None and self.sums_here(site, a, output)):
@@ -362,21 +403,97 @@ class Tap:
                     via = _hook_param_grads(output, module, site, self.on_weight_grad)
             on_use, fid = self.on_use, self.forward_id
             wg = getattr(output, "_gradlens_weight_grad", None) if may_fuse else None
-            if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
+            if rows:  # the rows put back in sample order in backward (rows of no sample may be claimed later)
+                a_rows, name, kernel_rows = a.detach(), site.name, site.kernel.rows_per_sample
+                if wg is not None:
 
-                def hook(g):
-                    wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
+                    def hook(g):
+                        a_b, g_b = _in_sample_order(a_rows, g, ax, batch, name, kernel_rows)
+                        wg.value = on_use(site, a_b, g_b, via, batch, fid, fused=True)
+
+                else:
+
+                    def hook(g):
+                        a_b, g_b = _in_sample_order(a_rows, g, ax, batch, name, kernel_rows)
+                        return on_use(site, a_b, g_b, via, batch, fid)
 
             else:
+                ax, factor = ax
+                a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
+                if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
-                def hook(g):
-                    return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
+                    def hook(g):
+                        wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
+
+                else:
+
+                    def hook(g):
+                        return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
 
             with compat.no_torch_function():  # bookkeeping, not a call of the forward
                 compat.add_tensor_hook(output, hook)
             return None
 
         return use
+
+    def _bag_use(self, module: nn.EmbeddingBag, site: Site | None, ids: Tensor, ax: Any, bag_args: list,
+                 output: Tensor) -> None:
+        """An ``nn.EmbeddingBag`` call: each bag is a sample (the rows of a 2-D input, or the
+        bags its offsets cut a flat input into), and its ids, each weighted by what it adds to
+        the bag (1 for ``"sum"``, one over the bag's non-padding count for ``"mean"``, times the
+        per-sample weights), are that sample's rows for the embedding kernel."""
+        batch = self._batch
+        offsets, weights = bag_args
+        what = f"the input of {site.name if site else type(module).__name__!r} (EmbeddingBag, shape {tuple(ids.shape)})"
+        n = output.shape[0] if output.dim() == 2 else None
+        if ids.dim() == 2:
+            ok = ax is not None and type(ax) is tuple and ax == (0, 1)
+        else:
+            ok = ids.dim() == 1 and isinstance(offsets, Tensor) and n == batch
+        self._data[output] = (0, 1) if ok else None
+        if site is None or not output.requires_grad:
+            return None
+        names = site.params.values()
+        if not ok:
+            why = (" holds the bags on another dim than 0" if ids.dim() == 2 else
+                   f": its {n} bags are not the micro-batch of {batch} samples")
+            self._refuse_axis(output, what + why, names)
+            return None
+        with compat.no_torch_function(), torch.no_grad():
+            ids_b, w_b = _bag_rows(module, ids.detach(), offsets, weights, batch)
+        for q in names:
+            self.uses[q] = self.uses.get(q, 0) + 1
+        on_use, fid = self.on_use, self.forward_id
+
+        def hook(g):
+            return on_use(site, ids_b, w_b.to(g.dtype).unsqueeze(-1) * g.unsqueeze(1), _NOTHING, batch, fid)
+
+        with compat.no_torch_function():
+            compat.add_tensor_hook(output, hook)
+        return None
+
+    def _bags(self, args: tuple, kwargs: dict) -> None:
+        """``F.embedding_bag(ids, weight, offsets, ...)`` of flat ids (or an ``nn.EmbeddingBag``
+        called so): its bags are the samples. Where the ids are the model's input (their rows
+        then made the micro-batch), the micro-batch becomes the number of bags and the ids' rows
+        the bags' rows; bags that are not the micro-batch leave the output without a sample
+        axis (refused where a parameter meets it)."""
+        ids = args[0] if args else None
+        offsets = args[2] if len(args) > 2 else kwargs.get("offsets")
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or not isinstance(offsets, Tensor):
+            return
+        last = bool(kwargs.get("include_last_offset", args[9] if len(args) > 9 else False))
+        n = offsets.numel() - (1 if last else 0)
+        ax = self._data.get(ids)
+        if ax is None or type(ax) is not tuple or ax != (0, 1):
+            return
+        if self._batch != n and self._batch == ids.numel():
+            self._batch = n  # the model's input was the flat ids: its samples are the bags
+        if self._batch == n:
+            with compat.no_torch_function(), torch.no_grad():
+                starts = offsets[:n].to(ids.device)
+                owner = torch.searchsorted(starts, torch.arange(ids.numel(), device=ids.device), right=True) - 1
+            self._data[ids] = Rows(0, owner.clamp_min(0))
 
     # ------------------------------------------------------------------ the sample axis
     def _check_declared(self, module: nn.Module, declared: tuple[str, int], x: Tensor) -> None:
@@ -426,36 +543,231 @@ class Tap:
             return True
         return None
 
-    def _carry(self, func, args, kwargs, first: Tensor | None, ax: Any, out) -> None:
+    def _carry(self, func, args, kwargs, first: Tensor | None, ax: Any, out, kind: int = 0,
+               several: bool = False) -> None:
         """Every output of a data operation is data, with the sample axis its rule gives
-        (``first`` the operation's first data argument, ``ax`` its axis)."""
+        (``first`` the operation's first data argument, ``ax`` its axis; ``kind`` the mode's
+        flags of ``func``; ``several``: its data arguments hold their samples in different places,
+        or it is a product of several, to be checked)."""
+        if out is None and args and isinstance(args[0], Tensor) and getattr(func, "__name__", "") == "__setitem__":
+            out = args[0]  # written in place: the target's rows now hold what was written into them
         outs = [out] if isinstance(out, Tensor) else _outputs(out)
-        if first is None:
-            axs = [None] * len(outs)
-        else:
-            axs = axes.carry(func, args, kwargs, first, ax, outs, self._batch)
         data = self._data
-        for o, ax in zip(outs, axs):
-            data[o] = ax
+        if first is None or ax is None or self._batch is None:
+            if len(outs) == 1 and self._batch is not None:
+                data[outs[0]] = self._unknown(func, args, kwargs, outs[0])
+            else:
+                place = self._lost.get(first) if first is not None else None
+                for o in outs:
+                    data[o] = None
+                    if place is not None and o.requires_grad:
+                        self._lost[o] = place
+            return
+        if several:
+            if len(outs) == 1:
+                data[outs[0]] = self._several(func, args, kwargs, outs[0])
+            else:
+                for o in outs:
+                    data[o] = self._several(func, args, kwargs, o)
+            return
+        axs = self._axes(func, args, kwargs, first, ax, outs, kind)
+        for o, got in zip(outs, axs):
+            if got is None or got.__class__ in EVENTS:
+                got = self._settle(got, func, args, kwargs, first, ax, o)
+            data[o] = got
+
+    def _axes(self, func, args, kwargs, first: Tensor, ax: Any, outs: list, kind: int) -> list:
+        """The answers of the axis rules for the outputs ``outs`` (axes, or the events of
+        :mod:`gradlens.capture.rows`), before :meth:`_settle`."""
+        batch = self._batch
+        if type(ax) is Rows:  # the rule moves the rows' dim as it would a sample axis of R rows
+            r = first.shape[ax[0]]
+            got = []
+            for g in axes.carry(func, args, kwargs, first, (ax[0], 1), outs, r):
+                if g is None:
+                    got.append(None)
+                elif g[1] == 1:
+                    got.append(ax.at(g[0]))
+                else:  # the rows lead a merged dim of g[1] elements each
+                    got.append(Rows(g[0], ax.owner.repeat_interleave(g[1])))
+        else:
+            got = axes.carry(func, args, kwargs, first, ax, outs, batch)
+        if kind & _IS_SAMPLES:  # (called from the mode's handler: torch calls in the rules are not seen)
+            got = samples.follow(func, args, kwargs, first, ax, outs, batch, got, self._data)
+        return got
+
+    def _settle(self, got: Any, func, args, kwargs, first: Tensor, ax: Any, out: Tensor) -> Any:
+        """The axis an output keeps from an answer of the rules: a :class:`Mix` marks the
+        parameters before the operation's data arguments undefined, a :class:`Pool` marks the
+        output pooled (undefined before it unless it is a sum or mean); an axis lost is noted
+        (where, for the error of a use that meets it)."""
+        if got.__class__ is Mix:
+            self._taint_args(args, kwargs, self._place(got.what))
+            return got.axis
+        if got.__class__ is Pool:
+            if out.requires_grad:
+                self._pooled[out] = (got.linear, got.what)
+                if not got.linear:
+                    self._taint_args(args, kwargs, self._place(got.what))
+            return None
+        if got is None and ax is not None and out.requires_grad:
+            if func in _LOSS_FUNCTIONS and (kwargs or {}).get("reduction", "mean") in ("mean", "sum"):
+                self._pooled[out] = (True, f"F.{func.__name__}")  # a sum (or mean) of the rows' losses
+                return None
+            self._lost[out] = self._place(
+                f"{getattr(func, '__name__', func)} of a {list(first.shape)} tensor into {list(out.shape)}")
+        return got
+
+    def _place(self, what: str) -> str:
+        return what
+
+    def _data_args(self, args, kwargs) -> list:
+        """``[(position, tensor, axis)]``: the data arguments of a call (axis None where unknown;
+        a tensor that requires grad without a mark is data the mode did not see made)."""
+        out = []
+        data = self._data._d
+        items = []
+        for i, x in enumerate(args):
+            if isinstance(x, Tensor):
+                items.append((i, x))
+            elif isinstance(x, (list, tuple)):
+                items.extend(((i, j), y) for j, y in enumerate(x) if isinstance(y, Tensor))
+        if kwargs:
+            items.extend((k, v) for k, v in kwargs.items() if isinstance(v, Tensor))
+        for pos, x in items:
+            e = data.get(id(x))
+            if e is not None and e[0]() is x:
+                out.append((pos, x, e[1]))
+            elif self._not_data(pos, x) is True:
+                out.append((pos, x, None))
+        return out
+
+    def _taint_args(self, args, kwargs, why: str, only=None) -> None:
+        """Every tracked parameter before the data arguments (that require grad) of a call that
+        mixes samples is undefined (``why``: the call)."""
+        for _, t, _ in (only if only is not None else self._data_args(args, kwargs)):
+            if t.requires_grad:
+                self._taint_before(t, why)
+
+    def _unknown(self, func, args, kwargs, out: Tensor) -> Any:
+        """The axis of the one output of a call whose first data argument has no known sample
+        axis: another argument's (checked with :meth:`_several`), or none; a pooled value (a
+        sum over samples) stays pooled through linear operations, and any other operation on
+        one makes the parameters before it undefined."""
+        entries = self._data_args(args, kwargs)
+        if getattr(func, "__name__", "") in samples.SHAPE_ONLY:
+            entries = entries[:1]  # (the other tensor gives a shape or a dtype only)
+        if any(ax is not None for _, _, ax in entries):
+            return self._several(func, args, kwargs, out, entries)
+        if out.requires_grad:
+            grads = [(pos, t) for pos, t, _ in entries if t.requires_grad]
+            pooled = [self._pooled.get(t) for _, t in grads]
+            if any(p is not None for p in pooled):
+                what = next(p[1] for p in pooled if p is not None)
+                fname = getattr(func, "__name__", str(func))
+                if any(p is None for p in pooled):  # with a tensor whose samples are not followed
+                    lost = next(t for (_, t), p in zip(grads, pooled) if p is None)
+                    origin = self._lost.get(lost) or fname
+                    self._refuse_axis(out, self._place(
+                        f"{fname} combines a value pooled over the samples ({what}) with a tensor whose sample "
+                        f"axis is unknown{self._why_unknown(lost)}"), origin=origin, fallback=True)
+                    self._lost[out] = origin
+                    return None
+                op_linear = samples.linear_in_pooled(func, grads)
+                if not op_linear:  # a loss term that is no sum over samples: undefined before it
+                    self._taint_args(args, kwargs, self._place(
+                        f"{fname} of a value pooled over the samples ({what})"), only=entries)
+                self._pooled[out] = (op_linear and all(p[0] for p in pooled), what)
+        for _, t, _ in entries:
+            place = self._lost.get(t)
+            if place is not None:
+                self._lost[out] = place
+                break
+        return None
+
+    def _several(self, func, args, kwargs, out: Tensor, entries: list | None = None) -> Any:
+        """The axis of the one output of a call with several data arguments whose samples may sit
+        in different places (or a product of them): its samples' axis when every argument that
+        requires grad holds them on one output dim in the same rows (see
+        :func:`gradlens.capture.samples.aligned`); otherwise the call mixes samples, and the
+        parameters before its arguments are undefined."""
+        if entries is None:
+            entries = self._data_args(args, kwargs)
+        key = None
+        if all(type(ax) is tuple for _, _, ax in entries):
+            key = (func, args[0] if args and isinstance(args[0], str) else None, out.shape,
+                   tuple((pos, t.shape, ax, t.requires_grad) for pos, t, ax in entries))
+            got = _SEVERAL.get(key)
+            if got is not None and got[0] is True:
+                return got[1]  # (the answers that mark something are worked out again)
+        known = [(pos, t, ax) for pos, t, ax in entries if ax is not None]
+        ok, axis = samples.aligned(func, args, kwargs, known, out)
+        blind = [t for _, t, ax in entries if ax is None and t.requires_grad]
+        if key is not None:
+            if len(_SEVERAL) > 4096:
+                _SEVERAL.clear()
+            _SEVERAL[key] = (ok, axis)
+        lost = [t for t in blind if t not in self._pooled]
+        if lost:  # whether it mixes samples cannot be told: refused (where the axis was lost, and the fix)
+            origin = self._lost.get(lost[0]) or samples.describe(func, entries)
+            self._refuse_axis(out, self._place(
+                f"{samples.describe(func, entries)} combines the samples with a tensor whose sample axis "
+                f"is unknown{self._why_unknown(lost[0])}"), origin=origin, fallback=True)
+            self._lost[out] = origin
+            return None  # unknown poisons
+        if blind or not ok:
+            why = (f"combines the samples with a value pooled over them ({self._pooled.get(blind[0])[1]})" if blind
+                   else "takes the samples from different places of its arguments")
+            self._taint_args(args, kwargs, self._place(f"{samples.describe(func, entries)}, which {why}"),
+                             only=entries)
+        elif ok == "pooled" and out.requires_grad:  # a sum over the samples of per-sample products
+            self._pooled[out] = (True, f"{samples.describe(func, entries)}, summed over the samples")
+        return axis
+
+    def _why_unknown(self, x: Tensor) -> str:
+        """Where the sample axis of data tensor ``x`` was lost, for an error."""
+        p = self._pooled.get(x)
+        if p is not None:
+            return f", a value pooled over the samples ({p[1]})"
+        place = self._lost.get(x)
+        if place is not None:
+            return f" (its sample axis was lost at {place})"
+        if x not in self._data:
+            return " (made by an operation gradlens did not see, e.g. inside torch.no_grad() or a custom kernel)"
+        return ""
 
     def axis_of(self, x: Tensor) -> tuple[int, int] | None:
-        """The sample axis ``(dim, factor)`` of data tensor ``x``: the carried one, else the one
-        axis whose size is the micro-batch size (only if exactly one has it), else None."""
-        ax = self._data[x] if x in self._data else None
-        if ax is not None:
-            return ax
-        only = _only_axis(x.shape, self._batch)
-        return None if only is None else (only, 1)
+        """The sample axis ``(dim, factor)`` (or :class:`~gradlens.capture.rows.Rows`) of data
+        tensor ``x``, as carried from the model's input; None where it is unknown (never read
+        from sizes)."""
+        return self._data[x] if x in self._data else None
 
-    def _refuse_axis(self, t: Tensor, what: str) -> None:
+    def _refuse_axis(self, t: Tensor, what: str, names=(), origin: str | None = None,
+                     fallback: bool = False, detail: str = "") -> None:
         """A use whose sample axis is unknown: the micro-step's first use in backward raises
-        ONE error naming every such use (:meth:`axis_error`)."""
-        if what not in self.axis_errors:
-            self.axis_errors.append(what)
+        ONE error naming every such use (:meth:`axis_error`), each ``what`` once (with the
+        ``detail`` of its first time: where its axis was lost); ``names``: its parameters.
+        ``origin``: where the axis was lost; ``fallback``: an operation (not a use) that combines
+        such a tensor with the samples, named only if no use names the same origin."""
+        if what in self._axis_names:
+            return
+        self._axis_names[what] = frozenset(names)
+        self.axis_errors.append(what + detail)
+        if origin is None and t is not None:
+            origin = self._lost.get(t)
+        self._axis_origin[what + detail] = (origin, fallback)
+        self._axis_names[what + detail] = self._axis_names[what]
 
     def axis_error(self) -> RuntimeError | None:
-        """The error for the uses of this micro-step's forwards whose sample axis is unknown."""
-        errors = self.axis_errors
+        """The error for the uses of this micro-step's forwards whose sample axis is unknown
+        (uses whose parameters are all undefined anyway, reaching an operation that mixes
+        samples, are left to that error)."""
+        tainted = self.tainted
+        errors = [w for w in self.axis_errors
+                  if not (self._axis_names.get(w) and all(q in tainted for q in self._axis_names[w]))]
+        origins = self._axis_origin
+        named = {origins[w][0] for w in errors if w in origins and not origins[w][1]}
+        errors = [w for w in errors if not (w in origins and origins[w][1] and origins[w][0] in named)]
         if not errors:
             return None
         return RuntimeError(
@@ -491,12 +803,17 @@ class Tap:
         batch = self._batch
         ax = self.axis_of(out)
         if ax is None:
+            names = set().union(*(t[2] for t in tracked))
+            data = next((a for a in args if isinstance(a, Tensor) and a in self._data), None)
             self._refuse_axis(
                 out,
-                f"the output of {fname} (shape {tuple(out.shape)}), which uses the parameters "
-                f"{sorted(set().union(*(t[2] for t in tracked)))}",
+                f"the output of {fname} (shape {tuple(out.shape)}), which uses the parameters {sorted(names)}",
+                names,
+                self._lost.get(data) if data is not None else None,
+                detail=self._why_unknown(data) if data is not None else "",
             )
             return
+        rows = ax.owner if type(ax) is Rows else None
         ax, factor = ax
         k = self._ops
         self._ops += 1
@@ -512,8 +829,17 @@ class Tap:
                 site = Site(f"op{k}:{names['weight']}", OpLinear(w, bias, tuple(names)), LinearKernel(), names)
                 for q in names.values():
                     self.uses[q] += 1
-                a_b = _batch_first(args[0], ax, factor, batch)
                 on_use, fid = self.on_use, self.forward_id
+                if rows is not None:  # the rows put back in sample order in backward (Linear: several per sample too)
+                    rax, a_rows, name = self._data[out], args[0].detach(), site.name
+
+                    def hook(g):
+                        a_b, g_b = _in_sample_order(a_rows, g, rax, batch, name, True, a_axis=rax.at(ax))
+                        return on_use(site, a_b, g_b, False, batch, fid)
+
+                    compat.add_tensor_hook(out, hook)
+                    return
+                a_b = _batch_first(args[0], ax, factor, batch)
                 compat.add_tensor_hook(out, lambda g: on_use(site, a_b, _batch_first(g, ax, factor, batch), False, batch, fid))
                 return
         detached = tuple(
@@ -522,7 +848,7 @@ class Tap:
             for a in args
         )
         kw = {n: (v.detach() if isinstance(v, Tensor) else v) for n, v in kwargs.items()}
-        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id, factor)
+        use = OpUse(f"op{k}:{fname}", func, detached, kw, list(tracked), ax, batch, self.forward_id, factor, rows)
         for _, _, names in tracked:
             for q in names:
                 self.uses[q] += 1
@@ -551,13 +877,26 @@ class Tap:
         """The qualified name of a module of the model (``""`` for the root)."""
         return self._names.get(id(module), type(module).__name__)
 
-    def mark_data(self, x: Tensor, axis: int | None = None) -> None:
+    def mark_data(self, x: Tensor, axis: int = 0) -> None:
         """Declare ``x`` (made inside a tracked forward, e.g. an RNN's zero initial state) part
-        of the batch, its samples on dim ``axis`` (None: the one dim of the micro-batch size,
-        if only one has it)."""
-        if axis is None:
-            axis = _only_axis(x.shape, self._batch)
-        self._data[x] = None if axis is None else (axis, 1)
+        of the batch, its samples on dim ``axis``. A dim that does not have the micro-batch size
+        leaves ``x``'s axis unknown (a use that meets it is refused, naming this place)."""
+        if self._batch is not None and not (-x.dim() <= axis < x.dim() and x.shape[axis] == self._batch):
+            self._data[x] = None
+            self._lost[x] = (f"a tensor of shape {list(x.shape)} declared with its samples on dim {axis}, "
+                             f"not of the micro-batch size {self._batch}")
+            return
+        self._data[x] = (axis % x.dim(), 1)
+
+    def mark_rows(self, x: Tensor, axis: int, owner: Tensor | None) -> None:
+        """Declare ``x`` part of the batch, row ``r`` of its dim ``axis`` holding sample
+        ``owner[r]`` (None: the samples in order), e.g. a hidden state in the order of
+        sequences sorted by length."""
+        if owner is None:
+            self.mark_data(x, axis)
+        else:
+            with compat.no_torch_function():
+                self._data[x] = rows_axis(axis % x.dim(), owner.to(x.device), self._batch)
 
     @property
     def batch(self) -> int | None:
@@ -566,3 +905,24 @@ class Tap:
 
 def _no_post(module, args, output) -> None:
     return None
+
+
+def _in_sample_order(a: Tensor, g: Tensor, ax: Rows, batch: int, name: str, rows_per_sample: bool,
+                     a_axis: Rows | None = None) -> tuple[Tensor, Tensor]:
+    """A use's input and output gradient with rows on a :class:`Rows` axis, put in sample order
+    (:func:`gradlens.capture.rows.samples_first`), in backward: rows that were of no sample in
+    the forward (a constant joined to the batch) have been claimed by then. Rows still of no
+    sample, or several rows of one sample for a kernel that takes one, are refused."""
+    try:
+        with torch.no_grad():
+            width = ax.layout(batch)[2]
+            if width > 1 and not rows_per_sample:
+                raise ValueError(f"several rows of one sample on dim {ax[0]}")
+            return samples_first(a, a_axis or ax, batch), samples_first(g, ax, batch)
+    except ValueError as err:
+        raise RuntimeError(
+            f"gradlens cannot measure the use {name!r}: its input's rows on dim {ax[0]} are not one sample "
+            f"each ({err}); make a constant joined to the batch's rows from the batch's own tensor (an "
+            "initial state as torch.zeros_like(h[:k]) rather than torch.zeros(k, ...)), or leave the module out: "
+            "Lens(..., exclude=[...])"
+        ) from None

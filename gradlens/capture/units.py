@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.capture.losses import LossCall, settle_rows
+from gradlens.capture.losses import LossCall, settle_rows, settle_samples
 from gradlens.core.stats import WindowStats
 
 __all__ = ["MicroStep", "loss_calls_for", "check_multiplier", "check_reduction", "settle_flattened"]
@@ -153,6 +153,7 @@ def settle_flattened(calls: list[LossCall], batch: int | None, output_nodes: dic
     A flattening gradlens cannot map to the samples is refused here, naming the fix."""
     for call in calls:
         if call.rows is None:
+            settle_samples(call, batch, output_nodes)
             continue
         settle_rows(call, batch, output_nodes)
         if batch is None or call.batch_size == batch:
@@ -163,9 +164,10 @@ def settle_flattened(calls: list[LossCall], batch: int | None, output_nodes: dic
                f"and another of its dims has the micro-batch size {batch} too, so gradlens cannot tell which holds the samples")
         raise RuntimeError(
             f"{call.module_name} saw {math.prod(call.rows)} rows, a flattening of {lead} {why}. Flatten "
-            "samples-first outputs ([B, T, V] logits: logits.reshape(-1, V), labels.reshape(-1)), or "
-            "state the units and name the loss: with lens.capture(reduction='mean', loss=loss): "
-            "loss.backward()"
+            "samples-first outputs ([B, T, V] logits: logits.reshape(-1, V), labels.reshape(-1)); for "
+            "sequence-first outputs declare where the samples are, gradlens.extend(model, batch_dim=1), "
+            "and flatten the model's output itself; or state the units and name the loss: "
+            "with lens.capture(reduction='mean', loss=loss): loss.backward()"
         )
 
 

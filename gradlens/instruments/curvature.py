@@ -35,6 +35,7 @@ from torch import Tensor
 
 from gradlens.instruments.alpha import Alpha
 from gradlens.instruments.base import Instrument
+from gradlens.core.side import in_side_backward
 from gradlens.core.stats import DistParts, WindowStats
 from gradlens.instruments.hist import GradHist1d
 from gradlens.instruments.hist2d import GradHist2d
@@ -121,6 +122,8 @@ class WindowGraph:
 
     def _hook(self, q: str):
         def hook(grad: Tensor) -> None:
+            if in_side_backward():  # a per-sample gradient formed inside the capture, not the window's
+                return
             prev = self._micro.get(q)
             self._micro[q] = grad if prev is None else prev + grad
 

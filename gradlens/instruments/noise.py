@@ -56,6 +56,7 @@ from gradlens import compat
 from gradlens.training.accumulate import GradientAccumulateOptimizer
 from gradlens.distributed.fsdp import check_monitor as check_fsdp_monitor
 from gradlens.instruments.base import Instrument
+from gradlens.core.side import in_side_backward
 from gradlens.core.stats import WindowStats
 from gradlens.core.sq_norms import sq_norm, sum_sq as _sum_sq
 from gradlens.core.state_checks import COUNT, FLOAT, check_state, is_float
@@ -187,7 +188,8 @@ class ParamGradSquares:
         self._handles = []
 
     def _hook(self, grad: Tensor) -> None:
-        self.on_sq(sq_norm(grad))
+        if not in_side_backward():  # (a per-sample gradient formed inside the capture: not this backward's)
+            self.on_sq(sq_norm(grad))
 
 
 class NoiseScaleMonitor:

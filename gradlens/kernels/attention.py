@@ -58,9 +58,11 @@ def mha_forward(
     average_attn_weights: bool = True,
     is_causal: bool = False,
 ):
-    """``nn.MultiheadAttention.forward`` with batch-first ``F.linear`` projections."""
-    if self.bias_k is not None or self.add_zero_attn:
-        refuse_forward(self, tap, "add_bias_kv or add_zero_attn")
+    """``nn.MultiheadAttention.forward`` with batch-first ``F.linear`` projections. With
+    ``add_bias_kv`` the learned ``bias_k`` / ``bias_v`` join every sample's keys and values as one
+    more position (a concatenation with the batch: an exact per-operation use); with
+    ``add_zero_attn`` a position of zeros follows; masks let both through, as the module's own
+    forward does."""
     batched = query.dim() == 3
     same = query is key and key is value
     if not batched:  # [T, E]: one sample
@@ -86,12 +88,23 @@ def mha_forward(
         q = F.linear(query, self.q_proj_weight, bs[0])
         k = F.linear(key, self.k_proj_weight, bs[1])
         v = F.linear(value, self.v_proj_weight, bs[2])
+    extra = 0  # positions added after the keys: the bias, the zeros
+    if self.bias_k is not None:
+        k = torch.cat([k, self.bias_k.reshape(1, 1, e).expand(b, 1, e)], dim=1)
+        v = torch.cat([v, self.bias_v.reshape(1, 1, e).expand(b, 1, e)], dim=1)
+        extra += 1
     q = q.reshape(b, t, h, hd).transpose(1, 2)
-    k = k.reshape(b, s, h, hd).transpose(1, 2)
-    v = v.reshape(b, s, h, hd).transpose(1, 2)
+    k = k.reshape(b, s + extra, h, hd).transpose(1, 2)
+    v = v.reshape(b, s + extra, h, hd).transpose(1, 2)
+    if self.add_zero_attn:
+        k = torch.cat([k, k.new_zeros(b, h, 1, hd)], dim=2)
+        v = torch.cat([v, v.new_zeros(b, h, 1, hd)], dim=2)
+        extra += 1
     if attn_mask is not None and attn_mask.dim() == 3:
         attn_mask = attn_mask.reshape(b, h, t, s)
     mask = _merge_masks(attn_mask, key_padding_mask, b, h, t, s, q.dtype, q.device, is_causal)
+    if extra and mask is not None:  # the added positions are never masked
+        mask = F.pad(mask, (0, extra))
     p = self.dropout if self.training else 0.0
     weights = None
     if need_weights:

@@ -427,6 +427,8 @@ class Lens:
         self._pending.settle(self.instruments, reason, window.states if captured else {}, self._sinks.write)
         if captured:
             record = window_record(step, window, self.instruments, self._meter.groups)
+            if self._meter.undefined_params:  # Lens(undefined="exclude") left these out: why
+                record.meta["undefined"] = dict(self._meter.undefined_params)
             warn_nonfinite(record, self.optimizer, self.grad_scaler, self._tap.params.values())
             deferring = end_window(window.states, self.instruments)
             keep_record(self.records, record, self.keep_records)
@@ -561,6 +563,8 @@ class Lens:
         try:
             if micro.seen:
                 meter.finish(micro)
+            else:
+                meter.check_unmeasured()  # a backward that ran but measured nothing: why
         except BaseException:
             self._drop_capture(micro, undefined, stacklevel=5)
             raise

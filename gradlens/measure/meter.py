@@ -144,6 +144,9 @@ class Meter(WindowGradient):
         #: by the Lens on tracked windows of a Lens with a curvature instrument, else None
         self.graph = None
         self.consumed: set[int] = set()  # forward passes measured by earlier captures
+        #: this window's (skipped parameter -> samples counted as zeros, parameters measured),
+        #: for parameters a later micro-step finds undefined (:meth:`_leave_out`)
+        self._counted: tuple[dict[str, int], set[str]] = ({}, set())
         self.micro: MicroStep | None = None
         self.window: Window | None = None
         if plan.light:
@@ -240,8 +243,10 @@ class Meter(WindowGradient):
         for call in calls:
             call.watch_multiplier()
         micro.factor = multiplier
+        if not window.micro_steps:  # a new window: what its micro-steps counted per parameter
+            self._counted = ({}, set())
         if self.tap.tainted:
-            self.check_undefined()
+            self.check_undefined(window)
         self.micro, self.window = micro, window
         return micro
 
@@ -299,6 +304,10 @@ class Meter(WindowGradient):
             if window.carried_elements > deferred.STACK_BUDGET:
                 deferred.settle(window, self.use_sums)
         skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
+        zeros, measured = self._counted  # (taken out again if a later micro-step finds one undefined)
+        measured.update(micro.seen)
+        for q in skipped:
+            zeros[q] = zeros.get(q, 0) + b
         if "sum_grad_squared" in self.plan.needs:  # every tracked parameter has an entry, zeros if unreached
             for q in skipped:
                 if q not in stats.sum_grad_squared:
@@ -323,10 +332,11 @@ class Meter(WindowGradient):
                 deferred.settle(window, self.use_sums)
         return window
 
-    def check_undefined(self) -> None:
-        """Parameters whose output reached a layer that mixes samples (found in the forward):
-        an error naming them all, or (``undefined="exclude"``) left out of the Tap and noted in
-        :attr:`undefined_params`."""
+    def check_undefined(self, window: Window | None = None) -> None:
+        """Parameters whose output reached a layer or operation that mixes samples (found in the
+        forward): an error naming them all, or (``undefined="exclude"``) left out of the Tap and
+        noted in :attr:`undefined_params`; the zeros that earlier micro-steps of the window
+        counted for them (a layer they skipped) are taken out of the window's statistics."""
         bad = {q: why for q, why in self.tap.tainted.items() if q in self.tap.params}
         if not bad:
             return
@@ -334,26 +344,55 @@ class Meter(WindowGradient):
         total = sum(full_numel(p) for p in self.model.parameters() if p.requires_grad)
         lost = sum(full_numel(params[q]) for q in bad)
         keep = sum(full_numel(p) for p in params.values()) - lost
+        layers = sorted(set(bad.values()))
+        batchnorm = any("batch statistics" in w for w in layers)  # a layer that eval mode fixes
         if self.undefined == "exclude":
-            self.undefined_params.update(bad)
             rest = {q: p for q, p in params.items() if q not in bad}
             if not rest:
                 raise RuntimeError(
-                    f"every tracked parameter reaches a layer that mixes samples ({sorted(set(bad.values()))}); "
-                    "nothing is left to track: put those layers in eval mode"
+                    f"every tracked parameter reaches a layer or operation that mixes samples ({layers}); "
+                    "nothing is left to track: " + ("put those layers in eval mode, or " if batchnorm else "")
+                    + "use only instruments of the window gradient (e.g. GradNorm), which need no "
+                    "per-sample gradients"
                 )
+            self._leave_out(bad, window if window is not None else self.window)
+            self.undefined_params.update(bad)
             self.tap.set_params(rest)  # the Lens updates its coverage after the capture
             self._set_groups(rest)
             return
-        layers = sorted(set(bad.values()))
         raise RuntimeError(
             f"per-sample gradients of {len(bad)} parameters ({100 * lost / max(total, 1):.2f}% of the "
             f"trainable elements) are undefined: their output reaches {', '.join(layers)}, which "
-            f"mixes the samples of a micro-batch: {sorted(bad)}. Put those layers in eval mode, or "
-            f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
+            f"mixes the samples of a micro-batch: {sorted(bad)}. " + ("Put those layers in eval mode, or "
+                                                                      if batchnorm else "Compute it per sample, or ")
+            + f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
             f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
             "after it stay exact)"
         )
+
+    def _leave_out(self, bad: dict[str, str], window: Window | None) -> None:
+        """Parameters found undefined after earlier micro-steps of the window counted them: the
+        exact zeros of a layer those skipped are taken out (histogram counts, the sum of squares'
+        entry); measured values cannot be, and are refused."""
+        zeros, measured = self._counted
+        if window is None or not window.micro_steps:
+            return
+        seen = sorted(q for q in bad if q in measured)
+        if seen:
+            raise RuntimeError(
+                f"the parameters {seen} were measured in an earlier micro-step of this window and are "
+                f"undefined in this one (they reach {sorted(set(bad[q] for q in seen))}); their share of "
+                "the window's statistics cannot be taken out: keep what mixes samples the same for every "
+                "micro-step of a window (e.g. the layers' train/eval mode set before its first forward)"
+            )
+        states = window.states
+        for q in bad:
+            count = zeros.pop(q, 0)
+            window.stats.sum_grad_squared.pop(q, None)
+            window.stats.grad_sum.pop(q, None)
+            if count:
+                for inst in self.plan.per_sample:
+                    inst.update_zeros(states[id(inst)], q, self.tap.params[q], -count)
 
     # ------------------------------------------------------------------ events from capture
     def _in_backward(self, what: str) -> MicroStep | None:
@@ -411,7 +450,7 @@ class Meter(WindowGradient):
         if micro.empty:
             return None
         if self.tap.tainted:
-            self.check_undefined()
+            self.check_undefined(self.window)
         micro.resolve()
         if micro.reduction is not None:
             check_reduction(self.window.stats, micro.reduction)
@@ -426,7 +465,9 @@ class Meter(WindowGradient):
         raise RuntimeError(
             f"the loss saw a batch of {micro.batch_size} but the model's input had {batch} "
             f"samples (at {what!r}); gradlens needs the first dimension of the loss input and "
-            "of the model's first input to be the sample dimension"
+            "of the model's first input to be the sample dimension, or, for sequence-first data, "
+            "the samples' dim declared once: gradlens.extend(model, batch_dim=1) (a loss then "
+            "takes the model's [T, B, ...] output as it is, or flattened)"
         )
 
     @staticmethod
@@ -538,11 +579,14 @@ class Meter(WindowGradient):
             if use.factor == 1:
                 direct = ops.batched_lookup(use.func, use.args, use.kwargs, pos, t, params, delta, use.axis)
                 if direct is not None:  # a lookup of ids that span the batch: no [B, *t.shape]
-                    add_into(per_q, names[0], direct.detach() if direct.requires_grad else direct)
+                    direct = direct.detach() if direct.requires_grad else direct
+                    add_into(per_q, names[0], direct if use.rows is None else ops.rows_to_samples(direct, use))
                     continue
             gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
             if use.factor != 1:  # rows n * f + j of the axis: sample n's gradient sums its f rows
                 gt = gt.reshape(use.batch, use.factor, *gt.shape[1:]).sum(1)
+            if use.rows is not None:  # rows reordered, selected or repeated: sample n's sums its rows
+                gt = ops.rows_to_samples(gt, use)
             if len(names) == 1 and t is tap.params[names[0]]:
                 got = [gt]
             else:
@@ -583,6 +627,26 @@ class Meter(WindowGradient):
                 "no use of them inside the model's forward was measured (a parameter used only "
                 "outside model(...), e.g. in a loss term, has no per-sample gradient); exclude "
                 f"them: Lens(..., exclude={missing!r})"
+            )
+
+    def check_unmeasured(self) -> None:
+        """After a capture whose backward measured no use: if a backward did reach tracked
+        parameters (it ran, but every use it passed was refused), the reason: the uses whose
+        sample axis is unknown, the parameters that are undefined, or those no use measured.
+        (Without a backward nothing is raised here: the capture then says so.)"""
+        tap = self.tap
+        received = sorted(q for q in getattr(tap, "received", ()) if q in tap.params)
+        if not received or (self.micro is not None and self.micro.empty):
+            return  # (an empty micro-batch: nothing to measure)
+        self._check_axes()
+        if tap.tainted:
+            self.check_undefined(self.window)
+        missing = [q for q in received if q in tap.params]
+        if missing:
+            raise RuntimeError(
+                f"this backward reached the tracked parameters {missing}, but no use of them inside the "
+                "model's forward was measured (a parameter used only outside model(...), e.g. in a loss "
+                f"term, has no per-sample gradient); exclude them: Lens(..., exclude={missing!r})"
             )
 
     def measure_use(
