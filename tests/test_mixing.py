@@ -353,7 +353,7 @@ def test_a_parameter_measured_then_found_undefined_in_one_window_is_refused():
 def test_a_mixing_op_costs_the_common_path_nothing_it_is_found_by_rule():
     """Two data arguments in the same place (a residual add, q @ k^T over heads) do not reach
     the alignment check: only their marks are compared."""
-    from gradlens.capture import tap as tap_mod
+    from gradlens.capture import sample_flow as tap_mod
 
     tap_mod._SEVERAL.clear()
     torch.manual_seed(0)

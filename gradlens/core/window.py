@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradlens.core.stats import WindowStats
+from gradlens.core.stats import Accumulators, WindowStats
 
 __all__ = ["Window"]
 
@@ -56,6 +56,14 @@ class Window:
     sum_blocks: dict = field(default_factory=dict)
     empty_micro_steps: int = 0
     coverage: float = 1.0
+
+    @classmethod
+    def open(cls, pools: dict[str, dict], states: dict[int, Any], coverage: float) -> "Window":
+        """A fresh window: its large sums (``sum_grad_squared``, ``grad_sum``) reuse the buffers
+        that ``pools`` (name -> buffers, kept by the Lens across windows) hold."""
+        stats = WindowStats(sum_grad_squared=Accumulators(pools.setdefault("sum_grad_squared", {})),
+                            grad_sum=Accumulators(pools.setdefault("grad_sum", {})))
+        return cls(stats, states, coverage=coverage)
 
     @property
     def micro_steps(self) -> int:

@@ -19,7 +19,7 @@ from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.lens.record import RESERVED_KEYS
 from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
-__all__ = ["began_unseen", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build",
+__all__ = ["began_unseen", "capture_error", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build",
            "watched_model"]
 
 
@@ -187,3 +187,20 @@ def began_unseen(optimizer: Any, step: int) -> bool:
         stacklevel=4,
     )
     return True
+
+
+def capture_error(micro: Any) -> tuple[RuntimeError | None, bool]:
+    """A finished capture's micro-step that cannot be folded into the window: the error and
+    whether the window's sums are spoiled (dropped), or ``(None, False)``."""
+    if not micro.seen:
+        return RuntimeError(
+            "lens.capture() exited without a backward pass through the watched model; "
+            "call loss.backward() inside the with-block"
+        ), False
+    if micro.explicit and micro.loss_calls and micro.loss_calls[0].multiplier is None:
+        return RuntimeError(
+            "lens.capture(loss=...): backward did not pass through the given loss tensor, "
+            "so what multiplied it is unknown; pass the tensor that is backpropagated (or "
+            "scaled and then backpropagated), or state multiplier= instead"
+        ), True
+    return None, False

@@ -39,11 +39,10 @@ from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
 from gradlens.distributed.deepspeed import ZeroView, resolve as resolve_deepspeed
 from gradlens.instruments.base import Instrument
-from gradlens.core.stats import Accumulators, WindowStats
 from gradlens.core.window import Window
 from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import CHUNK_ELEMENTS
-from gradlens.lens.checks import began_unseen, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
+from gradlens.lens.checks import began_unseen, capture_error, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge
 from gradlens.core.records import Record
@@ -61,9 +60,14 @@ __all__ = ["Lens"]
 
 def _setting(holder: str, name: str, doc: str) -> property:
     """A setting of the Lens kept by one of its parts: ``lens.<attr>`` reads and sets
-    ``lens.<holder>.<name>``."""
-    return property(lambda lens: getattr(getattr(lens, holder), name),
-                    lambda lens, value: setattr(getattr(lens, holder), name, value), doc=doc)
+    ``lens.<holder>.<name>`` (``holder`` may be dotted)."""
+    def part(lens):
+        for attr in holder.split("."):
+            lens = getattr(lens, attr)
+        return lens
+
+    return property(lambda lens: getattr(part(lens), name), lambda lens, value: setattr(part(lens), name, value),
+                    doc=doc)
 
 
 class Lens:
@@ -94,16 +98,11 @@ class Lens:
             :func:`gradlens.load_log`; by default a line holds summaries, see
             :class:`gradlens.output.sinks.JsonlSink`), or a ``JsonlSink`` (to choose the keys, the
             values written in full, ...).
-        log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default)
-            appends in a new *segment* of the log: a fresh Lens starts a new run (its steps
-            count from 0, and :func:`gradlens.load_log` returns the last run, ``run=i`` an
-            earlier one); a Lens loaded from a checkpoint (:meth:`load_state_dict`) at step
-            ``s`` continues the log's last run, and its records replace those ``>= s`` that the
-            stopped run wrote after the checkpoint (``load_log`` keeps, per step, the latest
-            segment's record: each step once). ``"append"`` is the same (the older name).
-            ``"overwrite"`` starts a new log. An existing log is never truncated unless asked.
-            One Lens writes a log at a time: a second one on a log that is open (in this or
-            another process) is refused with a ``RuntimeError`` (a lock on the file).
+        log_mode: what a path ``log`` does with an existing file: ``"resume"`` (default; or its
+            older name ``"append"``) appends a new *segment*: a fresh Lens starts a new run, a
+            Lens loaded from a checkpoint at step ``s`` continues the last run and replaces its
+            records ``>= s`` (:func:`gradlens.load_log`, docs/long_runs.md); ``"overwrite"``
+            starts a new log. One Lens writes a log at a time (a lock on the file).
         grad_scaler: the ``torch.amp.GradScaler`` of a loop with a plain ``torch.optim``
             optimizer: a window whose step it skipped (inf/nan) is then dropped, not merged
             into the next (one ``get_scale()`` host read per tracked window). Not needed with
@@ -132,15 +131,11 @@ class Lens:
             closes, or at :meth:`flush` / :meth:`close` / :meth:`state_dict`), and the step pays
             no rendezvous. Only for instruments of the window gradient (``GradNorm``,
             ``NoiseScaleTwoBatch``), whose next window does not depend on the merged one.
-        sinks: more places for the records (after ``log`` and ``tensorboard``): any objects
-            with ``write(record)`` and ``close()``. ``write`` is called once per record, in the
-            order records become final (a record waiting for the next window, e.g. for
-            ``Alpha``, is written when that window closes), ``close`` once by :meth:`close`.
-            E.g. :class:`gradlens.integrations.wandb.WandbSink`. A sink whose ``write`` raises
-            does not stop training: the window still closes, a warning names the sink and the
-            error, the missed records (up to 3) are written again before the next one, and a
-            sink that fails 3 times in a row is closed and dropped with a warning
-            (:class:`gradlens.output.sinks.SinkSet`).
+        sinks: more places for the records (after ``log`` and ``tensorboard``): objects with
+            ``write(record)`` (once per record, in the order records become final) and
+            ``close()`` (once, by :meth:`close`), e.g. :class:`gradlens.integrations.wandb.WandbSink`.
+            A sink that raises warns and does not stop training; its missed records are written
+            again, and after 3 failures in a row it is dropped (:class:`gradlens.output.sinks.SinkSet`).
         groups: per-group statistics (``record.groups[group][key]``, next to the totals):
             ``None`` (default) totals only; ``"param"`` one group per tracked parameter (its
             qualified name); ``"module"`` one per module that owns parameters directly (its
@@ -149,15 +144,11 @@ class Lens:
             matches; the unmatched form ``"other"``). Shared parameters count once, under
             their first name. Every instrument value that decomposes over parameters (its
             class sets ``per_group``) gets one value per group; see :mod:`gradlens.core.groups`.
-        timeout: under ``torch.distributed``, the seconds each of the Lens's collectives (the
-            configuration check when it is built, each window's merge) waits for the other
-            ranks before it raises a ``RuntimeError`` naming the window (default
-            :data:`gradlens.distributed.merge.DEFAULT_TIMEOUT_S`, 300 s; ``None``: the process group's
-            own timeout, 30 min by default). When built, the Lens checks once (one small
-            all_reduce) that every rank has the same instruments and settings, schedule
-            (``every``, counted from each rank's first window; a callable is compared on 64
-            windows), merge mode and tracked parameters, and raises on every rank naming what
-            differs.
+        timeout: under ``torch.distributed``, the seconds each of the Lens's collectives waits
+            for the other ranks before it raises naming the window (default 300 s:
+            :data:`gradlens.distributed.merge.DEFAULT_TIMEOUT_S`; ``None``: the process group's
+            own). When built, the Lens checks once (one small all_reduce) that every rank has the
+            same instruments, settings, schedule, merge mode and tracked parameters (docs/distributed.md).
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -287,13 +278,9 @@ class Lens:
         if self.is_tracked():
             coverage = self._refresh_params()
             self._probes.arm(self)  # the window's first forward refreshes them again
-            stats = WindowStats(
-                sum_grad_squared=Accumulators(self._pools.setdefault("sum_grad_squared", {})),
-                grad_sum=Accumulators(self._pools.setdefault("grad_sum", {})),
-            )
             for i in self.instruments:  # parameter -> group (Lens(groups=...)), before the states
                 i.bind_groups(self._meter.group_of)
-            window = Window(stats, {id(i): i.start_window() for i in self.instruments}, coverage=coverage)
+            window = Window.open(self._pools, {id(i): i.start_window() for i in self.instruments}, coverage)
             self._curvature.open(self._tap.params, self._group, self.model, self._meter)
             self._use_window(window)
             with presenting(self._sharded):
@@ -335,7 +322,7 @@ class Lens:
     # ------------------------------------------------------------------ coverage
     #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
     chunk_elements = _setting("_meter", "chunk_elements", "Lens(chunk_elements=...)")
-    undefined = _setting("_meter", "undefined", "Lens(undefined=...): 'error' or 'exclude'")
+    undefined = _setting("_meter.undefined", "mode", "Lens(undefined=...): 'error' or 'exclude'")
 
     @property
     def tracked(self) -> list[str]:
@@ -575,21 +562,12 @@ class Lens:
         if micro.empty:
             self._window.empty_micro_steps += 1
             return
-        if not micro.seen:
-            raise RuntimeError(
-                "lens.capture() exited without a backward pass through the watched model; "
-                "call loss.backward() inside the with-block"
-            )
-        if micro.explicit and micro.loss_calls and micro.loss_calls[0].multiplier is None:
-            self._open_window()  # the window's sums used an unknown scale: drop them
-            raise RuntimeError(
-                "lens.capture(loss=...): backward did not pass through the given loss tensor, "
-                "so what multiplied it is unknown; pass the tensor that is backpropagated (or "
-                "scaled and then backpropagated), or state multiplier= instead"
-            )
-        if self._stated.check(micro, self.grad_scaler):
-            err = self._stated.error()
-            self._open_window()  # its sums divided a factor out twice: drop them
+        err, drop = capture_error(micro)
+        if err is None and self._stated.check(micro, self.grad_scaler):
+            err, drop = self._stated.error(), True  # its sums divided a factor out twice
+        if err is not None:
+            if drop:  # the window's sums used a wrong or unknown scale: drop them
+                self._open_window()
             raise err
         if self._graph is not None:  # curvature: this micro-step's gradient with its graph
             self._curvature.end_micro(micro, drop=self._open_window)
@@ -615,14 +593,10 @@ class Lens:
         own partial window); a new Lens on the loaded model then gives the same records as the
         run that was not interrupted.
 
-        Format: :mod:`gradlens.lens.state` (version 3), plain data only (tensors, numbers,
-        strings, bools, None, lists / tuples / dicts of those) that ``torch.load(weights_only=True)``
-        reads; the partial window and the pending record are written field by field
-        (:mod:`gradlens.lens.state_codec`), their tensors copied (the state does not change as
-        the Lens goes on). A checkpoint cannot run code: :meth:`load_state_dict` rebuilds it by
-        constructing gradlens' own state classes from an explicit list, never by unpickling.
-        A custom instrument's window state of its own class is refused mid-window (between
-        windows nothing of the window is saved).
+        Format (:mod:`gradlens.lens.state`, version 3): plain data that
+        ``torch.load(weights_only=True)`` reads, the partial window written field by field and
+        copied; :meth:`load_state_dict` never unpickles. A custom instrument's window state of
+        its own class is refused mid-window.
         """
         self._finish_inflight()  # merge="deferred": the window in flight gets its record first
         window = self._window
@@ -646,11 +620,9 @@ class Lens:
 
         Raises:
             gradlens.lens.state.StateDictError (a ValueError and a TypeError): not a gradlens Lens
-                state dict, another version (version 2 and 1 states of earlier gradlens
-                included: the message names the way out), other instruments (set, order, keys,
-                settings such as bins or seeds), other tracked parameters (names, shapes,
-                dtypes), a partial window that this Lens's schedule does not track, or an entry
-                that holds what a Lens state does not.
+                state dict, another version (the message names the way out), other instruments
+                or settings, other tracked parameters, a partial window this Lens's schedule does
+                not track, or an entry that holds what a Lens state does not.
         """
         self._check_open()
         load_lens_state_dict(self, state_dict)

@@ -26,13 +26,14 @@ from torch import Tensor, nn
 from gradlens import compat
 
 from gradlens.measure import deferred, slices
+from gradlens.measure.undefined import UndefinedParams
 
 from gradlens.capture import ops
 from gradlens.capture import CONV1D, LINEAR, LossCall, OpUse, ParamTap, Site, Tap, WeightGrad
 from gradlens.instruments.base import Instrument
 from gradlens.core.stats import LIGHT_QUANTITIES, WindowStats
 from gradlens.core.window import Window
-from gradlens.core.param_shapes import full_numel, full_shape
+from gradlens.core.param_shapes import full_shape
 from gradlens.compat import queue_backward_callback
 from gradlens.core.groups import group_params
 from gradlens.measure.window_grad import WindowGradient
@@ -138,15 +139,12 @@ class Meter(WindowGradient):
         self.model = model
         self.plan = plan
         self.chunk_elements = chunk_elements
-        self.undefined = undefined
-        self.undefined_params: dict[str, str] = {}
+        self.undefined = UndefinedParams(undefined)  # Lens(undefined=...) and what it left out
+        self.undefined_params = self.undefined.params
         #: the window's curvature graph (:class:`gradlens.instruments.curvature.WindowGraph`), set
         #: by the Lens on tracked windows of a Lens with a curvature instrument, else None
         self.graph = None
         self.consumed: set[int] = set()  # forward passes measured by earlier captures
-        #: this window's (skipped parameter -> samples counted as zeros, parameters measured),
-        #: for parameters a later micro-step finds undefined (:meth:`_leave_out`)
-        self._counted: tuple[dict[str, int], set[str]] = ({}, set())
         self.micro: MicroStep | None = None
         self.window: Window | None = None
         if plan.light:
@@ -244,7 +242,7 @@ class Meter(WindowGradient):
             call.watch_multiplier()
         micro.factor = multiplier
         if not window.micro_steps:  # a new window: what its micro-steps counted per parameter
-            self._counted = ({}, set())
+            self.undefined.new_window()
         if self.tap.tainted:
             self.check_undefined(window)
         self.micro, self.window = micro, window
@@ -304,10 +302,7 @@ class Meter(WindowGradient):
             if window.carried_elements > deferred.STACK_BUDGET:
                 deferred.settle(window, self.use_sums)
         skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
-        zeros, measured = self._counted  # (taken out again if a later micro-step finds one undefined)
-        measured.update(micro.seen)
-        for q in skipped:
-            zeros[q] = zeros.get(q, 0) + b
+        self.undefined.count(micro.seen, skipped, b)
         if "sum_grad_squared" in self.plan.needs:  # every tracked parameter has an entry, zeros if unreached
             for q in skipped:
                 if q not in stats.sum_grad_squared:
@@ -335,64 +330,13 @@ class Meter(WindowGradient):
     def check_undefined(self, window: Window | None = None) -> None:
         """Parameters whose output reached a layer or operation that mixes samples (found in the
         forward): an error naming them all, or (``undefined="exclude"``) left out of the Tap and
-        noted in :attr:`undefined_params`; the zeros that earlier micro-steps of the window
-        counted for them (a layer they skipped) are taken out of the window's statistics."""
+        noted in :attr:`undefined_params` (:class:`gradlens.measure.undefined.UndefinedParams`)."""
         bad = {q: why for q, why in self.tap.tainted.items() if q in self.tap.params}
-        if not bad:
-            return
-        params = self.tap.params
-        total = sum(full_numel(p) for p in self.model.parameters() if p.requires_grad)
-        lost = sum(full_numel(params[q]) for q in bad)
-        keep = sum(full_numel(p) for p in params.values()) - lost
-        layers = sorted(set(bad.values()))
-        batchnorm = any("batch statistics" in w for w in layers)  # a layer that eval mode fixes
-        if self.undefined == "exclude":
-            rest = {q: p for q, p in params.items() if q not in bad}
-            if not rest:
-                raise RuntimeError(
-                    f"every tracked parameter reaches a layer or operation that mixes samples ({layers}); "
-                    "nothing is left to track: " + ("put those layers in eval mode, or " if batchnorm else "")
-                    + "use only instruments of the window gradient (e.g. GradNorm), which need no "
-                    "per-sample gradients"
-                )
-            self._leave_out(bad, window if window is not None else self.window)
-            self.undefined_params.update(bad)
+        if bad:
+            rest = self.undefined.apply(bad, self.tap.params, self.model, window if window is not None else self.window,
+                                        self.plan.per_sample)
             self.tap.set_params(rest)  # the Lens updates its coverage after the capture
             self._set_groups(rest)
-            return
-        raise RuntimeError(
-            f"per-sample gradients of {len(bad)} parameters ({100 * lost / max(total, 1):.2f}% of the "
-            f"trainable elements) are undefined: their output reaches {', '.join(layers)}, which "
-            f"mixes the samples of a micro-batch: {sorted(bad)}. " + ("Put those layers in eval mode, or "
-                                                                      if batchnorm else "Compute it per sample, or ")
-            + f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
-            f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
-            "after it stay exact)"
-        )
-
-    def _leave_out(self, bad: dict[str, str], window: Window | None) -> None:
-        """Parameters found undefined after earlier micro-steps of the window counted them: the
-        exact zeros of a layer those skipped are taken out (histogram counts, the sum of squares'
-        entry); measured values cannot be, and are refused."""
-        zeros, measured = self._counted
-        if window is None or not window.micro_steps:
-            return
-        seen = sorted(q for q in bad if q in measured)
-        if seen:
-            raise RuntimeError(
-                f"the parameters {seen} were measured in an earlier micro-step of this window and are "
-                f"undefined in this one (they reach {sorted(set(bad[q] for q in seen))}); their share of "
-                "the window's statistics cannot be taken out: keep what mixes samples the same for every "
-                "micro-step of a window (e.g. the layers' train/eval mode set before its first forward)"
-            )
-        states = window.states
-        for q in bad:
-            count = zeros.pop(q, 0)
-            window.stats.sum_grad_squared.pop(q, None)
-            window.stats.grad_sum.pop(q, None)
-            if count:
-                for inst in self.plan.per_sample:
-                    inst.update_zeros(states[id(inst)], q, self.tap.params[q], -count)
 
     # ------------------------------------------------------------------ events from capture
     def _in_backward(self, what: str) -> MicroStep | None:
