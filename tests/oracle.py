@@ -5,7 +5,9 @@ The oracle never runs gradlens code: it builds per-sample gradients with
 and derives every statistic from the full ``[N, D]`` matrix of flattened per-sample gradients.
 
 - instruments: :data:`N`, :data:`SPLITS`, :data:`MODELS`, :func:`make_problem`,
-  :func:`per_sample_grads`, :func:`flat`, :func:`bins_oracle`, :func:`hist_oracle`;
+  :func:`per_sample_grads`, :func:`flat`, :func:`bins_oracle`, :func:`hist_oracle`,
+  :func:`window_oracle` (the cross-micro-step values), :func:`two_batch`, :func:`trace_sigma`,
+  :func:`early_stopping`, :func:`near_edges`;
 - framework integrations (per-sample gradients at a snapshotted state, any loss):
   :func:`per_sample`, :func:`norm_set`, :func:`hist_counts`, :func:`alpha`, :func:`close`;
 - the training side (accumulation, AGC, BatchNorm, DDP): :func:`make_mlp`, :func:`make_data`,
@@ -202,8 +204,9 @@ def hist_counts(gs: dict[str, torch.Tensor], lo: float, hi: float, bins: int):
 
 
 def alpha(sq, f, df, var_f, var_df) -> float:
-    """Alpha from the weighted least-squares quadratic along s in [0, 1] (theta_t + s d)
-    (numpy lstsq, as tests/test_dots.py's oracle)."""
+    """Alpha from the weighted least-squares quadratic along s in [0, 1] (theta_t + s d),
+    solved with numpy lstsq on sqrt-weighted rows (independent of gradlens' parametrisation);
+    ``sq`` (|d|^2) is not used: the quadratic is in s."""
     phi = np.array([[1, 0, 0], [1, 1, 1], [0, 1, 0], [0, 1, 2]], dtype=np.float64)
     y = np.array([float(v) for v in (*f, *df)], dtype=np.float64)
     sw = 1 / np.sqrt(np.array([float(v) for v in (*var_f, *var_df)], dtype=np.float64))
@@ -211,6 +214,78 @@ def alpha(sq, f, df, var_f, var_df) -> float:
     if mu[2] <= 0:
         return -1.0
     return 1.0 / (-mu[1] / (2 * mu[2])) - 1.0
+
+
+def window_oracle(thetas: list[nn.Module], windows, t: int) -> dict:
+    """The cross-micro-step values of window t (BatchDot, InnerTest, OrthoTest, the
+    search-direction projections, Alpha) from the per-sample gradients at ``thetas[t]`` and
+    ``thetas[t + 1]`` (the end point: window t + 1's data at theta_{t+1});
+    ``windows[t] = (x, y)``, the cross-entropy of :func:`per_sample_grads`."""
+    (x0, y0), (x1, y1) = windows[t], windows[t + 1]
+    G0 = flat(per_sample_grads(thetas[t], x0, y0))
+    G1 = flat(per_sample_grads(thetas[t + 1], x1, y1))
+    n = G0.shape[0]
+    d = torch.cat([
+        (b.detach() - a.detach()).flatten()
+        for a, b in zip(thetas[t].parameters(), thetas[t + 1].parameters())
+    ])
+    mean = G0.mean(0)
+    g2 = mean.square().sum()
+    p = G0 @ mean
+    orth = G0 - (p / g2)[:, None] * mean[None, :]
+    with torch.no_grad():
+        l0 = nn.functional.cross_entropy(thetas[t](x0), y0, reduction="none")
+        l1 = nn.functional.cross_entropy(thetas[t + 1](x1), y1, reduction="none")
+    sq = d.dot(d)
+    ps, pe = G0 @ d, G1 @ d
+    return {
+        "batch_dot": G0 @ G0.T,
+        "inner_test": (p.var() / n).sqrt() / g2,
+        "ortho_test": (orth.square().sum() / (n - 1) / (n * g2)).sqrt(),
+        "start": ps / sq,
+        "end": pe / sq,
+        "update_sq_norm": sq,
+        "alpha": alpha(
+            sq, (l0.mean(), l1.mean()), (ps.mean(), pe.mean()),
+            (l0.var() / len(l0), l1.var() / len(l1)), (ps.var() / n, pe.var() / len(pe)),
+        ),
+    }
+
+
+def two_batch(G: Tensor, sizes: list[int]) -> tuple[float, float]:
+    """NoiseScaleTwoBatch's |G|^2 and tr(Sigma) estimates from the per-sample gradients
+    ``G [N, D]`` of micro-batches of ``sizes`` samples (in order)."""
+    s = [blk.sum(0) for blk in G.split(sizes)]
+    S = sum(float(v.dot(v)) for v in s)
+    Q = float(sum(b * b for b in sizes))
+    tot = G.sum(0)
+    T = float(tot.dot(tot))
+    N = float(G.shape[0])
+    return (T - S) / (N * N - Q), (N * N * S - Q * T) / (N * (N * N - Q))
+
+
+def trace_sigma(G: Tensor) -> float:
+    """tr of the unbiased covariance of the per-sample gradients ``G [N, D]`` (CABS' numerator)."""
+    n = G.shape[0]
+    return float(((G - G.mean(0)) ** 2).sum() / (n - 1))
+
+
+def early_stopping(G: Tensor) -> float:
+    """EarlyStopping's criterion ``1 - N mean_j(G_j^2 / var_j)`` over the coordinates whose
+    variance is above ``1e-13`` of the largest."""
+    n = G.shape[0]
+    mean, var = G.mean(0), G.var(0, unbiased=True)
+    ok = var > 1e-13 * var.max()
+    return 1.0 - n * float((mean[ok] ** 2 / var[ok]).mean())
+
+
+def near_edges(values: Tensor, lo: float, hi: float, bins: int, rtol: float) -> int:
+    """How many of ``values`` lie within reach of a bin edge of ``bins`` bins over ``(lo, hi)``
+    at relative precision rtol (those a histogram computed at that precision may bin either
+    way; 0 at float64 rounding)."""
+    pos = (values.flatten() - lo) * bins / (hi - lo)
+    reach = 10 * rtol * (values.flatten().abs() * bins / (hi - lo) + 1)
+    return int(((pos - pos.round()).abs() <= reach).sum())
 
 
 def close(a, b, rtol=1e-9, atol=1e-12):

@@ -20,6 +20,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchDot, BatchL2, InnerTest, SumGradSquared
+from windows import run_windows
 
 B, T, V, D = 7, 5, 11, 8
 
@@ -80,21 +81,20 @@ def _run(model, tokens, targets, splits, instruments, reduction="mean", divide=1
     Lens state goes through ``state_dict`` / ``torch.save`` into a fresh Lens on the same model."""
     m = gradlens.extend(model)
     make = lambda: Lens(m, [type(i)() for i in instruments])  # noqa: E731
-    lens = make()
-    for k, sl in enumerate(splits):
-        loss = _lm_loss(m(tokens[sl]), targets[sl], reduction)
-        with lens.capture(reduction=reduction, loss=loss):
-            (loss / divide).backward()
+
+    def reload(run, w, k, loss):
         if reload_after == k + 1:
             buf = io.BytesIO()
-            torch.save(lens.state_dict(), buf)
-            lens.close(write_pending=False)
-            lens = make()
+            torch.save(run.lens.state_dict(), buf)
+            run.lens.close(write_pending=False)
+            run.lens = make()
             buf.seek(0)
-            lens.load_state_dict(torch.load(buf, weights_only=False))
-    rec = lens.flush()
-    lens.close()
-    return rec, {k: p.grad.clone() for k, p in m.named_parameters()}, lens
+            run.lens.load_state_dict(torch.load(buf, weights_only=False))
+
+    run = run_windows(m, [[(tokens[sl], targets[sl]) for sl in splits]], lens=make(), fresh_copy=False,
+                      loss=lambda out, y: _lm_loss(out, y, reduction), capture={"reduction": reduction}, pass_loss=True,
+                      objective=lambda loss, run, w, k: loss / divide, on_micro=reload)
+    return run.flushed[0], {k: p.grad.clone() for k, p in m.named_parameters()}, run.lens
 
 
 def _autograd_grads(model, tokens, targets, splits, reduction="mean", divide=1.0):

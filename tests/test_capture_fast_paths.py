@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 import gradlens
 from gradlens import Lens, compat
 from gradlens.instruments import BatchL2, SumGradSquared
+from windows import micro_batches, run_windows
 
 SPLIT = [3, 1, 4]
 D = 5
@@ -81,10 +82,9 @@ def _oracle_batch_first(model, x, y):
     return torch.stack(rows)
 
 
-def _tracked(model0):
-    """An extended copy of ``model0``, a summed MSE loss and a Lens of BatchL2 on the copy."""
-    m = gradlens.extend(copy.deepcopy(model0))
-    return m, gradlens.extend(nn.MSELoss(reduction="sum")), Lens(m, [BatchL2()])
+def _seq_first(x, y):
+    """The window of micro-batches SPLIT of ``x [T, N, d]`` (samples on dim 1) and ``y [N, 3]``."""
+    return list(zip(x.split(SPLIT, dim=1), y.split(SPLIT)))
 
 
 def _assert_norms(rec, oracle):
@@ -95,16 +95,8 @@ def _assert_norms(rec, oracle):
 def _run(model0, x, y):
     oracle = _oracle(copy.deepcopy(model0), x, y)
     model = gradlens.extend(copy.deepcopy(model0), batch_dim=1)
-    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
-    lens = Lens(model, [BatchL2(), SumGradSquared()])
-    start = 0
-    for b in SPLIT:
-        out = model(x[:, start:start + b])
-        loss = loss_fn(out, y[start:start + b])
-        with lens.capture():
-            loss.backward()
-        start += b
-    rec = lens.flush()
+    (rec,) = run_windows(model, [_seq_first(x, y)], [BatchL2(), SumGradSquared()], loss=nn.MSELoss(reduction="sum"),
+                         fresh_copy=False, close=False).flushed
     _assert_norms(rec, oracle)
     names = [n for n, _ in model0.named_parameters()]
     sizes = [p.numel() for p in model0.parameters()]
@@ -148,14 +140,9 @@ def test_a_hook_added_on_an_elementwise_module_after_the_tap_is_followed():
     lens_model = gradlens.extend(copy.deepcopy(model), batch_dim=1)
     add_hook(lens_model)
     loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
-    lens = Lens(lens_model, [BatchL2()])
-    start = 0
-    for b in SPLIT:
-        loss = loss_fn(lens_model(x[:, start:start + b]), y[start:start + b])
-        with lens.capture():
-            loss.backward()
-        start += b
-    _assert_norms(lens.flush(), oracle)
+    (rec,) = run_windows(lens_model, [_seq_first(x, y)], [BatchL2()], loss=loss_fn, fresh_copy=False,
+                         close=False).flushed
+    _assert_norms(rec, oracle)
 
     # hooks added while the Tap is installed (after its own): the same uses followed
     model2 = copy.deepcopy(model)
@@ -200,13 +187,8 @@ def test_an_exception_inside_a_site_leaves_the_mode_stack_as_it_was():
     h.remove()
     # the next micro-steps are exact
     oracle = _oracle(copy.deepcopy(model), x, y)
-    start = 0
-    for b in SPLIT:
-        loss = loss_fn(m(x[:, start:start + b]), y[start:start + b])
-        with lens.capture():
-            loss.backward()
-        start += b
-    _assert_norms(lens.flush(), oracle)
+    (rec,) = run_windows(m, [_seq_first(x, y)], lens=lens, loss=loss_fn, fresh_copy=False, close=False).flushed
+    _assert_norms(rec, oracle)
 
 
 def test_elementwise_forwards_are_removed_with_the_tap():
@@ -241,11 +223,8 @@ def test_the_axis_through_an_activation_is_followed_not_read_from_sizes():
     x = torch.randn(4, 4, 4, dtype=torch.float64)
     y = torch.randn(4, 4, dtype=torch.float64)
     oracle = _oracle_batch_first(model0, x, y)
-    m, loss_fn, lens = _tracked(model0)
-    loss = loss_fn(m(x), y)
-    with lens.capture():
-        loss.backward()
-    _assert_norms(lens.flush(), oracle)
+    (rec,) = run_windows(model0, [[(x, y)]], [BatchL2()], loss=nn.MSELoss(reduction="sum"), close=False).flushed
+    _assert_norms(rec, oracle)
 
 
 def test_submodules_called_on_their_own_open_the_tracked_forward():
@@ -267,15 +246,15 @@ def test_submodules_called_on_their_own_open_the_tracked_forward():
     x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
     y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
     oracle = _oracle_batch_first(model0, x, y)
-    m, loss_fn, lens = _tracked(model0)
-    start = 0
-    for b in SPLIT:
-        loss = loss_fn(m.head(m.body(x[start:start + b])), y[start:start + b])
+
+    def forward(m, mb):
+        out = m.head(m.body(mb[0]))
         assert compat.top_function_mode() is None  # each part closed what it opened
-        with lens.capture():
-            loss.backward()
-        start += b
-    _assert_norms(lens.flush(), oracle)
+        return out
+
+    (rec,) = run_windows(model0, [micro_batches(x, y, SPLIT)], [BatchL2()], loss=nn.MSELoss(reduction="sum"),
+                         forward=forward, close=False).flushed
+    _assert_norms(rec, oracle)
 
 
 def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
@@ -297,18 +276,17 @@ def test_an_elementwise_module_called_on_its_own_opens_the_tracked_forward():
     x = torch.randn(sum(SPLIT), D, dtype=torch.float64)
     y = torch.randn(sum(SPLIT), 3, dtype=torch.float64)
     oracle = _oracle_batch_first(model0, x, y)
-    m, loss_fn, lens = _tracked(model0)
-    start = 0
-    for b in SPLIT:
-        xb = x[start:start + b].clone().requires_grad_(True)  # data the act's forward must mark
+
+    def forward(m, mb):
+        xb = mb[0].clone().requires_grad_(True)  # data the act's forward must mark
         h = m.act(xb)
         assert compat.top_function_mode() is None
         with pytest.raises(TypeError):
             m.act("not a tensor")  # an exception inside its forward: the forward closed again
         assert compat.top_function_mode() is None
-        loss = loss_fn(m.head(h), y[start:start + b])
-        with lens.capture():
-            loss.backward()
-        start += b
-    _assert_norms(lens.flush(), oracle)
+        return m.head(h)
+
+    (rec,) = run_windows(model0, [micro_batches(x, y, SPLIT)], [BatchL2()], loss=nn.MSELoss(reduction="sum"),
+                         forward=forward, close=False).flushed
+    _assert_norms(rec, oracle)
 

@@ -14,6 +14,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
+from windows import micro_batches, run_windows
 
 B = 6
 
@@ -141,15 +142,11 @@ def test_parameters_frozen_and_unfrozen_later_are_followed():
 
 def _full_then_empty_micro_step():
     """A Lens whose window holds a micro-step of all B samples, then one of none."""
-    m = gradlens.extend(_model())
     ce = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
-    lens = Lens(m, [BatchL2()])
     x, y, _ = _data()
-    for xb, yb in ((x, y), (x[:0], y[:0])):
-        loss = ce(m(xb), yb)
-        with lens.capture():
-            loss.backward()
-    return m, ce, lens, x, y
+    run = run_windows(_model(), [[(x, y), (x[:0], y[:0])]], [BatchL2()], loss=ce, fresh_copy=False, end="none",
+                      close=False)
+    return run.model, ce, run.lens, x, y
 
 
 def test_an_empty_micro_batch_adds_nothing():
@@ -216,16 +213,10 @@ def test_a_layer_skipped_by_a_micro_step_counts_its_zero_elements():
     G = torch.stack(rows)  # [N, D]
     theta = torch.cat([p.detach().reshape(-1) for p in params])
 
-    m = gradlens.extend(model)
-    ce = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
     h1 = GradHist1d(bins=8, range=(-0.4, 0.4))
     h2 = GradHist2d(bins=(4, 8), range=((-0.6, 0.6), (-0.4, 0.4)))
-    lens = Lens(m, [h1, h2, BatchL2()])
-    for sl, skip in split:
-        loss = ce(m(x[sl], skip=skip), y[sl])
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
+    (rec,) = run_windows(model, [[(x[sl], y[sl], {"skip": skip}) for sl, skip in split]], [h1, h2, BatchL2()],
+                         loss=nn.CrossEntropyLoss(reduction="sum"), fresh_copy=False, close=False).flushed
     counts, low, high = hist_oracle(G, -0.4, 0.4, 8)
     got = rec["grad_hist_1d"]
     assert int(got.counts.sum()) == G.numel()
@@ -282,14 +273,9 @@ def test_position_embeddings_of_non_data_ids_are_exact_in_closed_form(batched_id
     monkeypatch.setattr(ops, "_embedding_lookup", lambda *a: used.append(1) or real(*a))
     monkeypatch.setattr(ops, "batched_lookup", lambda *a: (lambda r: r is not None and used.append(2) or r)(real_batched(*a)))
     monkeypatch.setattr(ops, "_generic", lambda *a: pytest.fail("the one-sample vjp ran"))
-    m = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(m, [BatchL2(), SumGradSquared(), GradHist1d(bins=9, range=(-0.3, 0.3))])
-    for sl in (slice(0, 2), slice(2, B)):
-        loss = loss_fn(m(ids[sl]), y[sl])
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
+    run = run_windows(model, [micro_batches(ids, y, [2, B - 2])], [BatchL2(), SumGradSquared(), GradHist1d(bins=9, range=(-0.3, 0.3))],
+                      fresh_copy=False, close=False)
+    lens, (rec,) = run.lens, run.flushed
     assert used and lens.coverage == 1.0
     assert (2 in used) == (batched_ids is not False)  # ids [B, T] or [1, T]: the batched lookup
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-14)

@@ -20,6 +20,7 @@ from gradlens import Lens, load_checkpoint, load_log, save_checkpoint
 from gradlens.instruments import Alpha, BatchL2, GradNorm, SumGradSquared
 
 from oracle import flat, mlp, per_sample_grads
+from windows import run_windows
 
 SIZES = (5, 1, 6, 2)  # unequal micro-batches; 2 micro-steps per window
 
@@ -40,20 +41,18 @@ def _micro(i):
     return torch.randn(b, 12, generator=gen, dtype=torch.float64), torch.randint(0, 4, (b,), generator=gen)
 
 
-def _step(model, loss_fn, opt, lens, i):
-    x, y = _micro(i)
-    loss = loss_fn(model(x), y)
-    with lens.capture():
-        loss.backward()
-    opt.step(num_samples=len(x))
-    opt.zero_grad()
+def _steps(model, loss_fn, opt, lens, indices, after=None):
+    """The micro-batches ``indices`` through the Lens (the accumulating optimizer makes the
+    windows of 2); ``after(i)`` after micro-step i."""
+    indices = list(indices)
+    run_windows(model, [[_micro(i) for i in indices]], lens=lens, loss=loss_fn, optimizer=opt, fresh_copy=False,
+                close=False, on_micro=None if after is None else (lambda run, w, k, loss: after(indices[k])))
 
 
 def _reference(tmp_path, total, reduction="mean"):
     log = tmp_path / "reference.jsonl"
     model, loss_fn, opt, lens = _setup(log, reduction=reduction)
-    for i in range(total):
-        _step(model, loss_fn, opt, lens, i)
+    _steps(model, loss_fn, opt, lens, range(total))
     lens.close()
     return lens.records, load_log(log)
 
@@ -63,8 +62,7 @@ def _reference(tmp_path, total, reduction="mean"):
 
 def test_save_and_load_checkpoint_round_trip_and_bad_use(tmp_path):
     model, loss_fn, opt, lens = _setup(None)
-    for i in range(3):  # mid-window: the optimizer's and the Lens's partial windows
-        _step(model, loss_fn, opt, lens, i)
+    _steps(model, loss_fn, opt, lens, range(3))  # mid-window: the optimizer's and the Lens's partial windows
     path = save_checkpoint(tmp_path / "ckpt.pt", model=model, optimizer=opt, lens=lens, epoch=4, note="x")
     assert path == tmp_path / "ckpt.pt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary file left
@@ -73,9 +71,8 @@ def test_save_and_load_checkpoint_round_trip_and_bad_use(tmp_path):
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
     assert lens2.step == lens.step == 1
-    for i in range(3, 6):
-        _step(model, loss_fn, opt, lens, i)
-        _step(model2, loss_fn2, opt2, lens2, i)
+    _steps(model, loss_fn, opt, lens, range(3, 6))
+    _steps(model2, loss_fn2, opt2, lens2, range(3, 6))
     assert lens2.records[-1] == lens.records[-1]  # the partial window resumed exactly
 
     with pytest.raises(TypeError, match=r"save_checkpoint\(model=...\) needs an nn.Module, got dict"):
@@ -102,17 +99,15 @@ def test_a_run_resumed_onto_its_log_shows_each_step_once(tmp_path, reduction):
     ref_records, ref_log = _reference(tmp_path, total, reduction)
     log, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt.pt"
     model, loss_fn, opt, lens = _setup(log, reduction=reduction)
-    for i in range(stopped_at):
-        if i == saved_at:
-            save_checkpoint(ckpt, model=model, optimizer=opt, lens=lens)
-        _step(model, loss_fn, opt, lens, i)
+    _steps(model, loss_fn, opt, lens, range(saved_at))
+    save_checkpoint(ckpt, model=model, optimizer=opt, lens=lens)
+    _steps(model, loss_fn, opt, lens, range(saved_at, stopped_at))
     lens.close(write_pending=False)  # the run stops (a crash) 4 micro-steps after its checkpoint
     assert [r.step for r in load_log(log)] == [0, 1, 2, 4, 5]
 
     model, loss_fn, opt, lens = _setup(log, seed=1, reduction=reduction)
     load_checkpoint(ckpt, model=model, optimizer=opt, lens=lens)
-    for i in range(saved_at, total):
-        _step(model, loss_fn, opt, lens, i)
+    _steps(model, loss_fn, opt, lens, range(saved_at, total))
     lens.close()
     header = [line for line in log.read_text().splitlines() if "__gradlens_segment__" in line]
     assert len(header) == 1 and '"run":0,"start":2' in header[0]  # Alpha's pending record 2
@@ -121,8 +116,7 @@ def test_a_run_resumed_onto_its_log_shows_each_step_once(tmp_path, reduction):
     assert back == ref_log
     # the values against the float64 oracle: window 4 (micro-steps 8, 9) from a replay
     model, loss_fn, opt, lens = _setup(None, reduction=reduction)
-    for i in range(8):
-        _step(model, loss_fn, opt, lens, i)
+    _steps(model, loss_fn, opt, lens, range(8))
     xs, ys = zip(*(_micro(i) for i in (8, 9)))
     g = flat(per_sample_grads(model, torch.cat(xs), torch.cat(ys)))
     rec4 = next(r for r in back if r.step == 4)
@@ -184,11 +178,12 @@ def _child(folder, mode, total, kill_at):
                 real_file.close()
 
         sink._file = Dying()
-    for i in range(start, total):
-        _step(model, loss_fn, opt, lens, i)
+    def checkpoint(i):
         save_checkpoint(ckpt, model=model, optimizer=opt, lens=lens, micro_step=i + 1)
         if mode != "none":
             time.sleep(0.01)  # at most 100 micro-steps a second: the kills land before the end
+
+    _steps(model, loss_fn, opt, lens, range(start, total), after=checkpoint)
     lens.close()
 
 

@@ -14,7 +14,8 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import CABS, Distance, EarlyStopping, UpdateSize
-from oracle import MODELS, flat, make_problem, per_sample_grads
+from oracle import MODELS, early_stopping, flat, make_problem, per_sample_grads, trace_sigma
+from windows import micro_batches, run_windows, split_windows
 
 LR = 0.3
 WINDOWS = 3
@@ -51,32 +52,11 @@ def _oracle_run(model: nn.Module, batches, reduction: str, split=(12,)):
 
 
 def _lens_run(model, batches, split, reduction, instruments, state=None, **kw):
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    lens = Lens(model, instruments, optimizer=opt, **kw)
-    if state is not None:
-        lens.load_state_dict(state)
-    for x, y in batches:
-        for xb, yb in zip(x.split(split), y.split(split)):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return lens
-
-
-def _trace(G: torch.Tensor) -> float:
-    n = G.shape[0]
-    return float(((G - G.mean(0)) ** 2).sum() / (n - 1))
-
-
-def _eb(G: torch.Tensor) -> float:
-    n = G.shape[0]
-    mean, var = G.mean(0), G.var(0, unbiased=True)
-    ok = var > 1e-13 * var.max()
-    return 1.0 - n * float((mean[ok] ** 2 / var[ok]).mean())
+    """The batches, each split into micro-batches ``split``, through a Lens on ``model`` itself
+    (plain SGD, restored from ``state``); returns the open Lens."""
+    return run_windows(model, split_windows(batches, split), instruments, reduction=reduction,
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), state=state, fresh_copy=False, close=False,
+                       **kw).lens
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -99,8 +79,8 @@ def test_four_instruments_equal_their_formulas_on_the_oracle(model_name, split, 
         lr_eff = LR if reduction == "mean" else LR * n
         assert r["distance"] == pytest.approx(dist, rel=1e-9, abs=1e-12), t
         assert r["update_size"] == pytest.approx(upd, rel=1e-9), t
-        assert r["cabs"] == pytest.approx(lr_eff * _trace(G) / ref[t]["loss"], rel=1e-8), t
-        assert r["early_stopping"] == pytest.approx(_eb(G), rel=1e-8), t
+        assert r["cabs"] == pytest.approx(lr_eff * trace_sigma(G) / ref[t]["loss"], rel=1e-8), t
+        assert r["early_stopping"] == pytest.approx(early_stopping(G), rel=1e-8), t
     assert records[0]["distance"] == 0.0  # theta_0 is where the first window's gradients were taken
     assert all(r["distance"] > 0 for r in records[1:])
 
@@ -140,15 +120,8 @@ def test_distance_state_is_checked():
 
 def test_update_size_without_an_update_is_none_with_the_reason():
     model, batches = _batches(MODELS["mlp"], 1)
-    model = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with Lens(model, [UpdateSize(), Distance()], optimizer=opt) as lens:
-        x, y = batches[0]
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-        record = lens.flush()
+    (record,) = run_windows(model, [batches[:1]], [UpdateSize(), Distance()],
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), end="flush").flushed
     assert record["update_size"] is None
     assert record.meta["update_size"].startswith("missing: no optimizer update closed this window")
     assert record["distance"] == 0.0
@@ -179,21 +152,12 @@ def test_cabs_refuses_other_optimizers_with_the_reason():
 def test_cabs_and_update_size_through_the_accumulating_optimizer():
     model, batches = _batches(MODELS["mlp"], 2)
     ref = _oracle_run(model, batches, "mean")
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = gradlens.GradientAccumulateOptimizer(torch.optim.SGD(m.parameters(), lr=LR), accum_steps=3)
-    with Lens(m, [CABS(), UpdateSize()], optimizer=opt) as lens:
-        for x, y in batches:
-            for xb, yb in zip(x.split([5, 1, 6]), y.split([5, 1, 6])):
-                loss = loss_fn(m(xb), yb)
-                with lens.capture():
-                    loss.backward()
-                opt.step(num_samples=len(xb))
-                opt.zero_grad()
+    lens = run_windows(model, split_windows(batches, [5, 1, 6]), [CABS(), UpdateSize()],
+                       optimizer=lambda ps: gradlens.GradientAccumulateOptimizer(torch.optim.SGD(ps, lr=LR), accum_steps=3)).lens
     assert len(lens.records) == 2
     for t, r in enumerate(lens.records):
         G = ref[t]["G"]
-        assert r["cabs"] == pytest.approx(LR * _trace(G) / ref[t]["loss"], rel=1e-8)
+        assert r["cabs"] == pytest.approx(LR * trace_sigma(G) / ref[t]["loss"], rel=1e-8)
         assert r["update_size"] == pytest.approx(float((ref[t + 1]["theta"] - ref[t]["theta"]).norm()), rel=1e-9)
 
 
@@ -227,23 +191,18 @@ def test_distance_and_update_size_per_group_are_the_norms_over_each_groups_param
     ||theta_{t+1} - theta_t|| over group g's parameters, read from the model's own parameters
     (float64 copies) around each update; the squares of the groups add up to the total's."""
     torch.manual_seed(0)
-    model = gradlens.extend(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    theta0 = {q: p.detach().clone() for q, p in model.named_parameters()}
-    lens = Lens(model, [Distance(), UpdateSize()], optimizer=opt, groups={"first": ["0.*"]})
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
     x, y = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
     groups = {"first": ["0.weight", "0.bias"], "other": ["2.weight", "2.bias"]}
-    for _ in range(3):
-        before = {q: p.detach().clone() for q, p in model.named_parameters()}
-        for xb, yb in zip(x.split([4, 1, 4]), y.split([4, 1, 4])):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
-        after = dict(model.named_parameters())
-        rec = lens.records[-1]
+    run = run_windows(model, [micro_batches(x, y, [4, 1, 4])] * 3, [Distance(), UpdateSize()],
+                      optimizer=lambda ps: torch.optim.Adam(ps, lr=0.05), groups={"first": ["0.*"]},
+                      snapshots=True, close=False)
+    lens = run.lens
+    theta0 = {q: p.detach() for q, p in run.thetas[0].named_parameters()}
+    assert len(lens.records) == 3
+    for t, rec in enumerate(lens.records):
+        before = {q: p.detach() for q, p in run.thetas[t].named_parameters()}
+        after = dict(run.thetas[t + 1].named_parameters())
         assert set(rec.groups) == set(groups)
         total_d = total_u = 0.0
         for g, names in groups.items():

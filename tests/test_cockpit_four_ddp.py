@@ -16,8 +16,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import CABS, Distance, EarlyStopping, UpdateSize
-from oracle import MODELS, flat, make_problem, per_sample_grads
-from test_cockpit_four import _eb, _trace
+from oracle import MODELS, early_stopping, flat, make_problem, per_sample_grads, trace_sigma
 from test_distributed import _init, _spawn
 
 SIZES = [5, 7]  # per rank; N = 12
@@ -79,6 +78,6 @@ def test_two_ranks_equal_the_oracle_of_all_samples():
                 loss = nn.functional.cross_entropy(model(x), y).item()
             assert vals["distance"] == pytest.approx(float((thetas[t] - thetas[0]).norm()), rel=1e-9, abs=1e-14)
             assert vals["update_size"] == pytest.approx(float((thetas[t + 1] - thetas[t]).norm()), rel=1e-9)
-            assert vals["cabs"] == pytest.approx(LR * _trace(G) / loss, rel=1e-8)
-            assert vals["early_stopping"] == pytest.approx(_eb(G), rel=1e-8)
+            assert vals["cabs"] == pytest.approx(LR * trace_sigma(G) / loss, rel=1e-8)
+            assert vals["early_stopping"] == pytest.approx(early_stopping(G), rel=1e-8)
     assert results[0]["records"][1]["distance"] > 0

@@ -14,6 +14,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradNorm
+from windows import micro_batches, run_windows
 
 
 def _breaks() -> int:
@@ -74,25 +75,18 @@ def test_compiled_tracked_windows_equal_the_eager_records_and_keep_the_stance():
         run = torch.compile(model, backend="eager") if compile_it else model
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def window_open(_run, w, k, loss):
+            if k == 2:  # tracked windows (0, 2) of the compiled model run eagerly while open; untracked
+                # ones stay compiled; an eager model's Lens leaves the stance alone
+                assert compat.compile_stance() == ("force_eager" if compile_it and w != 1 else "default")
+
+        def next_open(_run, w):  # the next window (1, 2, 3) is open: tracked when even
+            assert compat.compile_stance() == ("force_eager" if compile_it and w % 2 == 1 else "default")
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            lens = Lens(run, [BatchL2(), GradNorm()], optimizer=opt, every=2)
-            for _window in range(3):
-                start = 0
-                for b in (3, 1, 4):
-                    loss = loss_fn(run(x[start:start + b]), y[start:start + b])
-                    with lens.capture():
-                        loss.backward()
-                    start += b
-                # tracked windows (0, 2) of the compiled model run eagerly while open; untracked
-                # ones stay compiled; an eager model's Lens leaves the stance alone
-                tracked = _window != 1
-                assert compat.compile_stance() == ("force_eager" if compile_it and tracked else "default")
-                opt.step()
-                opt.zero_grad()
-                # the next window (1, 2, 3) is open: tracked when even
-                assert compat.compile_stance() == ("force_eager" if compile_it and _window % 2 == 1 else "default")
-            lens.close()
+            lens = run_windows(run, [micro_batches(x, y, [3, 1, 4])] * 3, lens=Lens(run, [BatchL2(), GradNorm()], optimizer=opt, every=2),
+                               loss=loss_fn, optimizer=opt, fresh_copy=False, on_micro=window_open, on_window=next_open).lens
         assert compat.compile_stance() == "default"
         recs.append(list(lens.records))
     assert [r.step for r in recs[1]] == [0, 2] == [r.step for r in recs[0]]
@@ -121,10 +115,8 @@ def test_a_model_compiled_in_place_runs_its_tracked_windows_eagerly():
             warnings.simplefilter("ignore", RuntimeWarning)
             lens = Lens(m, [BatchL2(), GradNorm()])
             before = _breaks()
-            for sl in (slice(0, 2), slice(2, 7)):
-                loss = loss_fn(m(x[sl]), y[sl])
-                with lens.capture():
-                    loss.backward()
+            run_windows(m, [micro_batches(x, y, [2, 5])], lens=lens, loss=loss_fn, fresh_copy=False, end="none",
+                        close=False)
             assert compat.compile_stance() == ("force_eager" if m is model else "default")
             assert _breaks() == before
             recs.append(lens.flush())

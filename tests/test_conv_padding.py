@@ -14,6 +14,7 @@ from torch.func import functional_call, grad, vmap
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradHist1d, GradNorm, SumGradSquared
+from windows import micro_batches, run_windows
 
 
 def oracle(model, x, y, loss="mse_sum"):
@@ -35,16 +36,10 @@ def check(model, x, split=(2, 3)):
         y = torch.randn_like(model(x))
     gs = oracle(model, x, y)
     G = torch.cat([g.flatten(1) for g in gs.values()], 1)
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(nn.MSELoss(reduction="sum"))
     lo, hi = -1.0, 1.0
-    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=7, range=(lo, hi))])
-    for xb, yb in zip(x.split(list(split)), y.split(list(split))):
-        loss = loss_fn(m(xb), yb)
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
-    lens.close()
+    (rec,) = run_windows(model, [micro_batches(x, y, split)],
+                         [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=7, range=(lo, hi))],
+                         loss="mse", reduction="sum").flushed
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-12)
     for name, g in gs.items():
         torch.testing.assert_close(rec["sum_grad_squared"][name], g.square().sum(0), rtol=1e-10, atol=1e-12)

@@ -34,6 +34,7 @@ from gradlens.instruments import (
     configuration,
 )
 from gradlens.instruments.curvature import TIC_EPS
+from windows import micro_batches, run_windows
 
 SPLIT = [5, 1, 6]  # K = 3 unequal micro-steps, N = 12
 RTOL = 1e-8
@@ -121,31 +122,18 @@ def oracle(model0: nn.Module, x, y, reduction: str, reverse: bool = False):
 
 
 # ---- gradlens -------------------------------------------------------------------------------
-def _loss_module(y, reduction):
-    return gradlens.extend(nn.MSELoss(reduction=reduction) if y.dtype.is_floating_point
-                           else nn.CrossEntropyLoss(reduction=reduction))
+def _loss_name(y):
+    """The loss module gradlens sees: MSELoss for float targets, else CrossEntropyLoss."""
+    return "mse" if y.dtype.is_floating_point else "ce"
 
 
 def run_window(model0, x, y, reduction, instruments, split=SPLIT, optimizer=True, windows=1):
     """Records of ``windows`` windows of the same batch split into ``split`` micro-steps (the
-    update has lr 0: the parameters stay, so every window has the same Hessian)."""
-    model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = _loss_module(y, reduction)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0) if optimizer else None
-    lens = Lens(model, instruments, optimizer=opt)
-    for _ in range(windows):
-        for xb, yb in zip(x.split(split), y.split(split)):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward(create_graph=lens.create_graph)
-        if opt is not None:
-            opt.step()
-            opt.zero_grad()
-        else:
-            lens.flush()
-            model.zero_grad()
-    lens.close()
-    return lens.records
+    update has lr 0: the parameters stay, so every window has the same Hessian; without an
+    optimizer each window ends with lens.flush() and model.zero_grad())."""
+    return run_windows(model0, [micro_batches(x, y, split)] * windows, instruments, loss=_loss_name(y),
+                       reduction=reduction, optimizer=(lambda ps: torch.optim.SGD(ps, lr=0.0)) if optimizer else None,
+                       create_graph=True, zero_grad=True).records
 
 
 def _flat_index(model0):
@@ -322,11 +310,8 @@ def test_backward_without_create_graph_is_refused():
             loss.backward()
     model.zero_grad()
     # the window was dropped: the next micro-steps start it afresh
-    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
-        loss = loss_fn(model(xb), yb)
-        with lens.capture():
-            loss.backward(create_graph=lens.create_graph)
-    rec = lens.flush()
+    (rec,) = run_windows(model, [micro_batches(x, y, SPLIT)], lens=lens, loss=loss_fn, create_graph=True,
+                         fresh_copy=False, close=False).flushed
     assert rec.num_samples == 12 and rec.micro_steps == 3
     H, _ = oracle(tanh_mlp(), x, y, "mean")
     torch.testing.assert_close(rec["hess_trace"], float(torch.diagonal(H).sum()), rtol=RTOL, atol=1e-12)
@@ -462,13 +447,8 @@ def test_state_dict_between_windows_resumes_and_mid_window_is_refused():
         lens.state_dict()
     lens.close()
     opt.zero_grad()
-    fresh = Lens(model, [HessTrace(), HessMaxEV(tol=1e-10)], optimizer=opt)
-    fresh.load_state_dict(saved)
-    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
-        loss = loss_fn(model(xb), yb)
-        with fresh.capture():
-            loss.backward(create_graph=fresh.create_graph)
-    opt.step()
+    fresh = run_windows(model, [micro_batches(x, y, SPLIT)], lens=Lens(model, [HessTrace(), HessMaxEV(tol=1e-10)], optimizer=opt),
+                        state=saved, optimizer=opt, loss=loss_fn, create_graph=True, fresh_copy=False, close=False).lens
     (rec,) = fresh.records
     torch.testing.assert_close(rec["hess_trace"], float(torch.diagonal(H).sum()), rtol=RTOL, atol=1e-12)
     torch.testing.assert_close(rec["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
@@ -482,14 +462,11 @@ def test_one_exact_diagonal_per_window_for_all_instruments(name):
     products on the attention block (not a Sequential: D products, not 3D)."""
     model = gradlens.extend(tanh_mlp() if name == "tanh_mlp" else attn_block())
     x, y = tanh_data() if name == "tanh_mlp" else _attn_data()
-    loss_fn = gradlens.extend(nn.MSELoss() if name == "tanh_mlp" else nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, [HessTrace(chunk=16), TICDiag(), TICTrace()], optimizer=opt)
-    loss = loss_fn(model(x), y)
-    with lens.capture():
-        loss.backward(create_graph=lens.create_graph)
-    graph = lens._graph
-    opt.step()
+    graphs = []  # the window's graph, before the update
+    lens = run_windows(model, [[(x, y)]], [HessTrace(chunk=16), TICDiag(), TICTrace()], loss=_loss_name(y),
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), create_graph=True, fresh_copy=False,
+                       on_micro=lambda run, w, k, loss: graphs.append(run.lens._graph), close=False).lens
+    (graph,) = graphs
     D = sum(p.numel() for p in model.parameters())
     rec = lens.records[-1]
     if name == "tanh_mlp":
@@ -511,16 +488,9 @@ def test_with_gradient_accumulate_optimizer():
     x, y = tanh_data()
     H, m = oracle(model0, x, y, "mean")
     diag = torch.diagonal(H)
-    model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.MSELoss())
-    opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accum_steps=len(SPLIT))
-    lens = Lens(model, [HessTrace(), HessMaxEV(tol=1e-10), TICDiag()], optimizer=opt)
-    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
-        loss = loss_fn(model(xb), yb)
-        with lens.capture():
-            loss.backward(create_graph=lens.create_graph)
-        opt.step(num_samples=len(xb))
-        opt.zero_grad()
+    lens = run_windows(model0, [micro_batches(x, y, SPLIT)], [HessTrace(), HessMaxEV(tol=1e-10), TICDiag()], loss="mse",
+                       optimizer=lambda ps: GradientAccumulateOptimizer(torch.optim.SGD(ps, lr=0.1), accum_steps=len(SPLIT)),
+                       create_graph=True, close=False).lens
     (rec,) = lens.records
     torch.testing.assert_close(rec["hess_trace"], float(diag.sum()), rtol=RTOL, atol=1e-12)
     torch.testing.assert_close(rec["hess_max_ev"], float(torch.linalg.eigvalsh(H)[-1]), rtol=1e-8, atol=0)
@@ -534,17 +504,12 @@ def test_hutchinson_diagonal_is_unbiased_and_tic_diag_says_estimated():
     model0 = tanh_mlp()
     x, y = tanh_data()
     H, m = oracle(model0, x, y, "mean")
-    model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.MSELoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, [TICDiag(method="hutchinson", probes=16)], optimizer=opt)
-    for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
-        loss = loss_fn(model(xb), yb)
-        with lens.capture():
-            loss.backward(create_graph=lens.create_graph)
+    run = run_windows(model0, [micro_batches(x, y, SPLIT)], [TICDiag(method="hutchinson", probes=16)], loss="mse",
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), create_graph=True, end="none", close=False)
+    lens = run.lens
     probes = 4000
-    quad, diag = lens._graph.hutchinson(probes, 500, seed=7)
-    opt.step()
+    quad, diag = lens._graph.hutchinson(probes, 500, seed=7)  # before the window's update
+    run.optimizer.step()
     rec = lens.records[-1]
     assert rec.meta["tic_diag"].startswith("estimated: Hutchinson diagonal, 16 Rademacher probes")
     assert math.isfinite(rec["tic_diag"])
@@ -594,21 +559,9 @@ def test_full_configuration_runs_and_create_graph_leaves_the_other_instruments_u
 
     def run(label, create_graph):
         torch.manual_seed(0)
-        model = gradlens.extend(copy.deepcopy(model0))
-        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        insts = configuration(label) + [SumGradSquared()]
-        lens = Lens(model, insts, optimizer=opt)
-        for _ in range(2):
-            for xb, yb in zip(x.split(SPLIT), y.split(SPLIT)):
-                out = model(xb)
-                loss = loss_fn(out, yb)
-                with lens.capture(losses=nn.functional.cross_entropy(out.detach(), yb, reduction="none")):
-                    loss.backward(create_graph=create_graph and lens.create_graph)
-            opt.step()
-            opt.zero_grad()
-        lens.close()
-        return lens.records
+        return run_windows(model0, [micro_batches(x, y, SPLIT)] * 2, configuration(label) + [SumGradSquared()],
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), losses=True,
+                           create_graph=create_graph).records
 
     full, plain = run("full", True), run("economy", False)
     assert len(full) == len(plain) == 2 and isinstance(full[0]["alpha"], float)

@@ -22,8 +22,8 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradNorm, NoiseScale, NoiseScaleTwoBatch, NormTest, SumGradSquared
-from oracle import MODELS, flat, make_problem, per_sample_grads
-from test_distributed import _close, _init, _oracle_two_batch, _spawn
+from oracle import MODELS, flat, make_problem, per_sample_grads, two_batch
+from test_distributed import _close, _init, _spawn
 
 
 WORLD = 2
@@ -154,7 +154,7 @@ def test_global_grad_sum_from_ddp_grad_equals_oracle():
         _close(vals["grad_norm"], mean.norm())
         _close(vals["noise_scale"], var.sum() / mean.square().sum())
         _close(vals["norm_test"], (var.sum() / n).sqrt() / mean.norm())
-        g2, tr = _oracle_two_batch(G, micro_sizes * WORLD)
+        g2, tr = two_batch(G, micro_sizes * WORLD)
         _close(vals["noise_scale_two_batch"]["grad_sq"], g2)
         _close(vals["noise_scale_two_batch"]["trace_sigma"], tr)
     for other in results[1:]:  # every rank holds the same records
@@ -205,7 +205,7 @@ def test_light_lens_under_ddp_equals_oracle(merge):
         _, n, vals = records[t]
         assert n == G.shape[0]
         _close(vals["grad_norm"], G.mean(0).norm())
-        g2, tr = _oracle_two_batch(G, micro_sizes * WORLD)
+        g2, tr = two_batch(G, micro_sizes * WORLD)
         _close(vals["noise_scale_two_batch"]["grad_sq"], g2)
         _close(vals["noise_scale_two_batch"]["trace_sigma"], tr)
     for other in results[1:]:

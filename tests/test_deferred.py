@@ -14,6 +14,7 @@ from gradlens import Lens
 from gradlens.measure import deferred
 from gradlens.instruments import BatchL2, GradNorm, NormTest, SumGradSquared
 from oracle import close, flat, per_sample
+from windows import micro_batches, run_windows
 
 N = 12
 SPLIT = [5, 1, 6]
@@ -68,15 +69,8 @@ def test_stacked_norms_equal_the_oracle(make, reduction, groups, budget, monkeyp
     real = deferred.stack
     monkeypatch.setattr(deferred, "stack", lambda *a: kept.append(real(*a)) or kept[-1])
 
-    model = gradlens.extend(copy.deepcopy(base))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, make(), optimizer=opt, groups=groups)
-    for xs, ys in zip(x.split(SPLIT), y.split(SPLIT)):
-        loss = loss_fn(model(xs), ys)
-        with lens.capture():
-            loss.backward()
-    opt.step()
+    lens = run_windows(base, [micro_batches(x, y, SPLIT)], make(), reduction=reduction, groups=groups,
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), close=False).lens
     rec = lens.records[-1]
     assert any(kept) and (budget == "all" or not all(kept))  # stacked (some measured at once)
     assert len(kept) >= 3 * 9  # every micro-step offered its single uses (9 at least: GradNorm reads
@@ -137,15 +131,12 @@ def _tracked(base, groups=None):
 
 
 def _window(lens, model, loss_fn, opt, xs, ys, before=None):
-    for i, (xb, yb) in enumerate(zip(xs, ys)):
-        if before is not None:
-            xb = before(i, xb)
-        loss = loss_fn(model(xb), yb)
-        with lens.capture():
-            loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return lens.records[-1]
+    """One window of the micro-batches (xs, ys), closed by the optimizer; its record.
+    ``before(i, x_i)``: the input micro-step i's forward gets, made just before it."""
+    into = before or (lambda i, xb: xb)
+    run = run_windows(model, [list(enumerate(zip(xs, ys)))], lens=lens, loss=loss_fn, optimizer=opt, fresh_copy=False,
+                      forward=lambda m, mb: m(into(mb[0], mb[1][0])), target=lambda mb: mb[1][1], close=False)
+    return run.records[-1]
 
 
 def _check_window(rec, base, xs, ys):
@@ -191,17 +182,11 @@ def test_stacked_uses_with_other_lengths_and_a_checkpoint_mid_window():
     xs = [torch.randn(b, t, 5, dtype=torch.float64) for b, t in ((3, 4), (2, 6), (4, 4))]
     ys = [torch.randint(0, 4, (x.shape[0],)) for x in xs]
 
-    def run(model, lens, opt, loss_fn, parts):
-        for xb, yb in parts:
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-
     def oracle_one(out, yi):
         return nn.functional.cross_entropy(out, yi)
 
     model, loss_fn, opt, lens = _tracked(base)
-    run(model, lens, opt, loss_fn, list(zip(xs, ys))[:2])
+    run_windows(model, [list(zip(xs, ys))[:2]], lens=lens, loss=loss_fn, fresh_copy=False, end="none", close=False)
     assert lens._window.carried  # kept for the window's end
     state = lens.state_dict()
     assert not lens._window.carried  # settled into the saved partial window
@@ -209,8 +194,7 @@ def test_stacked_uses_with_other_lengths_and_a_checkpoint_mid_window():
     model2, _, opt2, lens2 = _tracked(base)
     lens2.load_state_dict(state)
     for lz, m, o in ((lens, model, opt), (lens2, model2, opt2)):
-        run(m, lz, o, loss_fn, [(xs[2], ys[2])])
-        o.step()
+        run_windows(m, [[(xs[2], ys[2])]], lens=lz, loss=loss_fn, optimizer=o, fresh_copy=False, close=False)
         rec = lz.records[-1]
         g = [flat(per_sample(base, base.state_dict(), oracle_one, xb, yb)) for xb, yb in zip(xs, ys)]
         G = torch.cat(g)

@@ -28,7 +28,6 @@ from torch import nn
 import gradlens
 from gradlens import GradientAccumulateOptimizer, Lens, load_log
 from gradlens.instruments import (
-    Alpha,
     BatchDot,
     BatchL2,
     GradHist1d,
@@ -36,14 +35,14 @@ from gradlens.instruments import (
     GradNorm,
     InnerTest,
     MeanGSNR,
-    NoiseScale,
     NoiseScaleMonitor,
     NoiseScaleTwoBatch,
     NormTest,
     OrthoTest,
     SumGradSquared,
 )
-from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads
+from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads, two_batch, window_oracle
+from windows import all_instruments, micro_batches, run_windows
 
 
 DEADLINE_S = 90.0
@@ -108,14 +107,7 @@ def _instruments(grad_r: float, param_r: float, mode: str):
     if mode == "sampled":
         return [GradHist1d(bins=10, range=(-grad_r, grad_r), sample=0.3, seed=4),
                 GradHist2d(bins=(6, 8), range=((-param_r, param_r), (-grad_r, grad_r)), sample=0.3)]
-    kw = {"mode": mode, "k": 64} if mode == "sketch" else {}
-    return [
-        BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
-        NoiseScaleTwoBatch(),
-        GradHist1d(bins=10, range=(-grad_r, grad_r)),
-        GradHist2d(bins=(6, 8), range=((-param_r, param_r), (-grad_r, grad_r))),
-        BatchDot(**kw), InnerTest(**kw), OrthoTest(**kw), Alpha(**kw),
-    ]
+    return all_instruments(grad_r, param_r, bins=10, bins_2d=(6, 8), cross={"mode": mode, "k": 64} if mode == "sketch" else {})
 
 
 def _run_rank(rank, world, name, K, mode, log):
@@ -166,22 +158,8 @@ def _close(a, b, rtol=RTOL):
     )
 
 
-def _oracle_two_batch(G: torch.Tensor, sizes: list[int]):
-    """|G|^2 and tr(Sigma) two-batch estimates from the oracle's per-sample gradients."""
-    s = [blk.sum(0) for blk in G.split(sizes)]
-    S = sum(float(v.dot(v)) for v in s)
-    Q = float(sum(b * b for b in sizes))
-    tot = G.sum(0)
-    T = float(tot.dot(tot))
-    N = float(G.shape[0])
-    return (T - S) / (N * N - Q), (N * N * S - Q * T) / (N * (N * N - Q))
-
-
 def _check_window(vals, num_samples, G, theta_t, theta_next, window, next_window, micro_sizes,
                   grad_r, param_r, mode):
-    from test_dots import oracle_window
-    from test_instruments import HIST2D_BINS, hist_oracle
-
     n = G.shape[0]
     assert num_samples == n
     _close(vals["batch_l2"], G.square().sum(1))  # rank-major sample order
@@ -206,7 +184,7 @@ def _check_window(vals, num_samples, G, theta_t, theta_next, window, next_window
     joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
     assert torch.equal(vals["grad_hist_2d"].counts, joint)
     assert vals["grad_hist_2d"].clamped_param == n * int(((theta < -param_r) | (theta > param_r)).sum())
-    g2, tr = _oracle_two_batch(G, micro_sizes)
+    g2, tr = two_batch(G, micro_sizes)
     ns = vals["noise_scale_two_batch"]
     _close(ns["grad_sq"], g2)
     _close(ns["trace_sigma"], tr)
@@ -216,7 +194,7 @@ def _check_window(vals, num_samples, G, theta_t, theta_next, window, next_window
         assert math.isnan(ns["b_simple"])
     assert ns["batch_big"] == n and ns["small_batches"] == len(micro_sizes)
     if mode == "exact" and next_window is not None:
-        o = oracle_window([theta_t, theta_next], [window, next_window], 0)
+        o = window_oracle([theta_t, theta_next], [window, next_window], 0)
         for key in ("batch_dot", "inner_test", "ortho_test"):
             _close(vals[key], o[key])
         sp = vals["search_dir_projections"]
@@ -303,14 +281,8 @@ def test_sketch_mode_merges_across_ranks():
     # single process, one batch of N, same sketch seed: the reference for the sketched values
     for K in (1, 3):
         records, thetas = results[0][K]
-        m = gradlens.extend(copy.deepcopy(model0))
-        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-        lens = Lens(m, [BatchDot(mode="sketch", k=64), InnerTest(mode="sketch", k=64)], process_group=False)
-        x, y = windows[0]
-        loss = loss_fn(m(x), y)
-        with lens.capture():
-            loss.backward()
-        ref = lens.flush()
+        ref = run_windows(model0, [windows[:1]], [BatchDot(mode="sketch", k=64), InnerTest(mode="sketch", k=64)],
+                          process_group=False, close=False).flushed[0]
         vals = records[0][3]
         _close(vals["batch_dot"], ref["batch_dot"])
         _close(vals["inner_test"], ref["inner_test"])
@@ -342,6 +314,10 @@ def test_sampled_histograms_merge_across_ranks():
 
 
 # ------------------------------------------------------------------- collectives per window
+def assert_carry_scale(lens):
+    assert lens._meter.plan.carry_scale
+
+
 def _dot_alone_worker(rank: int, world: int, port: int, out_dir: str, name: str) -> None:
     """BatchDot as the only instrument (output gradients kept unscaled with their scale): one
     window of K = 1 and one of K = 3 micro-steps of this rank's slice, mean loss."""
@@ -351,20 +327,11 @@ def _dot_alone_worker(rank: int, world: int, port: int, out_dir: str, name: str)
         sizes = RANK_SIZES[world]
         lo = sum(sizes[:rank])
         mine = slice(lo, lo + sizes[rank])
-        model = gradlens.extend(copy.deepcopy(model0))
-        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # theta fixed: one oracle for both
-        lens = Lens(model, [BatchDot()], optimizer=opt)
-        assert lens._meter.plan.carry_scale
         x, y = windows[0]
-        for K in (1, 3):
-            for xb, yb in zip(torch.tensor_split(x[mine], K), torch.tensor_split(y[mine], K)):
-                loss = loss_fn(model(xb), yb)
-                with lens.capture():
-                    loss.backward()
-            opt.step()
-            opt.zero_grad()
-        lens.close()
+        # theta fixed (lr 0): one oracle for both windows
+        lens = run_windows(model0, [list(zip(torch.tensor_split(x[mine], K), torch.tensor_split(y[mine], K)))
+                                    for K in (1, 3)], [BatchDot()], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                           on_micro=lambda run, w, k, loss: assert_carry_scale(run.lens)).lens
         torch.save([r["batch_dot"] for r in lens.records], os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -406,7 +373,6 @@ def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             setattr(dist, fn, wrapped)
         model0, windows, grad_r, param_r = _problem("mlp")
         model = gradlens.extend(copy.deepcopy(model0))
-        loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         out = {}
         configs = {
             "norms": [SumGradSquared(), GradNorm()],
@@ -419,32 +385,23 @@ def _count_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for key, insts in configs.items():
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
             lens = Lens(model, insts, optimizer=opt, every=2)
-            per_window = []
-            for w in range(4):
-                before = dict(calls)
-                for xb, yb in zip(x.split(3), y.split(3)):
-                    loss = loss_fn(model(xb), yb)
-                    with lens.capture():
-                        loss.backward()
-                opt.step()
-                opt.zero_grad()
-                per_window.append({k: calls[k] - before[k] for k in calls})
-            lens.close()
+            per_window, before = [], [dict(calls)]  # the counts when the window started
+
+            def count(run, w, per_window=per_window, before=before):  # the collectives of window w
+                per_window.append({k: calls[k] - before[-1][k] for k in calls})
+                before.append(dict(calls))
+
+            run_windows(model, [micro_batches(x, y, [3] * 4)] * 4, lens=lens, optimizer=opt, fresh_copy=False,
+                        on_window=count)
             out[key] = per_window
-        local = Lens(model, [BatchL2(), GradNorm()], process_group=False)
         before = dict(calls)
-        loss = loss_fn(model(x), y)
-        with local.capture():
-            loss.backward()
-        rec = local.flush()
+        rec = run_windows(model, [[(x, y)]], [BatchL2(), GradNorm()], fresh_copy=False, process_group=False,
+                          close=False).flushed[0]
         out["local"] = ({k: calls[k] - before[k] for k in calls}, rec.num_samples)
         # a float32 model: sums travel in a float32 buffer, counts as exact limbs
-        m32 = gradlens.extend(copy.deepcopy(model0).float())
-        lens = Lens(m32, [GradHist1d(bins=7, range=(-grad_r, grad_r)), SumGradSquared(), GradNorm()])
-        loss = loss_fn(m32(x.float()), y)
-        with lens.capture():
-            loss.backward()
-        out["f32"] = dict(lens.flush().values)
+        out["f32"] = dict(run_windows(copy.deepcopy(model0).float(), [[(x.float(), y)]],
+                                      [GradHist1d(bins=7, range=(-grad_r, grad_r)), SumGradSquared(), GradNorm()],
+                                      close=False).flushed[0].values)
         # the optimizer route under DDP: each micro-step's p.grad is averaged over the ranks
         ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model0))
         gao = GradientAccumulateOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.0), accum_steps=3)
@@ -486,7 +443,7 @@ def test_one_collective_per_tracked_window_and_none_untracked():
         blocks.append(torch.cat([x0[sl], x1[sl]]))
     xs = torch.cat(blocks)
     ys = torch.cat([torch.cat([y0[4 * k : 4 * k + 4], y1[4 * k : 4 * k + 4]]) for k in range(3)])
-    g2, tr = _oracle_two_batch(flat(per_sample_grads(model0, xs, ys)), [8, 8, 8])
+    g2, tr = two_batch(flat(per_sample_grads(model0, xs, ys)), [8, 8, 8])
     _close(values[0]["grad_sq"], g2)
     _close(values[0]["trace_sigma"], tr)
     assert values[0]["batch_big"] == 24 and values[0]["small_batches"] == 3
@@ -495,7 +452,6 @@ def test_one_collective_per_tracked_window_and_none_untracked():
     x, y = windows[0]
     G = flat(per_sample_grads(model0, x, y))
     G2 = torch.cat([G, G])
-    from test_instruments import hist_oracle
 
     counts, _, _ = hist_oracle(G2.float().double(), -grad_r, grad_r, 7)
     h = out["f32"]["grad_hist_1d"]

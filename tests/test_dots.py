@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,8 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import Alpha, BatchDot, InnerTest, OrthoTest
-from oracle import MODELS, SPLITS, flat, make_problem, per_sample_grads
+from oracle import MODELS, SPLITS, flat, make_problem, per_sample_grads, window_oracle
+from windows import all_instruments, micro_batches, run_windows, split_windows
 
 from gradlens.training.accumulate import GradientAccumulateOptimizer
 
@@ -37,95 +37,21 @@ def _close(a, b, rtol=RTOL):
 
 
 def _instruments(**kw):
-    return [BatchDot(**kw), Alpha(**kw), InnerTest(**kw), OrthoTest(**kw)]
+    return all_instruments(order=("BatchDot", "Alpha", "InnerTest", "OrthoTest"), cross=kw)
 
 
-def run_windows(model0, windows, split, reduction, opt_name, via, instruments):
+def run(model0, windows, split, reduction, opt_name, via, instruments):
     """Two (or more) windows of data through a Lens; returns (lens, [theta_0, theta_1, ...]).
 
-    ``via="plain"``: a torch optimizer, accumulating the window gradient by hand;
+    ``via="plain"``: a torch optimizer, the window gradient accumulated by hand;
     ``via="accum"``: GradientAccumulateOptimizer.
     """
-    model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
-    inner = OPTIMIZERS[opt_name](model.parameters())
-    opt = (
-        GradientAccumulateOptimizer(inner, accum_steps=len(split), reduction=reduction)
-        if via == "accum" else inner
-    )
-    lens = Lens(model, instruments, optimizer=opt)
-    thetas = [copy.deepcopy(model0)]
-    for x, y in windows:
-        acc = None
-        for xb, yb in zip(x.split(split), y.split(split)):
-            out = model(xb)
-            loss = loss_fn(out, yb)
-            with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
-                loss.backward()
-            if via == "accum":
-                opt.step(num_samples=len(xb))
-            else:
-                w = len(xb) if reduction == "mean" else 1
-                grads = [p.grad * w for p in model.parameters()]
-                acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
-            opt.zero_grad()
-        if via == "plain":
-            n = len(x) if reduction == "mean" else 1
-            for p, a in zip(model.parameters(), acc):
-                p.grad = a / n
-            opt.step()
-            opt.zero_grad()
-        theta = copy.deepcopy(model0)
-        theta.load_state_dict(model.state_dict())
-        thetas.append(theta)
-    lens.close()
-    return lens, thetas
-
-
-def oracle_alpha(step: torch.Tensor, f, df, var_f, var_df) -> float:
-    """Alpha from a weighted least-squares quadratic along s in [0, 1] (theta_t + s d), solved
-    with numpy lstsq on sqrt-weighted rows (independent of gradlens' parametrisation)."""
-    phi = np.array([[1, 0, 0], [1, 1, 1], [0, 1, 0], [0, 1, 2]], dtype=np.float64)
-    y = np.array([*f, *df], dtype=np.float64)
-    sw = 1 / np.sqrt(np.array([*var_f, *var_df], dtype=np.float64))
-    mu = np.linalg.lstsq(phi * sw[:, None], y * sw, rcond=None)[0]
-    if mu[2] <= 0:
-        return -1.0
-    s_min = -mu[1] / (2 * mu[2])
-    return 1.0 / s_min - 1.0
-
-
-def oracle_window(thetas, windows, t: int):
-    """Oracle values of window t (needs window t + 1 for the end point)."""
-    (x0, y0), (x1, y1) = windows[t], windows[t + 1]
-    G0 = flat(per_sample_grads(thetas[t], x0, y0))
-    G1 = flat(per_sample_grads(thetas[t + 1], x1, y1))
-    n = G0.shape[0]
-    d = torch.cat([
-        (b.detach() - a.detach()).flatten()
-        for a, b in zip(thetas[t].parameters(), thetas[t + 1].parameters())
-    ])
-    mean = G0.mean(0)
-    g2 = mean.square().sum()
-    p = G0 @ mean
-    orth = G0 - (p / g2)[:, None] * mean[None, :]
-    with torch.no_grad():
-        l0 = F.cross_entropy(thetas[t](x0), y0, reduction="none")
-        l1 = F.cross_entropy(thetas[t + 1](x1), y1, reduction="none")
-    sq = d.dot(d)
-    ps, pe = G0 @ d, G1 @ d
-    return {
-        "batch_dot": G0 @ G0.T,
-        "inner_test": (p.var() / n).sqrt() / g2,
-        "ortho_test": (orth.square().sum() / (n - 1) / (n * g2)).sqrt(),
-        "start": ps / sq,
-        "end": pe / sq,
-        "update_sq_norm": sq,
-        "alpha": oracle_alpha(
-            sq, (l0.mean(), l1.mean()), (ps.mean(), pe.mean()),
-            (l0.var() / len(l0), l1.var() / len(l1)), (ps.var() / n, pe.var() / len(pe)),
-        ),
-    }
+    inner = OPTIMIZERS[opt_name]
+    opt = ((lambda ps: GradientAccumulateOptimizer(inner(ps), accum_steps=len(split), reduction=reduction))
+           if via == "accum" else inner)
+    r = run_windows(model0, split_windows(windows, split), instruments, reduction=reduction, optimizer=opt,
+                    accumulate="exact", losses=True, snapshots=True)
+    return r.lens, r.thetas
 
 
 def _problem(name):
@@ -147,13 +73,13 @@ _K1_CACHE: dict = {}
 def test_exact_matches_oracle_and_single_batch(name, reduction, split, opt_name, via):
     model, windows = _problem(name)
     sizes = SPLITS[split]
-    lens, thetas = run_windows(model, windows, sizes, reduction, opt_name, via, _instruments())
+    lens, thetas = run(model, windows, sizes, reduction, opt_name, via, _instruments())
     rec, last = lens.records
     assert rec.micro_steps == len(sizes) and rec.num_samples == sum(sizes)
     for key in ("batch_dot", "inner_test", "ortho_test", "alpha"):
         assert rec.meta[key] == "exact"
     assert rec.meta["search_dir_projections"] == "start: exact, end: exact"
-    o = oracle_window(thetas, windows, 0)
+    o = window_oracle(thetas, windows, 0)
     for key in KEYS:
         _close(rec[key], o[key])
     sp = rec["search_dir_projections"]
@@ -168,7 +94,7 @@ def test_exact_matches_oracle_and_single_batch(name, reduction, split, opt_name,
     # K micro-steps report what one batch of N reports
     key = (name, reduction, opt_name, via)
     if key not in _K1_CACHE:
-        _K1_CACHE[key] = run_windows(model, windows, [12], reduction, opt_name, via, _instruments())[0]
+        _K1_CACHE[key] = run(model, windows, [12], reduction, opt_name, via, _instruments())[0]
     ref = _K1_CACHE[key].records[0]
     for k in KEYS + ("alpha",):
         _close(rec[k], ref[k], rtol=1e-8 if k == "alpha" else RTOL)
@@ -186,8 +112,8 @@ def test_sequence_linear_uses_tgram_and_matches_oracle():
     x0, x1 = torch.randn(9, 7, 4, dtype=torch.float64), torch.randn(9, 7, 4, dtype=torch.float64)
     y0, y1 = torch.randint(0, 4, (9,)), torch.randint(0, 4, (9,))
     windows = [(x0, y0), (x1, y1)]
-    lens, thetas = run_windows(model, windows, [4, 5], "mean", "momentum", "plain", _instruments())
-    o = oracle_window(thetas, windows, 0)
+    lens, thetas = run(model, windows, [4, 5], "mean", "momentum", "plain", _instruments())
+    o = window_oracle(thetas, windows, 0)
     rec = lens.records[0]
     for key in KEYS:
         _close(rec[key], o[key])
@@ -257,9 +183,9 @@ def sketch_runs():
     runs = []
     for seed in SEEDS:
         insts = [BatchDot(mode="sketch", k=64, seed=seed), Alpha(mode="sketch", k=64, seed=seed)]
-        lens, thetas = run_windows(model, windows, [5, 1, 6], "mean", "momentum", "plain", insts)
+        lens, thetas = run(model, windows, [5, 1, 6], "mean", "momentum", "plain", insts)
         runs.append(lens.records[0])
-    return runs, oracle_window(thetas, windows, 0), thetas, windows
+    return runs, window_oracle(thetas, windows, 0), thetas, windows
 
 
 def test_sketch_is_unbiased_within_documented_bound(sketch_runs):
@@ -303,7 +229,7 @@ def test_sketch_projections_unbiased_and_end_exact(sketch_runs):
 def test_sketch_inner_and_ortho_run_and_are_close(name):
     model, windows = _problem(name)
     insts = [InnerTest(mode="sketch", k=4096), OrthoTest(mode="sketch", k=4096), BatchDot()]
-    lens, thetas = run_windows(model, windows[:1], [6, 6], "sum", "sgd", "plain", insts)
+    lens, thetas = run(model, windows[:1], [6, 6], "sum", "sgd", "plain", insts)
     rec = lens.records[0]
     assert rec.meta["inner_test"] == "sketch(k=4096)"
     G = flat(per_sample_grads(thetas[0], *windows[0]))
@@ -318,9 +244,9 @@ def test_sketch_inner_and_ortho_run_and_are_close(name):
 def test_budget_exceeded_raises_and_names_sketch_mode():
     model, windows = _problem("mlp")
     with pytest.raises(RuntimeError, match=r"max_bytes=1000.*mode='sketch'"):
-        run_windows(model, windows[:1], [6, 6], "mean", "sgd", "plain", [BatchDot(max_bytes=1000)])
+        run(model, windows[:1], [6, 6], "mean", "sgd", "plain", [BatchDot(max_bytes=1000)])
     # the same window fits a larger budget
-    run_windows(model, windows[:1], [6, 6], "mean", "sgd", "plain", [BatchDot(max_bytes=1 << 20)])
+    run(model, windows[:1], [6, 6], "mean", "sgd", "plain", [BatchDot(max_bytes=1 << 20)])
 
 
 def test_bad_arguments():
@@ -361,17 +287,9 @@ def test_in_place_modification_is_refused():
 
 def _one_window_with(step_fn, instruments=None):
     model, windows = _problem("mlp")
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    lens = Lens(model, instruments or [Alpha(), BatchDot()], optimizer=opt)
-    for x, y in windows:
-        out = model(x)
-        loss = loss_fn(out, y)
-        with lens.capture(losses=F.cross_entropy(out, y, reduction="none")):
-            loss.backward()
-        step_fn(lens, opt)
-    return lens
+    return run_windows(model, [[w] for w in windows], instruments or [Alpha(), BatchDot()],
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), losses=True, end="none",
+                       on_window=lambda run, w: step_fn(run.lens, run.optimizer), close=False).lens
 
 
 def test_skipped_or_zero_update_gives_no_alpha_and_says_why():
@@ -389,20 +307,15 @@ def test_skipped_or_zero_update_gives_no_alpha_and_says_why():
 
 def test_pending_record_goes_to_sinks_when_settled(tmp_path):
     model, windows = _problem("mlp")
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.3)
     log = tmp_path / "log.jsonl"
-    lens = Lens(model, [Alpha()], optimizer=opt, log=log)
-    for i, (x, y) in enumerate(windows + windows[:1]):
-        out = model(x)
-        loss = loss_fn(out, y)
-        with lens.capture(losses=F.cross_entropy(out, y, reduction="none")):
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert lens.records[-1].meta["alpha"].startswith("pending")
-        assert len(gradlens.load_log(log)) == i  # written once the next window closed
+
+    def written_once_the_next_window_closed(run, i):
+        assert run.records[-1].meta["alpha"].startswith("pending")
+        assert len(gradlens.load_log(log)) == i
+
+    lens = run_windows(model, [[w] for w in windows + windows[:1]], [Alpha()],
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.3), log=log, losses=True,
+                       on_window=written_once_the_next_window_closed, close=False).lens
     lens.flush()  # nothing captured: the pending record is written without alpha
     recs = gradlens.load_log(log)
     assert [r.step for r in recs] == [0, 1, 2]
@@ -413,18 +326,8 @@ def test_pending_record_goes_to_sinks_when_settled(tmp_path):
 
 def test_untracked_next_window_gives_no_alpha():
     model, windows = _problem("mlp")
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.3)
-    lens = Lens(model, [Alpha()], optimizer=opt, every=2)
-    for x, y in windows * 2:
-        out = model(x)
-        loss = loss_fn(out, y)
-        with lens.capture(losses=F.cross_entropy(out, y, reduction="none")):
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-    lens.close()
+    lens = run_windows(model, [[w] for w in windows * 2], [Alpha()], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.3),
+                       every=2, losses=True).lens
     assert [r.step for r in lens.records] == [0, 2]
     for r in lens.records:
         assert r["alpha"] is None and "not tracked" in r.meta["alpha"]
@@ -432,17 +335,8 @@ def test_untracked_next_window_gives_no_alpha():
 
 def test_missing_losses_say_so():
     model, windows = _problem("mlp")
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.3)
-    lens = Lens(model, [Alpha()], optimizer=opt)
-    for x, y in windows:
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-    rec = lens.records[0]
+    rec = run_windows(model, [[w] for w in windows], [Alpha()], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.3),
+                      close=False).records[0]
     assert rec["alpha"] is None and "losses=" in rec.meta["alpha"]
     assert "end" in rec["search_dir_projections"]  # projections do not need the losses
 
@@ -477,7 +371,7 @@ def test_alpha_and_tests_match_cockpit_on_plain_sgd():
         copt.zero_grad()
     ck_alpha, ck_inner, ck_ortho = (q.get_output()[0] for q in qs)
     # gradlens, with accumulation over unequal micro-steps
-    lens, _ = run_windows(model0, windows, [5, 1, 6], "mean", "sgd", "plain", _instruments())
+    lens, _ = run(model0, windows, [5, 1, 6], "mean", "sgd", "plain", _instruments())
     rec = lens.records[0]
     _close(rec["alpha"], ck_alpha, rtol=1e-7)
     _close(rec["inner_test"], ck_inner, rtol=1e-8)
@@ -491,8 +385,8 @@ def test_wide_mlp_gram_route_matches_oracle():
     windows = [
         (torch.randn(12, 30, dtype=torch.float64), torch.randint(0, 4, (12,))) for _ in range(2)
     ]
-    lens, thetas = run_windows(model, windows, [7, 5], "sum", "adam", "plain", _instruments())
-    o = oracle_window(thetas, windows, 0)
+    lens, thetas = run(model, windows, [7, 5], "sum", "adam", "plain", _instruments())
+    o = window_oracle(thetas, windows, 0)
     for key in KEYS:
         _close(lens.records[0][key], o[key])
 
@@ -525,22 +419,17 @@ def test_window_skipped_by_accumulating_optimizer_keeps_alpha_pending():
     theta_{t+1}, and equals the oracle on that window's data."""
     model0, windows = _problem("mlp")
     model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), accum_steps=2)
     lens = Lens(model, _instruments(), optimizer=opt)
     thetas = [copy.deepcopy(model0)]
 
     def window(x, y, skip=False):
-        for xb, yb in zip(x.split(6), y.split(6)):
-            out = model(xb)
-            loss = loss_fn(out, yb)
-            with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
-                loss.backward()
-            opt.step(num_samples=len(xb))
-            opt.zero_grad()
-            if skip:
-                opt.reset()  # as a GradScaler inf would: the window ends without an update
-                return
+        mbs = micro_batches(x, y, [6, 6])
+        # skip: reset() after the first micro-step, as a GradScaler inf would: the window ends
+        # without an update
+        run_windows(model, [mbs[:1] if skip else mbs], lens=lens, optimizer=opt, losses=True,
+                    on_micro=(lambda run, w, k, loss: opt.reset()) if skip else None, fresh_copy=False,
+                    close=False)
 
     window(*windows[0])
     theta = copy.deepcopy(model0)
@@ -553,7 +442,7 @@ def test_window_skipped_by_accumulating_optimizer_keeps_alpha_pending():
     window(*windows[1])
     lens.close()
     assert [r.step for r in lens.records] == [0, 1]
-    o = oracle_window(thetas, windows, 0)
+    o = window_oracle(thetas, windows, 0)
     _close(lens.records[0]["alpha"], o["alpha"], rtol=1e-7)
     _close(lens.records[0]["search_dir_projections"]["end"], o["end"])
 
@@ -583,12 +472,8 @@ def test_mean_tests_with_training_mode_batchnorm():
     v = (float(g.square().sum()) - float(p.square().sum()) / g2) / (n - 1)
     ortho = math.sqrt(max(v, 0.0) / (n * g2))
 
-    model = gradlens.extend(copy.deepcopy(model0))
-    lens = Lens(model, [InnerTest(), OrthoTest()], undefined="exclude")
-    loss = F.cross_entropy(model(x), y)
-    with lens.capture(reduction="mean", loss=loss):
-        loss.backward()
-    lens.flush()
+    lens = run_windows(model0, [[(x, y)]], [InnerTest(), OrthoTest()], undefined="exclude", loss=F.cross_entropy,
+                       capture={"reduction": "mean"}, pass_loss=True, close=False).lens
     assert sorted(lens.tracked) == sorted(names)
     _close(lens.records[0]["inner_test"], inner)
     _close(lens.records[0]["ortho_test"], ortho)
@@ -606,12 +491,5 @@ def test_micro_batches_that_are_slices_with_an_in_place_first_layer_are_not_refu
         g = torch.autograd.grad(F.cross_entropy(ref(x[n:n + 1].clone()), y[n:n + 1]), list(ref.parameters()))
         rows.append(torch.cat([v.reshape(-1) for v in g]))
     G = torch.stack(rows)
-    m = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(m, [BatchDot()])
-    for xs, ys in zip(x.clone().split([3, 5]), y.split([3, 5])):
-        loss = loss_fn(m(xs), ys)
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
+    (rec,) = run_windows(model, [micro_batches(x.clone(), y, [3, 5])], [BatchDot()]).flushed
     torch.testing.assert_close(rec["batch_dot"], G @ G.T, rtol=1e-10, atol=1e-13)

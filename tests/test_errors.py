@@ -11,6 +11,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradHist1d, GradHist2d, GradNorm
+from windows import all_instruments, run_windows
 
 
 class OwnParams(nn.Module):
@@ -23,11 +24,8 @@ class OwnParams(nn.Module):
 
 
 def _run(model, lens, x, y, loss_fn=None):
-    loss_fn = loss_fn or gradlens.extend(nn.CrossEntropyLoss())
-    loss = loss_fn(model(x), y)
-    with lens.capture():
-        loss.backward()
-    return lens.flush()
+    """One micro-step of (x, y) through ``lens`` on ``model``; returns the flushed record."""
+    return run_windows(model, [[(x, y)]], lens=lens, loss=loss_fn or "ce", fresh_copy=False, close=False).flushed[0]
 
 
 X, Y = torch.randn(6, 4), torch.tensor([0, 1, 2, 3, 0, 1])
@@ -431,14 +429,11 @@ def test_instrument_declarations_checked_when_the_lens_is_built(inst, error, mat
 
 
 def test_every_builtin_instrument_passes_its_check():
-    from gradlens.instruments import (Alpha, BatchDot, InnerTest, MeanGSNR, NoiseScale, NoiseScaleTwoBatch, NormTest,
-                                      OrthoTest, SumGradSquared)
+    from gradlens.instruments import BatchDot, InnerTest, NormTest
     from gradlens.instruments.base import check_instrument
 
-    insts = [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(), GradHist1d(sample=0.1), GradHist2d(),
-             GradHist2d(sample=0.2), NormTest(), NormTest(per_sample=True), NoiseScale(), MeanGSNR(),
-             BatchDot(), BatchDot(mode="sketch"), InnerTest(), InnerTest(mode="sketch"), OrthoTest(), Alpha(),
-             NoiseScaleTwoBatch()]
+    insts = all_instruments() + [GradHist1d(sample=0.1), GradHist2d(sample=0.2), NormTest(per_sample=True),
+                                 BatchDot(mode="sketch"), InnerTest(mode="sketch")]
     for inst in insts:
         check_instrument(inst)
     assert BatchDot().carries_scale and BatchDot().fills_weight_grad and not BatchDot(mode="sketch").carries_scale

@@ -22,23 +22,18 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import (
-    Alpha,
     BatchDot,
     BatchL2,
-    GradHist1d,
     GradHist2d,
     GradNorm,
-    InnerTest,
-    MeanGSNR,
     NoiseScale,
-    NoiseScaleTwoBatch,
     NormTest,
-    OrthoTest,
     SumGradSquared,
 )
-from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads
+from oracle import MODELS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads, two_batch, window_oracle
 from oracle_models import ViTBlock
-from test_distributed import RANK_SIZES, _close, _init, _oracle_two_batch, _spawn
+from test_distributed import RANK_SIZES, _close, _init, _spawn
+from windows import all_instruments, micro_batches, run_windows
 
 import torch.distributed.fsdp as fsdp  # noqa: E402 - FSDP2 support is gradlens' own: no skip
 fully_shard = fsdp.fully_shard
@@ -98,12 +93,7 @@ def _shard(model: nn.Module, name: str, reshard_after_forward: bool = True, mp_p
 
 
 def _instruments(grad_r: float, param_r: float, alpha: bool = False):
-    return [*([Alpha()] if alpha else []),
-        GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
-        BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
-        NoiseScaleTwoBatch(), GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
-        BatchDot(), InnerTest(), OrthoTest(),
-    ]
+    return all_instruments(grad_r, param_r, bins=HIST_BINS, bins_2d=HIST2D_BINS, leave_out=() if alpha else ("Alpha",))
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -201,7 +191,7 @@ def _check(vals, n, G, names_shapes, micro_sizes, grad_r, theta_model, param_r, 
     counts, low, high = hist_oracle(G, -grad_r, grad_r, HIST_BINS)
     assert torch.equal(vals["grad_hist_1d"].counts, counts)
     assert (vals["grad_hist_1d"].clamped_low, vals["grad_hist_1d"].clamped_high) == (low, high)
-    g2, tr = _oracle_two_batch(G, micro_sizes)
+    g2, tr = two_batch(G, micro_sizes)
     _close(vals["noise_scale_two_batch"]["grad_sq"], g2, rtol)
     _close(vals["noise_scale_two_batch"]["trace_sigma"], tr, rtol)
     _close(vals["batch_dot"], G @ G.T, rtol)
@@ -227,9 +217,8 @@ def _run_and_check(world: int, name: str, micro: list[int]):
         G = flat(per_sample_grads(m, *windows[t]))
         _check(vals, n, G, names_shapes, micro_sizes, grad_r, m, _param_range(model0))
         if t == 0:  # Alpha and the projections on the update, against the oracle of both windows
-            from test_dots import oracle_window
 
-            o = oracle_window([m, _model_at(model0, thetas[1])], windows, 0)
+            o = window_oracle([m, _model_at(model0, thetas[1])], windows, 0)
             for key in ("start", "end", "update_sq_norm"):
                 _close(vals["search_dir_projections"][key], o[key])
             _close(vals["alpha"], o["alpha"], rtol=1e-7)
@@ -281,15 +270,13 @@ def _refusals(rank, world):
     except ValueError as err:
         out["sampled"] = str(err)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with Lens(model, [GradNorm(), GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1))), BatchDot()],
-              optimizer=opt) as lens:
-        x, y = windows[0]
-        lo = 6 * rank
-        loss = F.cross_entropy(model(x[lo:lo + 6]), y[lo:lo + 6])
-        with lens.capture(reduction="mean", loss=loss):
-            loss.backward()
-        opt.step()
-        out["recipe"] = lens.records[-1].num_samples
+    x, y = windows[0]
+    lo = 6 * rank
+    lens = run_windows(model, [[(x[lo:lo + 6], y[lo:lo + 6])]], optimizer=opt, fresh_copy=False,
+                       lens=Lens(model, [GradNorm(), GradHist2d(bins=(4, 4), range=((-1, 1), (-1, 1))), BatchDot()],
+                                 optimizer=opt),
+                       loss=F.cross_entropy, capture={"reduction": "mean"}, pass_loss=True).lens
+    out["recipe"] = lens.records[-1].num_samples
     del lens, opt, model
     return out
 
@@ -452,12 +439,8 @@ def _accumulate_worker(rank, world, port, out_dir):
         lens = Lens(model, _instruments(grad_r, _param_range(model0)), optimizer=opt)
         x, y = windows[0]
         xr, yr = x[6 * rank: 6 * rank + 6], y[6 * rank: 6 * rank + 6]
-        for lo, hi in [(0, 2), (2, 6)]:  # unequal micro-steps, the same on every rank
-            loss = loss_fn(model(xr[lo:hi]), yr[lo:hi])
-            with lens.capture():
-                loss.backward()
-            opt.step(num_samples=hi - lo)
-            opt.zero_grad()
+        # unequal micro-steps, the same on every rank
+        run_windows(model, [micro_batches(xr, yr, [2, 4])], lens=lens, optimizer=opt, fresh_copy=False, close=False)
         out["record"] = dict(lens.records[0].values)
         out["theta"] = _full_state(model)
         # a micro-step under set_requires_gradient_sync(False): refused, nothing folded

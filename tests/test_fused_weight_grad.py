@@ -18,6 +18,7 @@ import gradlens
 from gradlens import Lens
 from gradlens.capture import fused
 from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
+from windows import run_windows
 
 B, T = 7, 5
 
@@ -60,14 +61,8 @@ def _spy_fused(monkeypatch) -> list[bool]:
 def _lens_then_autograd(model, ref, instruments, micro_batches, loss_of, reduction="mean"):
     """The micro-batches through a Lens on ``model`` and through plain autograd on ``ref`` (its
     float64 copy): ``p.grad`` must agree; returns the window's record."""
-    m = gradlens.extend(model)
-    lens = Lens(m, instruments)
-    for inp, tgt in micro_batches:
-        loss = loss_of(m(inp), tgt)
-        with lens.capture(reduction=reduction, loss=loss):
-            loss.backward()
-    rec = lens.flush()
-    lens.close()
+    (rec,) = run_windows(model, [micro_batches], instruments, loss=loss_of, capture={"reduction": reduction},
+                         pass_loss=True, fresh_copy=False).flushed
     for inp, tgt in micro_batches:
         loss_of(ref(inp), tgt).backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -403,14 +398,10 @@ def test_fused_hugging_face_conv1d_equals_autograd_and_the_oracle(monkeypatch):
     ids = torch.randint(0, 50, (5, 8))
     splits = (slice(0, 2), slice(2, 5))
     filled = _spy_fused(monkeypatch)
-    m = gradlens.extend(model)
-    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm()])
-    for sl in splits:
-        loss = m(ids[sl], labels=ids[sl]).loss  # a token mean: every sample has 7 targets
-        with lens.capture(reduction="mean", loss=loss):
-            loss.backward()
-    rec = lens.flush()
-    lens.close()
+    # the model's own loss, a token mean: every sample has 7 targets
+    (rec,) = run_windows(model, [[(ids[sl], ids[sl]) for sl in splits]], [BatchL2(), SumGradSquared(), GradNorm()],
+                         forward=lambda m, mb: m(mb[0], labels=mb[1]).loss, loss=lambda loss, labels: loss,
+                         capture={"reduction": "mean"}, pass_loss=True, fresh_copy=False).flushed
     # per micro-step the tied lm_head (an nn.Linear sharing wte's weight: its own product), then
     # the 2 x 4 Conv1D calls (c_attn, c_proj, c_fc, c_proj per layer), given their dL/dW
     assert filled == ([False] + [True] * 8) * len(splits)

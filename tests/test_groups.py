@@ -20,7 +20,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import gradlens
@@ -32,17 +31,14 @@ from gradlens.instruments import (
     GradHist1d,
     GradHist2d,
     GradNorm,
-    InnerTest,
     MeanGSNR,
-    NoiseScale,
     NormTest,
-    OrthoTest,
-    SumGradSquared,
 )
 from gradlens.core.records import TensorSummary, flatten, flatten_histograms, record_from_json, record_to_json
 from oracle_models import CASES, SPLITS, per_sample_grads, problem, tracked_names
-from oracle import hist_oracle
-from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, HIST2D_BINS, HIST_BINS, _ambiguous, run_lens
+from oracle import hist_oracle, near_edges
+from windows import all_instruments, run_windows
+from test_models_oracle import BN_LEAVE_OUT, GSNR_FLOOR, HIST2D_BINS, HIST_BINS, run_lens
 
 #: the record keys whose per-group values are checked against the oracle
 SCALAR_KEYS = ("grad_norm", "norm_test", "noise_scale", "mean_gsnr", "inner_test", "ortho_test")
@@ -51,10 +47,7 @@ _CASES = [name for name, case in CASES.items() if not case.frameworks]
 
 
 def _instruments(grad_r=1.0, param_r=1.0):
-    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
-            GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
-            GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
-            BatchDot(), InnerTest(), OrthoTest()]
+    return all_instruments(grad_r, param_r, bins=HIST_BINS, bins_2d=HIST2D_BINS, leave_out=("NoiseScaleTwoBatch", "Alpha"))
 
 
 def _ranges(gs, model, names):
@@ -72,7 +65,7 @@ def check_group_hists(rec, gs_all, thetas, want, grad_r, param_r, rtol):
         theta = torch.cat([thetas[q].detach().flatten() for q in members])
         h = rec.groups[group]["grad_hist_1d"]
         counts, low, high = hist_oracle(G, -grad_r, grad_r, HIST_BINS)
-        amb = _ambiguous(G, -grad_r, grad_r, max(HIST_BINS, gb), rtol) if rtol > 1e-9 else 0
+        amb = near_edges(G, -grad_r, grad_r, max(HIST_BINS, gb), rtol) if rtol > 1e-9 else 0
         assert h.total == G.numel()
         assert int((h.counts - counts).abs().sum()) <= 2 * amb, (group, h.counts, counts)
         assert abs(h.clamped_low - low) + abs(h.clamped_high - high) <= amb
@@ -215,15 +208,10 @@ def _tiny():
 
 
 def _one_window(lens, model, sizes=(3, 4)):
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     g = torch.Generator().manual_seed(3)
-    for b in sizes:
-        x = torch.randn(b, 4, generator=g, dtype=torch.float64)
-        y = torch.randint(0, 3, (b,), generator=g)
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-    return lens.flush()
+    window = [(torch.randn(b, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (b,), generator=g))
+              for b in sizes]
+    return run_windows(model, [window], lens=lens, fresh_copy=False, close=False).flushed[0]
 
 
 def test_groups_argument_is_checked():
@@ -498,31 +486,12 @@ def test_ranks_with_different_groups_are_refused():
 # ------------------------------------------------------------------------------ no host reads
 from gradlens.core.sync import forced_device_paths  # noqa: E402
 from test_sync import MODELS as SYNC_MODELS  # noqa: E402
-from test_sync import SETS, HostReads  # noqa: E402
+from test_sync import SETS, HostReads, _train  # noqa: E402
 
 
-def _train_grouped(make, data, insts, reads, groups, windows=2, splits=(3, 5)):
-    torch.manual_seed(0)
-    model = gradlens.extend(make())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    lens = Lens(model, insts(), optimizer=opt, groups=groups)
-    torch.manual_seed(1)
-    for _ in range(windows):
-        for b in splits:
-            x, y = data(b), torch.randint(0, 11, (b,))
-            if reads is not None:
-                reads.active = True
-            loss = loss_fn(model(x), y)
-            with lens.capture(losses=F.cross_entropy(model(x), y, reduction="none").detach()):
-                loss.backward()
-            if reads is not None:
-                reads.active = False
-        opt.step()
-        opt.zero_grad()
-    records = list(lens.records)
-    lens.close()
-    return records
+def _train_grouped(make, data, insts, reads, groups):
+    """tests/test_sync.py's probe loop, 2 windows, with groups."""
+    return _train(make, data, insts, reads, windows=2, groups=groups)
 
 
 @pytest.mark.parametrize("model", sorted(SYNC_MODELS))
@@ -556,28 +525,16 @@ def test_a_window_resumed_from_a_mid_window_state_dict_keeps_its_groups():
     """Lens.state_dict inside a window with groups (the per-group norms and histogram parts of
     the micro-steps so far) resumes to the record an uninterrupted window gives."""
     model = gradlens.extend(_tiny())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     insts = lambda: [BatchL2(), GradNorm(), MeanGSNR(), GradHist1d(bins=7), GradHist2d(bins=(3, 5)), BatchDot()]  # noqa: E731
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(b, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (b,), generator=g))
                for b in (3, 4)]
-
-    def micro(lens, x, y):
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-
+    saved = []
+    (ref,) = run_windows(model, [batches], lens=Lens(model, insts(), groups="param"), fresh_copy=False,
+                         on_micro=lambda run, w, k, loss: k == 0 and saved.append(run.lens.state_dict())).flushed
     lens = Lens(model, insts(), groups="param")
-    micro(lens, *batches[0])
-    saved = lens.state_dict()
-    micro(lens, *batches[1])
-    ref = lens.flush()
-    lens.close()
-    lens = Lens(model, insts(), groups="param")
-    lens.load_state_dict(saved)
-    micro(lens, *batches[1])
-    rec = lens.flush()
-    lens.close()
+    lens.load_state_dict(saved[0])
+    (rec,) = run_windows(model, [batches[1:]], lens=lens, fresh_copy=False).flushed
     assert list(rec.groups) == list(ref.groups) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     for grp in ref.groups:
         for key, v in ref.groups[grp].items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -10,11 +9,9 @@ import torch
 from torch import nn
 
 import gradlens
-from gradlens import Lens
 from gradlens.instruments import (
     BatchL2,
     GradHist1d,
-    GradHist2d,
     GradNorm,
     MeanGSNR,
     NoiseScale,
@@ -22,6 +19,7 @@ from gradlens.instruments import (
     SumGradSquared,
 )
 from oracle import MODELS, SPLITS, bins_oracle, flat, hist_oracle, make_problem, per_sample_grads
+from windows import all_instruments, micro_batches, run_windows
 
 RTOL = 1e-10
 HIST_BINS = 10
@@ -29,31 +27,14 @@ HIST2D_BINS = (6, 8)
 
 
 def _instruments(grad_r: float, param_r: float):
-    return [
-        BatchL2(),
-        SumGradSquared(),
-        GradNorm(),
-        GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
-        GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
-        NormTest(),
-        MeanGSNR(),
-        NoiseScale(),
-    ]
+    return all_instruments(grad_r, param_r, bins=HIST_BINS, bins_2d=HIST2D_BINS,
+                           leave_out=("NoiseScaleTwoBatch", "BatchDot", "Alpha", "InnerTest", "OrthoTest"))
 
 
 def run_lens(model, x, y, split, reduction, instruments, **lens_kwargs):
-    model = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with Lens(model, instruments, optimizer=opt, **lens_kwargs) as lens:
-        for xb, yb in zip(x.split(split), y.split(split)):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
-    assert len(lens.records) == 1
-    return lens.records[0]
+    """One window of micro-batches ``split`` (SGD with lr 0); returns its only record."""
+    return run_windows(model, [micro_batches(x, y, split)], instruments, reduction=reduction,
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), **lens_kwargs).record
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -175,14 +156,8 @@ def test_zero_lands_right_of_the_zero_edge():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     with torch.no_grad():
         model[0].bias.fill_(-100.0)  # every hidden unit dead: layer-0 gradients are all 0
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(model, [GradHist1d(bins=4, range=(-1, 1))], exclude=["2"])
     x, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1, 1])
-    loss = loss_fn(model(x), y)
-    with lens.capture():
-        loss.backward()
-    rec = lens.flush()
+    (rec,) = run_windows(model, [[(x, y)]], [GradHist1d(bins=4, range=(-1, 1))], exclude=["2"]).flushed
     # layer 0 only (layer "2" excluded): 5 samples x 16 entries, all exactly 0
     assert rec["grad_hist_1d"].counts.tolist() == [0, 0, 5 * 16, 0]
 
@@ -190,42 +165,31 @@ def test_zero_lands_right_of_the_zero_edge():
 def test_several_windows_and_schedule():
     P_case = MODELS["mlp"]
     model, x, y = make_problem(P_case)
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    lens = Lens(model, [BatchL2(), GradNorm()], optimizer=opt, every=2)
-    for window in range(5):
-        for xb, yb in zip(x.split(6), y.split(6)):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-        if window % 2 == 1:
-            assert not lens._tap.installed  # untracked window: no hook on the model
-        oracle = per_sample_grads(model, x, y)  # at the current theta
-        opt.step()
-        opt.zero_grad()
-        if window % 2 == 0:
-            _close(lens.records[-1]["batch_l2"], flat(oracle).square().sum(1))
+
+    def untracked_unhooked(run, w, k, loss):
+        if w % 2 == 1 and k == 1:
+            assert not run.lens._tap.installed  # untracked window: no hook on the model
+
+    def check(run, w):
+        if w % 2 == 0:  # the oracle at the window's theta (before its update)
+            _close(run.records[-1]["batch_l2"], flat(per_sample_grads(run.thetas[w], x, y)).square().sum(1))
+
+    run = run_windows(model, [micro_batches(x, y, [6, 6])] * 5, [BatchL2(), GradNorm()],
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), every=2, snapshots=True,
+                      on_micro=untracked_unhooked, on_window=check, close=False)
+    lens = run.lens
     assert [r.step for r in lens.records] == [0, 2, 4]
     assert all(r.micro_steps == 2 and r.num_samples == 12 for r in lens.records)
     lens.close()
-    assert not any(m._forward_hooks for m in model.modules())
+    assert not any(m._forward_hooks for m in run.model.modules())
 
 
 def test_histogram_range_adapts_between_windows():
     model, x, y = make_problem(MODELS["mlp"])
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     hist = GradHist1d(bins=8, range=(-100.0, 100.0), adapt="abs_max")
-    lens = Lens(model, [hist])
     G = flat(per_sample_grads(model, x, y))
-    for _ in range(2):
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-        lens.flush()
+    first, second = run_windows(model, [[(x, y)]] * 2, [hist]).records
     m = float(G.abs().max())
-    first, second = lens.records
     assert first["grad_hist_1d"].range == (-100.0, 100.0)
     assert second["grad_hist_1d"].range == pytest.approx((-m, m), rel=1e-12)
     counts, _, _ = hist_oracle(G, -m, m, 8)
@@ -237,14 +201,7 @@ def test_histogram_range_adapts_between_windows():
 def test_records_keep_their_sums_while_buffers_are_reused():
     """Window sums live in reused buffers; a record that is kept must not see the next window."""
     model, x, y = make_problem(MODELS["mlp"])
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(model, [SumGradSquared(), GradNorm()])
-    for i in range(3):
-        loss = loss_fn(model(x * (i + 1)), y)
-        with lens.capture():
-            loss.backward()
-        lens.flush()
+    lens = run_windows(model, [[(x * (i + 1), y)] for i in range(3)], [SumGradSquared(), GradNorm()]).lens
     first = {k: v.clone() for k, v in lens.records[0]["sum_grad_squared"].items()}
     a, b, c = (r["sum_grad_squared"]["1.weight"] for r in lens.records)
     assert a.data_ptr() != b.data_ptr() != c.data_ptr()
@@ -260,21 +217,13 @@ def test_scaled_or_regularised_loss_still_gives_per_sample_units(problem, how):
     is not part of any g_n, and leaves every statistic unchanged."""
     P = problem
     sizes = [5, 1, 6]
-    model = gradlens.extend(copy.deepcopy(P["model"]))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     insts = [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=HIST_BINS, range=(-P["grad_r"], P["grad_r"]))]
-    lens = Lens(model, insts)
-    for xb, yb in zip(P["x"].split(sizes), P["y"].split(sizes)):
-        loss = loss_fn(model(xb), yb)
-        if how == "times-3.7":
-            total = loss * 3.7
-        elif how == "divide-by-K":
-            total = loss / len(sizes)
-        else:
-            total = loss + 0.3 * sum(p.square().sum() for p in model.parameters())
-        with lens.capture():
-            total.backward()
-    rec = lens.flush()
+    objective = {
+        "times-3.7": lambda loss, run, w, k: loss * 3.7,
+        "divide-by-K": lambda loss, run, w, k: loss / len(sizes),
+        "plus-regulariser": lambda loss, run, w, k: loss + 0.3 * sum(p.square().sum() for p in run.model.parameters()),
+    }[how]
+    (rec,) = run_windows(P["model"], [micro_batches(P["x"], P["y"], sizes)], insts, objective=objective).flushed
     G = P["G"]
     _close(rec["batch_l2"], G.square().sum(1))
     _close(rec["grad_norm"], G.mean(0).norm())

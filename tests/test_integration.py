@@ -14,6 +14,7 @@ import gradlens
 from gradlens import GradientAccumulateModel, GradientAccumulateOptimizer, Lens
 from gradlens.instruments import BatchL2, GradHist1d, GradNorm, NoiseScale, SumGradSquared
 from oracle import MODELS, flat, hist_oracle, make_problem, per_sample_grads
+from windows import micro_batches, run_windows
 
 
 def _instruments(r):
@@ -31,21 +32,10 @@ def _check(rec, model_at_window_start, x, y):
 def test_lens_with_accumulating_adam_over_windows(tmp_path):
     model, x, y = make_problem(MODELS["cnn"])
     r = 0.5 * float(flat(per_sample_grads(model, x, y)).abs().max())
-    model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), accum_steps=3)
     log = gradlens.output.sinks.JsonlSink(tmp_path / "run.jsonl", full=True)  # full tensors: .arrays
-    lens = Lens(model, _instruments(r), optimizer=opt, log=log)
-    snapshots = []
-    for window in range(3):
-        snapshots.append(copy.deepcopy(model))
-        for xb, yb in zip(x.split([5, 1, 6]), y.split([5, 1, 6])):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-            opt.step(num_samples=len(xb))
-            opt.zero_grad()
-    lens.close()
+    run = run_windows(model, [micro_batches(x, y, [5, 1, 6])] * 3, _instruments(r), log=log, snapshots=True,
+                      optimizer=lambda ps: GradientAccumulateOptimizer(torch.optim.Adam(ps, lr=1e-2), accum_steps=3))
+    lens, snapshots = run.lens, run.thetas[:3]  # the model at each window's start
     assert [r.step for r in lens.records] == [0, 1, 2]
     for rec, snap in zip(lens.records, snapshots):
         assert (rec.num_samples, rec.micro_steps) == (12, 3)

@@ -5,7 +5,6 @@ optimizer.step(closure) path, discard_window, record_scalars / record_histograms
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ from gradlens import Lens
 from gradlens.instruments import Alpha, BatchL2, GradHist1d, GradHist2d, GradNorm, SumGradSquared
 from gradlens.integrations import record_histograms, record_scalars
 from oracle import flat, per_sample_grads
+from windows import run_windows
 
 
 class ListSink:
@@ -45,21 +45,14 @@ def _batches(seed, sizes):
 
 # ------------------------------------------------------------------ sinks
 def test_sinks_receive_every_record_once_in_order_and_are_closed():
-    model = gradlens.extend(_mlp())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     a, b = ListSink(), ListSink()
-    lens = Lens(model, [GradNorm(), Alpha()], optimizer=opt, sinks=[a, b])
-    for w in range(3):
-        for x, y in _batches(w, [4, 2]):
-            out = model(x)
-            loss = loss_fn(out, y)
-            with lens.capture(losses=F.cross_entropy(out.detach(), y, reduction="none")):
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
-        # Alpha keeps the newest record pending: it reaches the sinks when the next window closes
+
+    def pending(run, w):  # Alpha keeps the newest record pending: it reaches the sinks when the next window closes
         assert [r.step for r in a.records] == list(range(w))
+
+    lens = run_windows(_mlp(), [_batches(w, [4, 2]) for w in range(3)], [GradNorm(), Alpha()],
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), sinks=[a, b], losses=True,
+                       on_window=pending, close=False).lens
     lens.close()
     lens.close()
     assert [r.step for r in a.records] == [0, 1, 2] and a.records == b.records
@@ -87,16 +80,12 @@ def test_sinks_must_be_a_list():
 def _window(model0, insts, step):
     """One window of K = 3 unequal micro-batches with a *functional* mean loss;
     ``step(loss) -> (capture kwargs, tensor to backpropagate)``; returns the record."""
-    model = gradlens.extend(copy.deepcopy(model0))
-    lens = Lens(model, insts)
-    for x, y in _batches(0, [5, 1, 6]):
-        loss = F.cross_entropy(model(x), y)
-        kwargs, objective = step(loss)
-        with lens.capture("mean", **kwargs):
-            objective.backward()
-    rec = lens.flush()
-    lens.close()
-    return rec
+    def objective(loss, run, w, k):
+        kwargs, total = step(loss)
+        return total, kwargs
+
+    return run_windows(model0, [_batches(0, [5, 1, 6])], insts, loss=F.cross_entropy, capture={"reduction": "mean"},
+                       objective=objective).flushed[0]
 
 
 def _oracle(model0):
@@ -209,19 +198,11 @@ def test_step_with_closure_snapshots_after_the_closure(positional):
 
 def test_discard_window_drops_statistics_without_a_record():
     model = gradlens.extend(_mlp())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     lens = Lens(model, [BatchL2()])
-    for x, y in _batches(0, [4]):
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
+    run_windows(model, [_batches(0, [4])], lens=lens, fresh_copy=False, end="none", close=False)
     lens.discard_window()
     assert lens.skipped_windows == 1 and lens.step == 0 and not lens.records
-    for x, y in _batches(1, [3]):
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
+    (rec,) = run_windows(model, [_batches(1, [3])], lens=lens, fresh_copy=False, close=False).flushed
     assert rec.step == 0 and rec.num_samples == 3
     lens.close()
     with pytest.raises(RuntimeError, match=r"closed"):
@@ -230,16 +211,8 @@ def test_discard_window_drops_statistics_without_a_record():
 
 # ------------------------------------------------------------------ record flattening
 def test_record_scalars_and_histograms():
-    model = gradlens.extend(_mlp())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(model, [BatchL2(), GradNorm(), GradHist1d(bins=8, range=(-0.1, 0.1)),
-                        GradHist2d(bins=(3, 4), range=((-1, 1), (-0.2, 0.2)))])
-    x, y = _batches(0, [5])[0]
-    loss = loss_fn(model(x), y)
-    with lens.capture():
-        loss.backward()
-    rec = lens.flush()
-    lens.close()
+    (rec,) = run_windows(_mlp(), [_batches(0, [5])], [BatchL2(), GradNorm(), GradHist1d(bins=8, range=(-0.1, 0.1)),
+                                                       GradHist2d(bins=(3, 4), range=((-1, 1), (-0.2, 0.2)))]).flushed
     s = record_scalars(rec)
     assert s["gradlens/grad_norm"] == float(rec["grad_norm"])
     assert s["gradlens/loss"] == float(rec["loss"])

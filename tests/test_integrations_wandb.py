@@ -10,12 +10,10 @@ import struct
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import gradlens
-from gradlens import Lens
 from gradlens.instruments import Alpha, BatchL2, GradHist1d, GradHist2d, GradNorm, NormTest
+from windows import run_windows
 
 try:
     import wandb
@@ -85,22 +83,13 @@ def _run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     torch.manual_seed(0)
-    model = gradlens.extend(nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
     sink = WandbSink(project="gradlens-test")
     insts = [BatchL2(), GradNorm(), NormTest(), GradHist1d(bins=24, range=(-0.4, 0.4)),
              GradHist2d(bins=(6, 8), range=((-1, 1), (-0.5, 0.5))), Alpha()]
-    with Lens(model, insts, optimizer=opt, sinks=[sink]) as lens:
-        for _ in range(4):  # windows of [5, 3]
-            for b in (5, 3):
-                x, y = torch.randn(b, 5), torch.randint(0, 3, (b,))
-                out = model(x)
-                loss = loss_fn(out, y)
-                with lens.capture(losses=F.cross_entropy(out.detach(), y, reduction="none")):
-                    loss.backward()
-            opt.step()
-            opt.zero_grad()
+    windows = [[(torch.randn(b, 5), torch.randint(0, 3, (b,))) for b in (5, 3)] for _ in range(4)]  # windows of [5, 3]
+    lens = run_windows(model, windows, insts, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.3), sinks=[sink],
+                       losses=True).lens
     # run.finish() can return before wandb's service process has written the offline run's
     # file (seen as a 7-byte file about 1 run in 4 on a loaded machine): teardown waits for the
     # service to exit, after which the file is complete

@@ -24,6 +24,8 @@ from gradlens.instruments import (
     SumGradSquared,
 )
 
+from windows import run_windows
+
 SPLITS = [[3, 1, 4], [1, 7], [8]]
 
 
@@ -58,17 +60,11 @@ def _flat(gs):
 
 
 def _run(model, micro_batches, reduction, instruments, **lens_kw):
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
-    lens = Lens(m, instruments, **lens_kw)
-    for xb, yb, kw in micro_batches:
-        loss = loss_fn(m(xb, **kw), yb)
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
-    tracked = lens.tracked
-    lens.close()
-    return rec, tracked
+    """One window of ``micro_batches`` (x, y, forward kwargs); returns (record, lens.tracked)."""
+    run = run_windows(model, [micro_batches], instruments, reduction=reduction, close=False, **lens_kw)
+    tracked = run.lens.tracked
+    run.lens.close()
+    return run.flushed[0], tracked
 
 
 class Branchy(nn.Module):

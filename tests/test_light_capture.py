@@ -17,6 +17,7 @@ import gradlens
 from gradlens import Lens
 from gradlens.capture import ParamTap
 from gradlens.instruments import BatchL2, GradNorm, NoiseScaleTwoBatch
+from windows import micro_batches, run_windows
 
 SIZES = [5, 1, 6]
 
@@ -76,15 +77,12 @@ def test_light_mode_is_exact_on_a_train_mode_batchnorm_model(loss_inside):
     model0, x, y = _problem()
     norm, S, T = _oracle(model0, x, y)
     model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     lens = Lens(model, [GradNorm(), NoiseScaleTwoBatch()])
     assert isinstance(lens._tap, ParamTap) and lens.coverage == 1.0
-    for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
-        loss = model(xb, yb) if loss_inside else loss_fn(model(xb), yb)
-        with lens.capture():
-            (loss / 3).backward()  # a multiplier on the loss does not change the units
-    rec = lens.flush()
-    lens.close()
+    (rec,) = run_windows(model, [micro_batches(x, y, SIZES)], lens=lens, fresh_copy=False,
+                         forward=lambda m, mb: m(mb[0], mb[1]) if loss_inside else m(mb[0]),
+                         loss=(lambda loss, y: loss) if loss_inside else "ce",
+                         objective=lambda loss, run, w, k: loss / 3).flushed  # a multiplier: the same units
     assert rec.num_samples == 12 and rec.micro_steps == 3
     assert rec["grad_norm"] == pytest.approx(norm, rel=1e-5)
     g2, tr = _expected_two_batch(S, T)
@@ -110,20 +108,16 @@ def test_per_sample_instruments_still_refuse_the_same_model():
 def test_explicit_functional_loss_and_sum_reduction():
     """capture(reduction=..., loss=...) with a functional loss outside the model."""
     model0, x, y = _problem()
-    model = gradlens.extend(copy.deepcopy(model0))
-    lens = Lens(model, [GradNorm()])
+    (rec,) = run_windows(model0, [micro_batches(x, y, SIZES)], [GradNorm()],
+                         loss=lambda out, y: F.cross_entropy(out, y, reduction="sum"), capture={"reduction": "sum"},
+                         pass_loss=True, objective=lambda loss, run, w, k: 0.5 * loss).flushed
     ref = copy.deepcopy(model0).double()
     params = list(ref.parameters())
     G = [torch.zeros_like(p) for p in params]
     for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
-        loss = F.cross_entropy(model(xb), yb, reduction="sum")
-        with lens.capture(reduction="sum", loss=loss):
-            (0.5 * loss).backward()
         h = torch.autograd.grad(F.cross_entropy(ref(xb.double()), yb, reduction="sum"), params)
         for acc, t in zip(G, h):
             acc.add_(t)
-    rec = lens.flush()
-    lens.close()
     want = math.sqrt(sum(float(t.square().sum()) for t in G))  # sum objective: ||sum_n g_n||
     assert rec["grad_norm"] == pytest.approx(want, rel=1e-5)
 
@@ -158,12 +152,7 @@ def test_light_mode_under_torch_compile():
     lens = Lens(compiled, [GradNorm()])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        for k in range(2):
-            loss = loss_fn(compiled(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])
-            with lens.capture():
-                loss.backward()
-        rec = lens.flush()
-    lens.close()
+        (rec,) = run_windows(compiled, [micro_batches(x, y, [4, 4])], lens=lens, loss=loss_fn, fresh_copy=False).flushed
     model.zero_grad()
     for k in range(2):  # sum_n g_n of each micro-batch = 4 x the gradient of its mean loss
         (4 * F.cross_entropy(model(x[4 * k : 4 * k + 4]), y[4 * k : 4 * k + 4])).backward()

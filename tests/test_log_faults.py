@@ -19,6 +19,7 @@ from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
 from gradlens.output.sinks import JsonlSink
 
 from oracle import flat, mlp, per_sample_grads
+from windows import micro_batches, run_windows
 
 SPLIT = [5, 1, 6]  # K = 3 unequal micro-batches, N = 12
 
@@ -33,22 +34,18 @@ def _train(lens_kwargs, windows, reduction="mean", instruments=None, between=Non
     """``windows`` windows of K = 3 micro-steps; returns (lens, oracle batch_l2 per window)."""
     torch.manual_seed(0)
     model = gradlens.extend(mlp().double())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     lens = Lens(model, instruments or [BatchL2(), GradNorm()], optimizer=opt, **lens_kwargs)
+    between = between or (lambda w, lens: None)
+    between(0, lens)  # ``between(w, lens)`` before window w
+    data = [_data(w) for w in range(windows)]
+    run = run_windows(model, [micro_batches(x, y, SPLIT) for x, y in data], lens=lens, reduction=reduction,
+                      optimizer=opt, fresh_copy=False, snapshots=True, close=False,
+                      on_window=lambda run, w: w + 1 < windows and between(w + 1, run.lens))
     expected = []
-    for w in range(windows):
-        if between is not None:
-            between(w, lens)
-        x, y = _data(w)
-        g = flat(per_sample_grads(copy.deepcopy(model), x, y))  # float64 oracle, this window
+    for theta, (x, y) in zip(run.thetas, data):  # float64 oracle of each window, at its start
+        g = flat(per_sample_grads(theta, x, y))
         expected.append((g * g).sum(1))
-        for xs, ys in zip(x.split(SPLIT), y.split(SPLIT)):
-            loss = loss_fn(model(xs), ys)
-            with lens.capture():
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
     return lens, expected
 
 
@@ -298,13 +295,10 @@ def test_a_nan_loss_is_reported_as_non_finite_and_an_unknown_one_as_unknown(tmp_
     lens = Lens(model, [BatchL2(), GradNorm()], log=path)
     records = []
     for inputs, kwargs in ((x, {}), (bad, {}), (x, {"reduction": reduction, "multiplier": 1.0})):
-        for xs, ys in zip(inputs.split(SPLIT), y.split(SPLIT)):
-            out = model(xs)
-            loss = loss_fn(out, ys) if not kwargs else nn.functional.cross_entropy(out, ys, reduction=reduction)
-            with lens.capture(**kwargs):
-                loss.backward()
-            model.zero_grad()
-        records.append(lens.flush())
+        records += run_windows(model, [micro_batches(inputs, y, SPLIT)], lens=lens, fresh_copy=False, close=False,
+                               loss=(lambda out, t: nn.functional.cross_entropy(out, t, reduction=reduction))
+                               if kwargs else loss_fn, capture=kwargs,
+                               on_micro=lambda run, w, k, loss: run.model.zero_grad()).flushed
     lens.close()
     known, nan, unknown = records
     assert known["loss"] == pytest.approx(want, rel=1e-12) and "loss" not in known.meta

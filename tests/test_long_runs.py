@@ -12,27 +12,8 @@ from torch import nn
 
 import gradlens
 from gradlens import Lens
-from gradlens.instruments import (
-    Alpha,
-    BatchDot,
-    BatchL2,
-    GradHist1d,
-    GradHist2d,
-    GradNorm,
-    InnerTest,
-    MeanGSNR,
-    NoiseScale,
-    NormTest,
-    OrthoTest,
-    SumGradSquared,
-)
-
-
-def all_instruments():
-    return [
-        BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=8), GradHist2d(bins=(4, 4)),
-        NormTest(), MeanGSNR(), NoiseScale(), BatchDot(), Alpha(), InnerTest(), OrthoTest(),
-    ]
+from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
+from windows import all_instruments, run_windows
 
 
 def test_no_graph_or_layer_tensor_outlives_its_micro_step():
@@ -44,7 +25,8 @@ def test_no_graph_or_layer_tensor_outlives_its_micro_step():
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    lens = Lens(model, all_instruments(), optimizer=opt, keep_records=False)
+    lens = Lens(model, all_instruments(bins=8, bins_2d=(4, 4), leave_out=("NoiseScaleTwoBatch",)), optimizer=opt,
+                keep_records=False)
     refs = []
     for i in range(300):
         x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
@@ -124,20 +106,11 @@ def test_resnet18_sized_record_is_small_by_default_and_full_where_asked(tmp_path
 
 def _train(lens_kwargs, windows, model_seed=0, start_window=0):
     torch.manual_seed(model_seed)
-    model = gradlens.extend(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)))
-    loss_fn = gradlens.extend(nn.MSELoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    lens = Lens(model, [BatchL2(), GradNorm(), SumGradSquared()], optimizer=opt, **lens_kwargs)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
     gen = torch.Generator().manual_seed(1)
-    for w in range(windows):
-        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-    lens.close()
-    return lens
+    data = [[(torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen))] for _ in range(windows)]
+    return run_windows(model, data, [BatchL2(), GradNorm(), SumGradSquared()], loss="mse",
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **lens_kwargs).lens
 
 
 def test_lens_log_resumes_and_never_truncates(tmp_path):
@@ -187,12 +160,8 @@ def _resume_setup(log, seed):
     model = gradlens.extend(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)))
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = gradlens.GradientAccumulateOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), accum_steps=3)
-    instruments = [
-        BatchL2(), SumGradSquared(), GradNorm(), NormTest(), MeanGSNR(), NoiseScale(),
-        GradHist1d(bins=6, range=(-0.1, 0.1), adapt="abs_max"),
-        GradHist2d(bins=(3, 4), range=((-1, 1), (-0.1, 0.1)), adapt="min_max"),
-        BatchDot(), Alpha(), InnerTest(),
-    ]
+    instruments = all_instruments(0.1, 1, bins=6, bins_2d=(3, 4), leave_out=("NoiseScaleTwoBatch", "OrthoTest"),
+                                  GradHist1d={"adapt": "abs_max"}, GradHist2d={"adapt": "min_max"})
     lens = Lens(model, instruments, optimizer=opt, log=log, every=lambda s: s != 3)
     return model, loss_fn, opt, lens
 
@@ -204,14 +173,10 @@ def _micro_batch(i):
 
 
 def _run(model, loss_fn, opt, lens, micro_steps):
-    for i in micro_steps:
-        x, y = _micro_batch(i)
-        out = model(x)
-        loss = loss_fn(out, y)
-        with lens.capture(losses=nn.functional.cross_entropy(out.detach(), y, reduction="none")):
-            loss.backward()
-        opt.step(num_samples=len(x))
-        opt.zero_grad()
+    """The micro-batches ``micro_steps`` through the Lens (the accumulating optimizer makes the
+    windows of 3)."""
+    run_windows(model, [[_micro_batch(i) for i in micro_steps]], lens=lens, loss=loss_fn, optimizer=opt, losses=True,
+                fresh_copy=False, close=False)
 
 
 @pytest.mark.parametrize("stop", [6, 7, 11])  # at a window boundary, after 1 and 2 micro-steps

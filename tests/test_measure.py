@@ -19,6 +19,7 @@ from gradlens import Lens, capture
 from gradlens.capture import ParamTap
 from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
 from gradlens.measure.meter import Meter, Plan
+from windows import micro_batches, run_windows
 
 B, T = 7, 5
 SPLITS = {"one": (slice(0, B),), "unequal": (slice(0, 2), slice(2, 3), slice(3, B))}
@@ -115,20 +116,15 @@ def test_fused_weight_grad_is_what_the_meter_returns(split, reduction, divide, m
         return out
 
     monkeypatch.setattr(Meter, "on_use", spy)
-    m = gradlens.extend(model)
-    lens = Lens(m, [SumGradSquared()])
+    run_windows(model, [[(x[sl], y[sl]) for sl in SPLITS[split]]], [SumGradSquared()], fresh_copy=False,
+                loss=lambda out, t: F.cross_entropy(out, t, reduction=reduction), capture={"reduction": reduction},
+                pass_loss=True, objective=lambda loss, run, w, k: loss if divide is None else loss / divide)
     want_inp = []
     for sl in SPLITS[split]:
-        loss = F.cross_entropy(m(x[sl]), y[sl], reduction=reduction)
-        objective = loss if divide is None else loss / divide
-        with lens.capture(reduction=reduction, loss=loss):
-            objective.backward()
         ref_loss = F.cross_entropy(ref(x[sl]), y[sl], reduction=reduction)
         ref_objective = ref_loss if divide is None else ref_loss / divide
         gi, = torch.autograd.grad(ref_objective, [ref.inp.weight])
         want_inp.append(gi)
-    lens.flush()
-    lens.close()
     by_name: dict[str, list] = {}
     for name, out in returned:
         by_name.setdefault(name, []).append(out)
@@ -192,11 +188,9 @@ def test_grad_sum_of_one_call_layers_comes_from_their_autograd_node_and_excludes
 
     lens._meter.on_weight_grad = on_weight_grad
     lens._tap.on_weight_grad = lens._meter.on_weight_grad
-    for tb, yb in zip(tokens.split([5, 1, 6]), y.split([5, 1, 6])):
-        loss = loss_fn(tracked(tb), yb) + 0.3 * sum(p.square().sum() for p in tracked.parameters())
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
+    (rec,) = run_windows(tracked, [micro_batches(tokens, y, [5, 1, 6])], lens=lens, loss=loss_fn, fresh_copy=False,
+                         objective=lambda loss, run, w, k: loss + 0.3 * sum(p.square().sum() for p in tracked.parameters()),
+                         close=False).flushed
     if route == "autograd":
         assert sorted(set(routed)) == sorted(q for q, _ in model.named_parameters())
         assert len(routed) == 3 * len(gs)  # every parameter, every micro-step, once

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
+from windows import run_windows
 
 import oracle_models as OM
 
@@ -46,14 +47,9 @@ def test_timm_swin_with_no_exclusions_matches_the_oracle(reduction):
     batch = OM.make_data(SWIN, 0)
     gs = OM.per_sample_grads(SWIN, model, batch, SPLIT)
     G = OM.flat(gs)
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss(reduction=reduction))
-    lens = Lens(m, [BatchL2(), SumGradSquared(), GradNorm()])
-    for mb in OM.split_batch(SWIN, batch, SPLIT):
-        loss = loss_fn(m(mb["x"]), mb["y"])
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
+    (rec,) = run_windows(model, [OM.split_batch(SWIN, batch, SPLIT)], [BatchL2(), SumGradSquared(), GradNorm()],
+                         reduction=reduction, forward=lambda m, mb: m(mb["x"]), target=lambda mb: mb["y"],
+                         close=False).flushed
     assert rec.meta["coverage"] == 1.0 and rec.num_samples == OM.N
     scale = float(G.square().sum(1).max())
     torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-12 * scale)
@@ -68,21 +64,14 @@ def _hf_windows(case, model, run, batches):
     """Three windows (0 and 2 tracked, 1 untracked) of K = 3 unequal micro-steps through
     ``run`` (the model, or torch.compile of it); SGD updates. Returns the records."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    lm = case.kind == "hf_lm"  # the model's own loss; else an extended CrossEntropyLoss on the logits
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         lens = Lens(run, [BatchL2(), SumGradSquared(), GradNorm()], optimizer=opt, every=2)
-        loss_fn = gradlens.extend(torch.nn.CrossEntropyLoss())
-        for batch in batches:
-            for mb in OM.split_batch(case, batch, SPLIT):
-                if case.kind == "hf_lm":
-                    loss = run(**mb).loss
-                else:
-                    loss = loss_fn(run(**{k: v for k, v in mb.items() if k != "y"}).logits, mb["y"])
-                with lens.capture():
-                    loss.backward()
-            opt.step()
-            opt.zero_grad()
-        lens.close()
+        run_windows(run, [OM.split_batch(case, batch, SPLIT) for batch in batches], lens=lens, optimizer=opt,
+                    fresh_copy=False,
+                    forward=lambda m, mb: run(**mb) if lm else run(**{k: v for k, v in mb.items() if k != "y"}).logits,
+                    loss=(lambda out, mb: out.loss) if lm else "ce", target=(lambda mb: mb) if lm else (lambda mb: mb["y"]))
     return list(lens.records)
 
 

@@ -18,26 +18,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import gradlens
 from gradlens import Lens
-from gradlens.instruments import (
-    Alpha,
-    BatchDot,
-    BatchL2,
-    GradHist1d,
-    GradHist2d,
-    GradNorm,
-    InnerTest,
-    MeanGSNR,
-    NoiseScale,
-    NoiseScaleTwoBatch,
-    NormTest,
-    OrthoTest,
-    SumGradSquared,
-)
-from oracle import hist_oracle
+from gradlens.instruments import BatchDot, BatchL2, GradNorm, NoiseScaleTwoBatch, SumGradSquared
+from oracle import alpha as oracle_alpha
+from oracle import hist_oracle, near_edges
 from oracle_models import (
     CASES,
     N,
@@ -53,7 +39,7 @@ from oracle_models import (
     tracked_names,
     trainable_names,
 )
-from test_dots import oracle_alpha
+from windows import all_instruments, run_windows
 
 HIST_BINS = 9  # odd: 0 (and round-off values around it) sits inside a bin, not on an edge
 HIST2D_BINS = (5, 7)
@@ -85,13 +71,7 @@ def _close(a, b, rtol):
 
 
 def _instruments(grad_r, param_r):
-    return [
-        BatchL2(), SumGradSquared(), GradNorm(),
-        GradHist1d(bins=HIST_BINS, range=(-grad_r, grad_r)),
-        GradHist2d(bins=HIST2D_BINS, range=((-param_r, param_r), (-grad_r, grad_r))),
-        NormTest(), MeanGSNR(), NoiseScale(),
-        BatchDot(), Alpha(), InnerTest(), OrthoTest(),
-    ]
+    return all_instruments(grad_r, param_r, bins=HIST_BINS, bins_2d=HIST2D_BINS, leave_out=("NoiseScaleTwoBatch",))
 
 
 # ------------------------------------------------------------------------------ the oracle itself
@@ -139,38 +119,17 @@ def test_oracle_units_of_a_token_mean_loss():
 def run_lens(case, model0, windows, sizes, reduction, instruments, lens_kwargs=None):
     """Windows of data through a Lens (SGD with the exact window gradient); returns
     (lens, [theta_0, theta_1, ...]) with the parameters at each window's start."""
-    model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction)) if case.kind == "ce" else None
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    lens = Lens(model, instruments, optimizer=opt, **(lens_kwargs or {}))
-    thetas = [copy.deepcopy(model0)]
-    for batch in windows:
-        acc = None
-        for mb in split_batch(case, batch, sizes):
-            out = case.call(model, mb)
-            losses = losses_of_output(case, out, mb)
-            if case.kind == "ce":
-                loss = loss_fn(out, mb["y"])
-                ctx = lens.capture(losses=losses)
-            else:  # the model's own loss (a token mean): the reduction is stated
-                loss = out.loss
-                ctx = lens.capture(reduction="mean", losses=losses)
-            with ctx:
-                loss.backward()
-            w = len(losses) if reduction == "mean" else 1
-            grads = [p.grad * w for p in model.parameters()]
-            acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
-            opt.zero_grad()
-        n = sum(sizes) if reduction == "mean" else 1
-        for p, a in zip(model.parameters(), acc):
-            p.grad = a / n
-        opt.step()
-        opt.zero_grad()
-        theta = copy.deepcopy(model0)
-        theta.load_state_dict(model.state_dict())
-        thetas.append(theta)
-    lens.close()
-    return lens, thetas
+    ce = case.kind == "ce"  # else the model's own loss (a token mean): the reduction is stated
+    r = run_windows(
+        model0, [split_batch(case, batch, sizes) for batch in windows], instruments,
+        loss="ce" if ce else (lambda out, mb: out.loss), reduction=reduction,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), accumulate="exact", snapshots=True,
+        forward=case.call, target=(lambda mb: mb["y"]) if ce else (lambda mb: mb),
+        size=lambda mb: len(mb["y"] if ce else mb["labels"]),
+        losses=lambda out, mb: losses_of_output(case, out, mb), capture=None if ce else {"reduction": "mean"},
+        **(lens_kwargs or {}),
+    )
+    return r.lens, r.thetas
 
 
 def oracle_values(case, thetas, windows, sizes, reduction):
@@ -215,16 +174,9 @@ def oracle_values(case, thetas, windows, sizes, reduction):
     }
 
 
-def _ambiguous(values, lo, hi, bins, rtol):
-    """Elements within reach of a bin edge at relative precision rtol (0 at float64 rounding)."""
-    pos = (values.flatten() - lo) * bins / (hi - lo)
-    reach = 10 * rtol * (values.flatten().abs() * bins / (hi - lo) + 1)
-    return int(((pos - pos.round()).abs() <= reach).sum())
-
-
 def check_hist_1d(h, G, r, rtol):
     counts, low, high = hist_oracle(G, -r, r, HIST_BINS)
-    amb = _ambiguous(G, -r, r, HIST_BINS, rtol) if rtol > 1e-9 else 0
+    amb = near_edges(G, -r, r, HIST_BINS, rtol) if rtol > 1e-9 else 0
     assert h.total == G.numel()
     assert int((h.counts - counts).abs().sum()) <= 2 * amb, (h.counts, counts)
     assert abs(h.clamped_low - low) + abs(h.clamped_high - high) <= amb
@@ -236,7 +188,7 @@ def check_hist_2d(h2, theta, G, pr, r, rtol):
     pidx = torch.floor((theta + pr) * pb / (2 * pr)).clamp(0, pb - 1).long()
     gidx = torch.floor((G + r) * gb / (2 * r)).clamp(0, gb - 1).long()
     joint = torch.bincount((pidx * gb + gidx).flatten(), minlength=pb * gb).view(pb, gb)
-    amb = _ambiguous(G, -r, r, gb, rtol) if rtol > 1e-9 else 0
+    amb = near_edges(G, -r, r, gb, rtol) if rtol > 1e-9 else 0
     assert int((h2.counts - joint).abs().sum()) <= 2 * amb, (h2.counts, joint)
     assert h2.clamped_param == G.shape[0] * int(((theta < -pr) | (theta > pr)).sum())
     assert h2.clamped_param > 0
@@ -276,7 +228,7 @@ def check_record(rec, o, case, reduction, grad_r, param_r):
 def check_same_record(a, b, case, G, grad_r):
     """K micro-steps report what one batch of N reports."""
     rtol = case.rtol
-    amb = _ambiguous(G, -grad_r, grad_r, max(HIST_BINS, *HIST2D_BINS), rtol) if rtol > 1e-9 else 0
+    amb = near_edges(G, -grad_r, grad_r, max(HIST_BINS, *HIST2D_BINS), rtol) if rtol > 1e-9 else 0
     for key in b.keys():
         x, y = a[key], b[key]
         if isinstance(x, (gradlens.Hist1d, gradlens.Hist2d)):
@@ -368,16 +320,11 @@ def test_full_coverage_without_exclusions(name):
     lens = Lens(model, [BatchL2(), SumGradSquared()])
     assert set(lens.tracked) == set(trainable_names(model))
     assert lens.coverage == 1.0
-    mb = split_batch(case, batch, [4])[0]
-    out = case.call(model, mb)
-    if case.kind == "ce":
-        loss = gradlens.extend(nn.CrossEntropyLoss())(out, mb["y"])
-        ctx = lens.capture()
-    else:
-        loss, ctx = out.loss, lens.capture(reduction="mean")
-    with ctx:
-        loss.backward()
-    rec = lens.flush()
+    ce = case.kind == "ce"
+    (rec,) = run_windows(model, [split_batch(case, batch, [4])[:1]], lens=lens, fresh_copy=False, close=False,
+                         forward=case.call, loss="ce" if ce else (lambda out, mb: out.loss),
+                         target=(lambda mb: mb["y"]) if ce else (lambda mb: mb),
+                         capture=None if ce else {"reduction": "mean"}).flushed
     assert _coverage_value(rec) == 1.0
     assert set(rec["sum_grad_squared"]) == set(trainable_names(model))
     assert "100" in repr(lens) or "1.0" in repr(lens), repr(lens)
@@ -403,13 +350,11 @@ def test_train_mode_batchnorm_names_every_undefined_parameter_at_once():
 
 def test_train_mode_batchnorm_leave_out_option_tracks_last_batchnorm_and_head():
     case, model, windows = problem("resnet_bn_train")
-    m = gradlens.extend(copy.deepcopy(model))
-    lens = Lens(m, [BatchL2()], **BN_LEAVE_OUT)
     # which parameters reach a training-mode BatchNorm shows in the first tracked forward
-    (mb,) = split_batch(case, windows[0], [len(windows[0]["y"])])
-    loss = F.cross_entropy(case.call(m, mb), mb["y"])
-    with lens.capture(reduction="mean", loss=loss):
-        loss.backward()
+    lens = run_windows(model, [split_batch(case, windows[0], [len(windows[0]["y"])])], [BatchL2()],
+                       forward=case.call, target=lambda mb: mb["y"], loss=F.cross_entropy,
+                       capture={"reduction": "mean"}, pass_loss=True, end="none", close=False,
+                       **BN_LEAVE_OUT).lens
     assert set(lens.tracked) == set(SmallResNet.TRACKABLE)
     numel = {k: p.numel() for k, p in model.named_parameters()}
     assert lens.coverage == pytest.approx(
@@ -428,15 +373,12 @@ def test_scaled_functional_loss_keeps_units_or_refuses(how):
     case, model, (batch, _) = problem("custom_params")
     sizes = [5, 1, 6]
     G = flat(per_sample_grads(case, model, batch, sizes))
-    m = gradlens.extend(copy.deepcopy(model))
-    lens = Lens(m, [BatchL2(), GradNorm()])
+    objective = {"divide-by-2": lambda loss, run, w, k: loss / 2, "times-3.7": lambda loss, run, w, k: loss * 3.7,
+                 "divide-by-K": lambda loss, run, w, k: loss / len(sizes)}[how]
     try:
-        for mb in split_batch(case, batch, sizes):
-            loss = F.cross_entropy(case.call(m, mb), mb["y"])
-            loss = {"divide-by-2": loss / 2, "times-3.7": loss * 3.7, "divide-by-K": loss / len(sizes)}[how]
-            with lens.capture(reduction="mean"):
-                loss.backward()
-        rec = lens.flush()
+        (rec,) = run_windows(model, [split_batch(case, batch, sizes)], [BatchL2(), GradNorm()], forward=case.call,
+                             target=lambda mb: mb["y"], loss=F.cross_entropy, objective=objective,
+                             capture={"reduction": "mean"}, close=False).flushed
     except (ValueError, RuntimeError) as e:
         assert "reduction" in str(e) or "scale" in str(e), str(e)
         return

@@ -17,6 +17,7 @@ from gradlens import GradientAccumulateOptimizer, Lens
 from gradlens.instruments import GradNorm, NoiseScale, NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.noise import two_batch_estimates
 from oracle import MODELS, flat, make_problem, per_sample_grads
+from windows import micro_batches, run_windows
 
 RTOL = 1e-9
 
@@ -58,13 +59,7 @@ def test_lens_and_optimizer_routes_match_oracle(name, reduction):
     )
     monitor = NoiseScaleMonitor(opt)
     lens = Lens(model, [NoiseScaleTwoBatch(), GradNorm()], optimizer=opt)
-    for xb, yb in zip(x.split(sizes), y.split(sizes)):
-        loss = loss_fn(model(xb), yb)
-        with lens.capture():
-            loss.backward()
-        opt.step(num_samples=len(xb))
-        opt.zero_grad()
-    lens.close()
+    run_windows(model, [micro_batches(x, y, sizes)], lens=lens, loss=loss_fn, optimizer=opt, fresh_copy=False)
     rec = lens.records[0]["noise_scale_two_batch"]
     for got in (rec, monitor.values[0]):
         _close(got["grad_sq"], g2)
@@ -82,17 +77,10 @@ def test_lens_and_optimizer_routes_match_oracle(name, reduction):
 
 def test_single_micro_batch_gives_nan_and_smoothing_skips_it():
     model0, x, y = make_problem(MODELS["mlp"])
-    model = gradlens.extend(copy.deepcopy(model0))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     inst = NoiseScaleTwoBatch(beta=0.5)
-    lens = Lens(model, [inst])
-    values = []
-    for split in ([12], [6, 6], [12], [4, 8]):
-        for xb, yb in zip(x.split(split), y.split(split)):
-            loss = loss_fn(model(xb), yb)
-            with lens.capture():
-                loss.backward()
-        values.append(lens.flush()["noise_scale_two_batch"])
+    run = run_windows(model0, [micro_batches(x, y, split) for split in ([12], [6, 6], [12], [4, 8])], [inst],
+                      close=False)
+    values = [rec["noise_scale_two_batch"] for rec in run.flushed]
     assert math.isnan(values[0]["grad_sq"]) and math.isnan(values[0]["b_simple_smoothed"])
     assert math.isnan(values[2]["trace_sigma"])
     G = flat(per_sample_grads(model0, x, y))
@@ -161,20 +149,16 @@ def test_unbiased_on_linear_gaussian_model():
     with torch.no_grad():
         model.weight.copy_((w_star + v)[None])
     model = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.MSELoss())
     opt = GradientAccumulateOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), accum_steps=len(sizes))
     monitor = NoiseScaleMonitor(opt)
     lens = Lens(model, [NoiseScaleTwoBatch()], optimizer=opt, keep_records=True)
-    for _ in range(windows):
-        for b in sizes:
-            xb = torch.randn(b, d, generator=gen, dtype=torch.float64)
-            yb = xb @ w_star + s * torch.randn(b, generator=gen, dtype=torch.float64)
-            loss = loss_fn(model(xb), yb[:, None])
-            with lens.capture():
-                loss.backward()
-            opt.step(num_samples=b)
-            opt.zero_grad()
-    lens.close()
+
+    def draw(b):
+        xb = torch.randn(b, d, generator=gen, dtype=torch.float64)
+        return xb, (xb @ w_star + s * torch.randn(b, generator=gen, dtype=torch.float64))[:, None]
+
+    run_windows(model, [[draw(b) for b in sizes] for _ in range(windows)], lens=lens, loss="mse", optimizer=opt,
+                fresh_copy=False)
     from_lens = torch.tensor([[r["noise_scale_two_batch"]["grad_sq"], r["noise_scale_two_batch"]["trace_sigma"]] for r in lens.records])
     from_opt = torch.tensor([[v_["grad_sq"], v_["trace_sigma"]] for v_ in monitor.values])
     _close(from_lens, from_opt, rtol=1e-8)
@@ -197,25 +181,24 @@ def test_agrees_with_per_sample_noise_scale_on_demo_cnn():
 
     torch.manual_seed(0)
     x, y = _digits("cpu")
-    model = gradlens.extend(build_demo_model(accum_steps=4).eval())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(model, [NoiseScaleTwoBatch(), NoiseScale(), GradNorm()])
+    model = build_demo_model(accum_steps=4).eval()
     gen = torch.Generator().manual_seed(3)
     windows, micro, K = 50, 16, 4
     two, ps = [], []
-    for _ in range(windows):
-        idx = torch.randperm(len(x), generator=gen)[: micro * K]
-        for part in idx.split(micro):
-            loss = loss_fn(model(x[part]), y[part])
-            with lens.capture():
-                loss.backward()
-        model.zero_grad()
-        rec = lens.flush()
+
+    def end(run, w):
+        run.model.zero_grad()
+        rec = run.lens.flush()
         t = rec["noise_scale_two_batch"]
         two.append([t["grad_sq"], t["trace_sigma"]])
         gn2 = rec["grad_norm"] ** 2
         tr = rec["noise_scale"] * gn2
         ps.append([gn2 - tr / rec.num_samples, tr])
+
+    data = [[(x[part], y[part]) for part in torch.randperm(len(x), generator=gen)[: micro * K].split(micro)]
+            for _ in range(windows)]
+    run_windows(model, data, [NoiseScaleTwoBatch(), NoiseScale(), GradNorm()], fresh_copy=False, end="none",
+                on_window=end, close=False)
     two, ps = torch.tensor(two), torch.tensor(ps)
     diff = two - ps
     se = diff.std(0) / math.sqrt(windows)

@@ -15,8 +15,6 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-import gradlens
-from gradlens import Lens
 from gradlens.instruments import (
     BatchDot,
     BatchL2,
@@ -29,6 +27,7 @@ from gradlens.instruments import (
     OrthoTest,
     SumGradSquared,
 )
+from windows import micro_batches, run_windows
 
 DEFAULT_SEEDS = range(30)
 SLOW_SEEDS = range(30, 330)
@@ -179,15 +178,7 @@ def run_case(seed: int) -> None:
     pool = [BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=9, range=(-r, r)),
             NormTest(), NoiseScale(), MeanGSNR(), BatchDot()]
     instruments = [i for i in pool if rng.random() < 0.6] or [BatchL2()]
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(_loss(kind, reduction))
-    lens = Lens(m, instruments)
-    for xb, yb in zip(x.split(split), y.split(split)):
-        loss = loss_fn(m(xb), yb)
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
-    lens.close()
+    (rec,) = run_windows(model, [micro_batches(x, y, split)], instruments, loss=_loss(kind, reduction)).flushed
     assert (rec.num_samples, rec.micro_steps) == (n, len(split))
     close = dict(rtol=1e-9, atol=1e-12)
     mean = G.mean(0)
@@ -424,16 +415,9 @@ def run_family_case(seed: int) -> None:
     pool = [BatchL2(), SumGradSquared(), GradNorm(), NormTest(per_sample=per_sample),
             NoiseScale(per_sample=per_sample), MeanGSNR(), BatchDot(), InnerTest(), OrthoTest()]
     instruments = [i for i in pool if rng.random() < 0.6] or [BatchDot()]
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(_loss(kind, reduction))
-    lens = Lens(m, instruments, **lens_kw)
-    for xb, yb, kw in batches:
-        loss = loss_fn(m(xb, **kw), yb)
-        with lens.capture():
-            loss.backward()
-    rec = lens.flush()
-    tracked = lens.tracked
-    lens.close()
+    run = run_windows(model, [batches], instruments, loss=_loss(kind, reduction), close=False, **lens_kw)
+    (rec,), tracked = run.flushed, run.lens.tracked
+    run.lens.close()
     n = sum(len(b[0]) for b in batches)
     assert (rec.num_samples, rec.micro_steps) == (n, len(batches))
     if lens_kw:  # what "exclude" keeps: the norm's own parameters and everything after it

@@ -16,6 +16,7 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
+from windows import micro_batches, run_windows
 
 V, D = 11, 6
 IGNORE = -100
@@ -95,21 +96,13 @@ def test_flattened_lm_loss_through_an_extended_loss_is_exact(reduction, shift):
     if shift:  # the shifted targets, as the oracle sees them: position t predicts labels[:, t+1]
         labels_used = labels[:, 1:]
     oracle_model = copy.deepcopy(model)
-    m = gradlens.extend(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss(ignore_index=IGNORE, reduction=reduction))
-    lens = Lens(m, [BatchL2(), GradNorm(), SumGradSquared()])
-    start = 0
-    for b in SPLIT:
-        logits = m(ids[start:start + b])
-        lab = labels[start:start + b]
-        if shift:
-            loss = loss_fn(logits[:, :-1].reshape(-1, V), lab[:, 1:].reshape(-1))
-        else:
-            loss = loss_fn(logits.view(-1, V), lab.view(-1))
-        with lens.capture():
-            loss.backward()
-        start += b
-    rec = lens.flush()
+    if shift:
+        flattened = lambda logits, lab: loss_fn(logits[:, :-1].reshape(-1, V), lab[:, 1:].reshape(-1))  # noqa: E731
+    else:
+        flattened = lambda logits, lab: loss_fn(logits.view(-1, V), lab.view(-1))  # noqa: E731
+    (rec,) = run_windows(model, [micro_batches(ids, labels, SPLIT)], [BatchL2(), GradNorm(), SumGradSquared()],
+                         loss=flattened, close=False).flushed
     if shift:
         class Shifted(nn.Module):
             def __init__(self, inner):
@@ -223,16 +216,11 @@ def test_lstm_language_model_on_seq_first_input_declared_once(t, reduction):
     ids, labels = _data(sum(SPLIT), t, t_first=True)
     oracle_model = copy.deepcopy(model)
     m = gradlens.extend(model, batch_dim=1)
-    lens = Lens(m, [BatchL2(), GradNorm(), SumGradSquared()])
-    start = 0
-    for b in SPLIT:
-        out = m(ids[:, start:start + b])
-        loss = F.cross_entropy(out.reshape(-1, V), labels[:, start:start + b].reshape(-1),
-                               ignore_index=IGNORE, reduction=reduction)
-        with lens.capture(reduction=reduction, loss=loss):
-            loss.backward()
-        start += b
-    rec = lens.flush()
+    window = list(zip(ids.split(SPLIT, dim=1), labels.split(SPLIT, dim=1)))  # [T, b] micro-batches
+    (rec,) = run_windows(m, [window], [BatchL2(), GradNorm(), SumGradSquared()], fresh_copy=False, close=False,
+                         loss=lambda out, lab: F.cross_entropy(out.reshape(-1, V), lab.reshape(-1),
+                                                               ignore_index=IGNORE, reduction=reduction),
+                         capture={"reduction": reduction}, pass_loss=True).flushed
     G = _seq_first_oracle(oracle_model, SPLIT, ids, labels, reduction)
     _check(rec, G, reduction)
     sizes = [p.numel() for p in oracle_model.parameters()]
@@ -283,15 +271,10 @@ def test_a_time_major_view_inside_an_undeclared_module_with_b_equal_t(reduction)
     split = [4, 4]  # B == T == 4 in every micro-step
     ids, labels = _data(8, 4)
     oracle_model = copy.deepcopy(model)
-    m = gradlens.extend(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss(ignore_index=IGNORE, reduction=reduction))
-    lens = Lens(m, [BatchL2(), GradNorm()])
-    for k in range(2):
-        sl = slice(4 * k, 4 * k + 4)
-        loss = loss_fn(m(ids[sl]).view(-1, V), labels[sl].view(-1))
-        with lens.capture():
-            loss.backward()
-    _check(lens.flush(), _oracle(oracle_model, split, ids, labels, reduction), reduction)
+    (rec,) = run_windows(model, [micro_batches(ids, labels, split)], [BatchL2(), GradNorm()], close=False,
+                         loss=lambda logits, lab: loss_fn(logits.view(-1, V), lab.view(-1))).flushed
+    _check(rec, _oracle(oracle_model, split, ids, labels, reduction), reduction)
 
 
 class WindowBlock(nn.Module):
@@ -339,16 +322,8 @@ def test_window_partition_block_keeps_the_samples_as_the_leading_factor(reductio
         gi = torch.autograd.grad(F.cross_entropy(oracle_model(x[i:i + 1]), y[i:i + 1]), params)
         rows.append(torch.cat([v.reshape(-1) for v in gi]))
     G = torch.stack(rows)  # the loss of one sample: g_n in either reduction's units
-    m = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
-    lens = Lens(m, [BatchL2(), GradNorm(), SumGradSquared()])
-    start = 0
-    for b in split:
-        loss = loss_fn(m(x[start:start + b]), y[start:start + b])
-        with lens.capture():
-            loss.backward()
-        start += b
-    rec = lens.flush()
+    (rec,) = run_windows(model, [micro_batches(x, y, split)], [BatchL2(), GradNorm(), SumGradSquared()],
+                         reduction=reduction, close=False).flushed
     assert rec.meta["coverage"] == 1.0
     _check(rec, G, reduction)
     sizes = [p.numel() for p in params]
@@ -364,16 +339,9 @@ def test_flattened_lm_loss_under_light_capture():
     model = TinyLM().double()
     ids, labels = _data(sum(SPLIT), 5)
     oracle_model = copy.deepcopy(model)
-    m = gradlens.extend(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss(ignore_index=IGNORE))
-    lens = Lens(m, [GradNorm()])
-    start = 0
-    for b in SPLIT:
-        loss = loss_fn(m(ids[start:start + b]).view(-1, V), labels[start:start + b].view(-1))
-        with lens.capture():
-            loss.backward()
-        start += b
-    rec = lens.flush()
+    (rec,) = run_windows(model, [micro_batches(ids, labels, SPLIT)], [GradNorm()], close=False,
+                         loss=lambda logits, lab: loss_fn(logits.view(-1, V), lab.view(-1))).flushed
     G = _oracle(oracle_model, SPLIT, ids, labels, "mean")
     assert rec.num_samples == sum(SPLIT)
     assert rec["grad_norm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-10)

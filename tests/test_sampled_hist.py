@@ -20,6 +20,7 @@ from gradlens.instruments import GradHist1d, GradHist2d
 from gradlens.core.records import record_from_json, record_to_json
 
 from oracle import bins_oracle, flat, hist_oracle, per_sample_grads
+from windows import micro_batches, run_windows
 
 
 class Tokens(nn.Module):
@@ -66,19 +67,8 @@ def _problem(name):
 
 def _windows(model, x, y, instruments, windows):
     """``windows`` windows over the same data and parameters (each draws afresh)."""
-    m = gradlens.extend(model)
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(m, instruments)
-    out = []
-    for _ in range(windows):
-        for xs, ys in zip(x.split(SPLIT), y.split(SPLIT)):
-            loss = loss_fn(m(xs), ys)
-            with lens.capture():
-                loss.backward()
-        out.append(lens.flush())
-        m.zero_grad()
-    lens.close()
-    return out
+    return run_windows(model, [micro_batches(x, y, SPLIT)] * windows, instruments, fresh_copy=False,
+                       zero_grad=True).flushed
 
 
 def _check_unbiased(est: torch.Tensor, se: torch.Tensor, exact: torch.Tensor):
@@ -142,25 +132,11 @@ def test_sampling_leaves_the_global_random_state_alone_and_resumes_its_stream():
     assert torch.equal(before, torch.get_rng_state())
     assert full[0]["grad_hist_1d"] != full[1]["grad_hist_1d"]
 
-    m = gradlens.extend(copy.deepcopy(model))
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(m, make())
-    for _ in range(2):
-        for xs, ys in zip(x.split(SPLIT), y.split(SPLIT)):
-            loss = loss_fn(m(xs), ys)
-            with lens.capture():
-                loss.backward()
-        lens.flush()
+    lens = run_windows(model, [micro_batches(x, y, SPLIT)] * 2, make(), close=False).lens
     saved = lens.state_dict()
     lens.close()
-    m2 = gradlens.extend(copy.deepcopy(model))
-    lens2 = Lens(m2, make())
-    lens2.load_state_dict(saved)
-    for xs, ys in zip(x.split(SPLIT), y.split(SPLIT)):
-        loss = loss_fn(m2(xs), ys)
-        with lens2.capture():
-            loss.backward()
-    assert lens2.flush()["grad_hist_1d"] == full[2]["grad_hist_1d"]
+    (rec,) = run_windows(model, [micro_batches(x, y, SPLIT)], make(), state=saved, close=False).flushed
+    assert rec["grad_hist_1d"] == full[2]["grad_hist_1d"]
 
 
 def test_a_sampled_record_survives_the_log():

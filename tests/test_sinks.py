@@ -419,38 +419,19 @@ class _FakeWriter:
 
 def _record_of_every_instrument() -> Record:
     """The second record of a Lens run with every instrument (Alpha's value needs two windows)."""
-    import torch.nn.functional as F
     from torch import nn
 
-    import gradlens
-    from gradlens import Lens
-    from gradlens.instruments import (
-        Alpha, BatchDot, BatchL2, GradHist1d, GradHist2d, GradNorm, InnerTest, MeanGSNR, NoiseScale,
-        NoiseScaleTwoBatch, NormTest, OrthoTest, SumGradSquared,
-    )
+    from windows import all_instruments, run_windows
 
     torch.manual_seed(0)
-    model = gradlens.extend(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    instruments = [
-        BatchL2(), SumGradSquared(), GradNorm(), GradHist1d(bins=8, range=(-0.05, 0.05)),
-        GradHist2d(bins=(3, 4), range=((-0.5, 0.5), (-0.05, 0.05))), BatchDot(), Alpha(), InnerTest(),
-        OrthoTest(), MeanGSNR(), NoiseScale(), NormTest(), NoiseScaleTwoBatch(),
-    ]
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    instruments = all_instruments(0.05, 0.5, bins=8, bins_2d=(3, 4))
     records: list[Record] = []
-    lens = Lens(model, instruments, optimizer=opt, sinks=[type("S", (), {"write": lambda s, r: records.append(r), "close": lambda s: None})()])
     gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for b in (4, 2, 3):
-            x, y = torch.randn(b, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (b,), generator=gen)
-            out = model(x)
-            loss = loss_fn(out, y)
-            with lens.capture(losses=F.cross_entropy(out.detach(), y, reduction="none")):
-                loss.backward()
-        opt.step()
-        opt.zero_grad()
-    lens.close()
+    windows = [[(torch.randn(b, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (b,), generator=gen))
+                for b in (4, 2, 3)] for _ in range(3)]
+    run_windows(model, windows, instruments, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), losses=True,
+                sinks=[type("S", (), {"write": lambda s, r: records.append(r), "close": lambda s: None})()])
     rec = records[1]
     for inst in instruments:
         assert inst.key in rec, f"{type(inst).__name__}'s {inst.key!r} is missing from the record"

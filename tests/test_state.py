@@ -20,28 +20,23 @@ from gradlens.instruments import (
     GradHist2d,
     GradNorm,
     InnerTest,
-    MeanGSNR,
     NoiseScale,
     NoiseScaleTwoBatch,
-    NormTest,
-    OrthoTest,
     SumGradSquared,
 )
 from gradlens.lens.state import StateDictError
 
 from oracle import flat, hist_oracle, per_sample_grads
+from windows import all_instruments, run_windows
 
 SIZES = (4, 1, 3)  # K = 3 unequal micro-steps, N = 8 per window
 WINDOWS = 4
 
 
 def exact_set():
-    return [
-        BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(per_sample=True), MeanGSNR(),
-        GradHist1d(bins=6, range=(-0.1, 0.1), adapt="abs_max"),
-        GradHist2d(bins=(3, 4), range=((-1, 1), (-0.1, 0.1)), adapt="min_max"),
-        BatchDot(), Alpha(), OrthoTest(),
-    ]
+    return all_instruments(0.1, 1, bins=6, bins_2d=(3, 4), leave_out=("NoiseScaleTwoBatch", "InnerTest"),
+                           NoiseScale={"per_sample": True}, GradHist1d={"adapt": "abs_max"},
+                           GradHist2d={"adapt": "min_max"})
 
 
 def sampled_set():
@@ -94,14 +89,10 @@ def _micro_batch(i):
 
 
 def _run(model, loss_fn, opt, lens, micro_steps):
-    for i in micro_steps:
-        x, y = _micro_batch(i)
-        out = model(x)
-        loss = loss_fn(out, y)
-        with lens.capture(losses=nn.functional.cross_entropy(out.detach(), y, reduction="none")):
-            loss.backward()
-        opt.step(num_samples=len(x))
-        opt.zero_grad()
+    """The micro-batches ``micro_steps`` through the Lens (the accumulating optimizer makes the
+    windows of 3)."""
+    run_windows(model, [[_micro_batch(i) for i in micro_steps]], lens=lens, loss=loss_fn, optimizer=opt, losses=True,
+                fresh_copy=False, close=False)
 
 
 def _save(model, opt, lens) -> dict:
@@ -244,14 +235,8 @@ def test_a_saved_lens_is_plain_data_with_a_header_that_names_instruments_and_par
 
 
 def _saved(instruments, model=None, micro_steps=1):
-    model = gradlens.extend(model if model is not None else _mlp())
-    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(model, instruments)
-    for i in range(micro_steps):
-        x, y = _micro_batch(i)
-        loss = loss_fn(model(x), y)
-        with lens.capture():
-            loss.backward()
+    lens = run_windows(model if model is not None else _mlp(), [[_micro_batch(i) for i in range(micro_steps)]],
+                       instruments, fresh_copy=False, end="none", close=False).lens
     sd = lens.state_dict()
     lens.close()
     return sd

@@ -160,12 +160,14 @@ SETS = {
 }
 
 
-def _train(make, data, insts, reads: HostReads | None, windows=3, splits=(3, 5)):
+def _train(make, data, insts, reads: HostReads | None, windows=3, splits=(3, 5), **lens_kwargs):
+    """The probe's loop: ``reads`` active from each tracked micro-step's forward to the end of its
+    backward (a second forward gives the per-sample losses inside it). Returns the records."""
     torch.manual_seed(0)
     model = gradlens.extend(make())
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    lens = Lens(model, insts(), optimizer=opt)
+    lens = Lens(model, insts(), optimizer=opt, **lens_kwargs)
     torch.manual_seed(1)
     for _ in range(windows):
         for b in splits:

@@ -11,8 +11,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import gradlens
-from gradlens import Lens
 from gradlens.instruments import MeanGSNR, NoiseScale, NormTest
+from windows import micro_batches, run_windows
 
 
 def _per_sample(model, loss_one, x, y):
@@ -37,14 +37,10 @@ def _gsnr_oracle(G):
 
 
 def _run(model, loss_fn, x, y, split, instruments, reduction=None):
-    lens = Lens(gradlens.extend(model), instruments)
-    for xb, yb in zip(x.split(split), y.split(split)):
-        loss = loss_fn(model(xb), yb)
-        with lens.capture(reduction=reduction, loss=loss if reduction else None):
-            loss.backward()
-    rec = lens.flush()
-    lens.close()
-    return rec
+    """One window of ``(x, y)`` in micro-batches ``split`` on ``model`` itself; its record
+    (``reduction``: a functional loss, stated to capture with the loss)."""
+    return run_windows(model, [micro_batches(x, y, split)], instruments, loss=loss_fn, fresh_copy=False,
+                       capture={"reduction": reduction} if reduction else None, pass_loss=bool(reduction)).flushed[0]
 
 
 @pytest.mark.parametrize("split", [[12], [6, 6], [5, 1, 6]])
