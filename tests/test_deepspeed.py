@@ -44,8 +44,8 @@ from gradlens.instruments import (
     UpdateSize,
 )
 from oracle import MODELS, flat, make_problem, per_sample_grads
-from test_cockpit_four import _eb, _trace
-from test_distributed import _close, _init, _oracle_two_batch, _spawn
+from test_distributed import _close, _init, _spawn
+from oracle import early_stopping as _eb, trace_sigma as _trace, two_batch as _oracle_two_batch
 from test_fsdp import _check, _instruments, _param_range
 
 pytestmark = pytest.mark.deepspeed
@@ -231,7 +231,7 @@ def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_every_instrument_equals_the_global_batch_oracle(stage):
-    from test_dots import oracle_window
+    from oracle import window_oracle as oracle_window
 
     with tempfile.TemporaryDirectory() as out_dir:
         _spawn(_worker, 2, out_dir, stage)
