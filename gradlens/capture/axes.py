@@ -147,20 +147,28 @@ _REVERSED = (torch.Tensor.T, torch.Tensor.H)
 _LAST_TWO = (torch.Tensor.mT, torch.Tensor.mH)
 
 
-def _einsum(args, x: Tensor, ax: Any) -> Any:
-    """``torch.einsum(eq, *operands)``: the sample axis' letter in ``x``'s subscripts, found in
-    the explicit output subscripts (None without ``->``, with ``...``, or if summed out)."""
+def einsum_letter(args, t: Tensor, dim: int) -> tuple[str, str] | None:
+    """``torch.einsum(eq, *operands)``: the subscript letter of dim ``dim`` of operand ``t`` and
+    the explicit output subscripts (None without ``->``, with ``...``, or if ``t`` is not found)."""
     eq = args[0]
     ops_ = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     if not isinstance(eq, str) or "->" not in eq or "." in eq:
         return None
     lhs, out = eq.replace(" ", "").split("->")
     subs = lhs.split(",")
-    i = next((k for k, t in enumerate(ops_) if t is x), None)
-    if i is None or i >= len(subs) or len(subs[i]) != x.dim():
+    i = next((k for k, o in enumerate(ops_) if o is t), None)
+    if i is None or i >= len(subs) or len(subs[i]) != t.dim():
         return None
-    letter = subs[i][ax[0]]
-    return (out.index(letter), ax[1]) if letter in out else None
+    return subs[i][dim], out
+
+
+def _einsum(args, x: Tensor, ax: Any) -> Any:
+    """``torch.einsum``: the sample axis in the output, found in the explicit output subscripts
+    (None if :func:`einsum_letter` cannot tell, or if it is summed out)."""
+    found = einsum_letter(args, x, ax[0])
+    if found is None or found[0] not in found[1]:
+        return None
+    return found[1].index(found[0]), ax[1]
 
 
 def _int_arg(args, kwargs, i, name, default=None):

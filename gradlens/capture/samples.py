@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradlens.capture.axes import _dim, _index, _int_arg
+from gradlens.capture.axes import _dim, _index, _int_arg, einsum_letter
 from gradlens.capture.rows import Mix, Pool, Rows, owner_of, packed_owner, rows_axis, unify
 
 __all__ = ["follow", "aligned", "TABLE", "ROWS", "CONTRACTIONS", "LINEAR"]
@@ -704,17 +704,12 @@ def _matmul_place(pos: int, t: Tensor, a: int, out: Tensor, name: str, n_args: i
     return ("out", a + no - nd)
 
 
-def _einsum_place(args, t: Tensor, a: int) -> tuple[str, int] | None:
-    eq = args[0]
-    ops_ = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    if not isinstance(eq, str) or "->" not in eq or "." in eq:
+def _einsum_place(args, t: Tensor, a: int) -> tuple[str, int | str] | None:
+    """Where dim ``a`` of einsum operand ``t`` goes: ``("out", output dim)`` or ``("sum", letter)``."""
+    found = einsum_letter(args, t, a)
+    if found is None:
         return None
-    lhs, out = eq.replace(" ", "").split("->")
-    subs = lhs.split(",")
-    i = next((k for k, o in enumerate(ops_) if o is t), None)
-    if i is None or i >= len(subs) or len(subs[i]) != t.dim():
-        return None
-    letter = subs[i][a]
+    letter, out = found
     return ("out", out.index(letter)) if letter in out else ("sum", letter)
 
 
