@@ -270,6 +270,28 @@ class SharedPartsMLP(nn.Module):
         return self.head(h)
 
 
+class BilinearNet(nn.Module):
+    """``nn.Bilinear``, a layer of two inputs: on two branches of the input (no sequence axis),
+    the same layer called a second time (a shared use: g_n sums both calls), and a second layer
+    over positions (``[B, T, d]`` inputs, one reversed)."""
+
+    def __init__(self, d_in=6, d=5, classes=4):
+        super().__init__()
+        self.inp1 = nn.Linear(d_in, d)
+        self.inp2 = nn.Linear(d_in, 3)
+        self.bil = nn.Bilinear(d, 3, d)
+        self.seq = nn.Bilinear(2, 2, 3)
+        self.head = nn.Linear(d + 3, classes)
+
+    def forward(self, x):
+        h1, h2 = torch.tanh(self.inp1(x)), torch.tanh(self.inp2(x))
+        h = torch.tanh(self.bil(h1, h2))
+        h = torch.tanh(self.bil(h, h2))
+        s = x.reshape(x.shape[0], 3, 2)
+        z = self.seq(s, s.flip(1)).sum(1)
+        return self.head(torch.cat([h, z], 1))
+
+
 class NormsConvNet(nn.Module):
     """GroupNorm, a depthwise and a grouped convolution, affine InstanceNorm2d, nn.RMSNorm."""
 
@@ -450,6 +472,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("custom_params", CustomParamsModel, _token_data(13, 6), _ce_call),
         ModelCase("norms_conv", NormsConvNet, _image_data(3, 6), _ce_call),
         ModelCase("shared_parts", SharedPartsMLP, _vector_data(6), _ce_call),
+        ModelCase("bilinear", BilinearNet, _vector_data(6), _ce_call),
         ModelCase("hf_gpt2", hf_gpt2, _gpt2_data(False), _hf_lm_call, kind="hf_lm", oracle="loop", frameworks=True,
                   rtol=1e-6),
         ModelCase("hf_gpt2_padded", hf_gpt2, _gpt2_data(True), _hf_lm_call, kind="hf_lm", oracle="loop",

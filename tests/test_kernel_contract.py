@@ -56,6 +56,9 @@ class Case:
     make: Callable[[], nn.Module]
     shape: tuple[int, ...]
     index: int = 0
+    #: the shapes of further inputs of a layer with several (``nn.Bilinear``: ``x2``); the
+    #: kernel then gets them joined (:meth:`Kernel.join_inputs`)
+    more: tuple[tuple[int, ...], ...] = ()
 
 
 def _bn_eval(cls, c, **kw):
@@ -77,6 +80,14 @@ def _no_bias_grad(m: nn.Module) -> nn.Module:
 
 #: registry key -> the shapes every kernel it hands out is checked on
 CASES: dict[type | str, list[Case]] = {
+    nn.Bilinear: [
+        Case("flat", lambda: nn.Bilinear(4, 3, 5), (3, 4), more=((3, 3),)),
+        Case("B1", lambda: nn.Bilinear(2, 3, 2), (1, 2), more=((1, 3),)),
+        Case("no-bias", lambda: nn.Bilinear(3, 2, 4, bias=False), (4, 3), more=((4, 2),)),
+        Case("seq", lambda: nn.Bilinear(3, 2, 2), (3, 4, 3), more=((3, 4, 2),)),
+        Case("two-axes", lambda: nn.Bilinear(2, 3, 3), (2, 2, 3, 2), more=((2, 2, 3, 3),)),
+        Case("bias-frozen", lambda: _no_bias_grad(nn.Bilinear(3, 3, 2)), (3, 2, 3), more=((3, 2, 3),)),
+    ],
     nn.Linear: [
         Case("B1", lambda: nn.Linear(4, 3), (1, 4)),
         Case("no-bias", lambda: nn.Linear(4, 3, bias=False), (3, 4)),
@@ -174,10 +185,11 @@ def oracle(m: nn.Module, x: Tensor, delta: Tensor, mixes: bool) -> dict[str, Ten
     if mixes and ref.training:  # batch statistics either way; no running-stat update inside grad
         ref.track_running_stats = False
     buffers = {n: b.clone() for n, b in ref.named_buffers(recurse=False)}
+    xs = x if isinstance(x, tuple) else (x,)  # a layer of several inputs: all of them
     if not mixes:
-        def one(p, xi, di):
-            return (functional_call(ref, (p, buffers), (xi.unsqueeze(0),)) * di.unsqueeze(0)).sum()
-        return vmap(grad(one), in_dims=(None, 0, 0))(_params(ref), x, delta)
+        def one(p, di, *xi):
+            return (functional_call(ref, (p, buffers), tuple(t.unsqueeze(0) for t in xi)) * di.unsqueeze(0)).sum()
+        return vmap(grad(one), in_dims=(None, 0) + (0,) * len(xs))(_params(ref), delta, *xs)
     b = x.shape[0]
 
     def row(p, e):
@@ -258,13 +270,15 @@ class Report:
 
 
 def _inputs(case: Case, m: nn.Module, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``(x, delta)``; a layer of several inputs (``case.more``): ``x`` the tuple of them."""
     if case.index:
         x = torch.randint(case.index, case.shape, generator=gen)
     else:
         x = torch.randn(case.shape, generator=gen, dtype=DT)
+    xs = (x,) + tuple(torch.randn(shape, generator=gen, dtype=DT) for shape in case.more)
     with torch.no_grad():
-        y = copy.deepcopy(m)(x)
-    return x, torch.randn(y.shape, generator=gen, dtype=DT)
+        y = copy.deepcopy(m)(*xs)
+    return (xs if case.more else x), torch.randn(y.shape, generator=gen, dtype=DT)
 
 
 def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel, key: type | str | None = None) -> None:
@@ -272,10 +286,13 @@ def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel, key: typ
     registry key the kernel came from; a name key also names the layer class for
     ``fused_layers``)."""
     gen = torch.Generator().manual_seed(hash(case.name) % 1000)
-    x, delta = _inputs(case, m, gen)
+    xs, delta = _inputs(case, m, gen)
+    # the kernel reads one tensor per use: several inputs joined as the capture joins them
+    x = kernel.join_inputs(m, xs) if isinstance(xs, tuple) else xs
+    rep.close("inputs", kernel.inputs, len(xs) if isinstance(xs, tuple) else 1)
     B = x.shape[0]
     mixes = kernel.mixes_samples
-    want = oracle(m, x, delta, mixes)
+    want = oracle(m, xs, delta, mixes)
     attrs = kernel.params(m)
     rep.close("params", sorted(attrs), sorted(want))
     names = {a: f"layer.{a}" for a in attrs}

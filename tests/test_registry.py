@@ -192,3 +192,15 @@ def test_a_kind_given_to_a_kernels_constructor_is_checked_for_every_kernel():
             kernel_for(Scale(2))
     finally:
         del _KERNELS[: len(_KERNELS) - n]
+
+
+def test_readme_table_is_the_generated_one():
+    """The README's layer table is exactly what the registry generates (both ways: no layer
+    missing, none listed that gradlens does not register)."""
+    from gradlens.capture.registry import layer_table
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("| layer | per-sample gradients |")
+    table = readme[start: readme.index("\n\n", start)]
+    assert table == layer_table(), "README's layer table is stale: paste gradlens.capture.registry.layer_table()"
+    assert "`nn.Bilinear`" in table

@@ -39,6 +39,7 @@ from torch import nn
 from gradlens import compat
 from gradlens.kernels.backpack import _backpack_kernels
 from gradlens.kernels.base import Kernel, check_kernel, qualname
+from gradlens.kernels.bilinear import BilinearKernel
 from gradlens.kernels.conv import Conv2dKernel, VmapConvKernel
 from gradlens.kernels.embedding import EmbeddingBagKernel, EmbeddingKernel
 from gradlens.kernels.linear import LinearKernel, TransposedLinearKernel
@@ -46,7 +47,7 @@ from gradlens.kernels.norms import (
     BatchNormBatchStatsKernel, BatchNormEvalKernel, GroupNormKernel, InstanceNormKernel, LayerNormKernel, RMSNormKernel,
 )
 
-__all__ = ["register_kernel", "register_forward", "kernel_for", "forward_for", "supported_layers"]
+__all__ = ["register_kernel", "register_forward", "kernel_for", "forward_for", "supported_layers", "layer_table"]
 
 KernelFactory = Callable[[nn.Module], "Kernel | None"]
 
@@ -154,7 +155,9 @@ def elementwise(module: nn.Module) -> bool:
 def _display(key: type | str) -> str:
     if isinstance(key, str):
         return key
-    return f"nn.{key.__name__}" if key.__module__.startswith("torch.nn") else qualname(key)
+    if key.__module__.startswith("torch.nn"):  # a private base class stands for its family
+        return f"nn.{key.__name__[1:]}*" if key.__name__.startswith("_") else f"nn.{key.__name__}"
+    return qualname(key)
 
 
 def supported_layers() -> list[tuple[str, str]]:
@@ -163,6 +166,31 @@ def supported_layers() -> list[tuple[str, str]]:
     rows = [(_display(k), d) for k, _, d in _KERNELS]
     rows += [(_display(t), d) for t, (_, d) in _FORWARDS.items()]
     return rows
+
+
+#: the last row of :func:`layer_table`: what no registered layer covers
+PER_OPERATION = (
+    "per operation: a `TorchFunctionMode` follows each parameter (and tensors computed from "
+    "parameters only) to the operation where it meets the batch; `F.linear`, `add`, `mul` in "
+    "closed form, any other operation by an exact VJP of that one operation per sample"
+)
+
+
+def layer_table() -> str:
+    """The README's supported-layer table (markdown), generated from gradlens' own
+    registrations (:func:`supported_layers` without the user's): consecutive layers of one
+    description share a row; the last row is everything else (:data:`PER_OPERATION`)."""
+    rows: list[tuple[list[str], str]] = []
+    builtin = [(_display(k), d) for k, _, d in _BUILTIN[0]] + [(_display(t), d) for t, (_, d) in _BUILTIN[1].items()]
+    for layer, how in builtin:
+        if rows and rows[-1][1] == how:
+            rows[-1][0].append(layer)
+        else:
+            rows.append(([layer], how))
+    lines = ["| layer | per-sample gradients |", "|---|---|"]
+    lines += ["| " + ", ".join(f"`{name}`" for name in names) + f" | {how} |" for names, how in rows]
+    lines.append(f"| anything else: custom modules using their own parameters, functional calls | {PER_OPERATION} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- built-ins
@@ -188,34 +216,43 @@ def _batchnorm(m: nn.Module) -> "Kernel":
 
 
 for _t in (nn.ConvTranspose3d, nn.ConvTranspose2d, nn.ConvTranspose1d, nn.Conv3d, nn.Conv2d, nn.Conv1d):
-    register_kernel(_t, _conv, "closed form (unfold + bmm for Conv2d, BackPACK's derivatives otherwise)")
+    register_kernel(_t, _conv, "closed form (unfold + bmm for ungrouped Conv2d, BackPACK's derivatives otherwise); "
+                    "padding modes other than zeros per operation")
 register_kernel(
     nn.Embedding,
     lambda m: None if m.scale_grad_by_freq else EmbeddingKernel(),
-    "closed form (scatter of the output gradients)",
+    "closed form (scatter of the output gradients); `scale_grad_by_freq` per operation",
 )
 register_kernel(
     nn.EmbeddingBag,
     lambda m: None if m.mode == "max" or m.scale_grad_by_freq else EmbeddingBagKernel(),
-    "closed form (a bag is a sample: scatter of its weighted output gradient)",
+    "closed form (a bag is a sample: scatter of its weighted output gradient; `\"sum\"`, `\"mean\"`, offsets, "
+    "per-sample weights); `\"max\"` per operation",
 )
-register_kernel(compat.BatchNormBase, _batchnorm, "closed form (running or batch statistics)")
-register_kernel(compat.InstanceNormBase, lambda m: InstanceNormKernel() if m.affine else None, "closed form")
-register_kernel(nn.GroupNorm, lambda m: GroupNormKernel() if m.affine else None, "closed form")
+_NORMS = "closed form (`delta * x_hat`, statistics recomputed from the input; BatchNorm: running or batch statistics)"
+register_kernel(compat.BatchNormBase, _batchnorm, _NORMS)
+register_kernel(compat.InstanceNormBase, lambda m: InstanceNormKernel() if m.affine else None, _NORMS)
+register_kernel(nn.GroupNorm, lambda m: GroupNormKernel() if m.affine else None, _NORMS)
 if hasattr(nn, "RMSNorm"):
-    register_kernel(nn.RMSNorm, lambda m: RMSNormKernel() if m.elementwise_affine else None, "closed form")
-register_kernel(nn.LayerNorm, lambda m: LayerNormKernel() if m.elementwise_affine else None, "closed form")
-register_kernel("transformers.pytorch_utils.Conv1D", TransposedLinearKernel(), "closed form (Linear factors, transposed)")
-register_kernel(nn.Linear, LinearKernel(), "closed form (factors: no [B, *param] tensor)")
+    register_kernel(nn.RMSNorm, lambda m: RMSNormKernel() if m.elementwise_affine else None, _NORMS)
+register_kernel(nn.LayerNorm, lambda m: LayerNormKernel() if m.elementwise_affine else None, _NORMS)
+register_kernel("transformers.pytorch_utils.Conv1D", TransposedLinearKernel(), "closed form (the Linear factors, weight `[d_in, d_out]`)")
+register_kernel(nn.Bilinear, BilinearKernel(),
+                "closed form from its two inputs and output gradient (three factors; no `[B, *param]` tensor)")
+register_kernel(nn.Linear, LinearKernel(), "closed form from the layer's input and output gradient, any leading axes "
+                "(factors; no `[B, *param]` tensor for norms and sums)")
 
 
 def _register_forwards() -> None:
     from gradlens.kernels.attention import mha_forward
     from gradlens.kernels.recurrent import rnn_forward
 
-    register_forward(nn.MultiheadAttention, mha_forward, "tracked-window forward: batch-first F.linear projections (closed form)")
+    register_forward(nn.MultiheadAttention, mha_forward,
+                     "a tracked-window forward with batch-first `F.linear` projections (`batch_first` or not), then closed form")
     for t in (nn.LSTM, nn.GRU, nn.RNN):
-        register_forward(t, rnn_forward, "tracked-window forward: a loop over time; input weights one use, recurrent weights one use per step (closed form)")
+        register_forward(t, rnn_forward, "a tracked-window loop over time (layers, bidirectional, `batch_first` or not), "
+                         "then closed form; the recurrent weight's uses are concatenated over time")
 
 
 _register_forwards()
+_BUILTIN = (list(_KERNELS), dict(_FORWARDS))  # what layer_table shows (not the user's registrations)

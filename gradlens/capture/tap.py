@@ -339,11 +339,15 @@ class Tap(SampleFlow):
         is_bag = isinstance(mod, nn.EmbeddingBag)
         may_fuse = site is not None and qualname(type(mod)) in site.kernel.fused_layers  # (only these run fused)
         data = self._data
+        declared = site.kernel if site is not None else kernel_for(mod)
+        n_in = declared.inputs if declared is not None else 1  # (a layer of several inputs: Bilinear)
 
         def use(module, args, output):
             nonlocal site
             if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
                 return None
+            if n_in > 1:
+                return self._multi_use(module, site, args, output, n_in)
             kernel = kernel_for(module) if stateful else None
             if site is not None and kernel is not None and type(kernel) is not type(site.kernel):
                 site = Site(site.name, module, kernel, site.params)
@@ -427,6 +431,57 @@ class Tap(SampleFlow):
             return None
 
         return use
+
+    def _multi_use(self, module: nn.Module, site: Site | None, args: tuple, output: Tensor, n_in: int) -> None:
+        """A call of a layer whose kernel reads ``n_in`` tensor inputs (:attr:`Kernel.inputs`,
+        ``nn.Bilinear``): each input must carry the samples on the same axis, one row each; the
+        kernel gets them batch-first, joined into one tensor (:meth:`Kernel.join_inputs`).
+        Inputs that all come from parameters only make a derived output, as for one input."""
+        xs = args[:n_in]
+        label = site.name if site is not None else type(module).__name__
+        if len(xs) < n_in or not all(isinstance(x, Tensor) for x in xs):
+            lead = args[0]  # (the output keeps the first input's samples where no use is measured)
+            self._data[output] = self.axis_of(lead) if self._is_data(lead) else None
+            if site is not None and output.requires_grad:
+                self._refuse_axis(output, f"the call of {label!r} ({type(module).__name__}) with {len(xs)} positional "
+                                  f"tensor input(s) (it reads {n_in}: call it as module(x1, x2))", site.params.values())
+            return None
+        is_data = [self._is_data(x) for x in xs]
+        if not any(is_data):
+            names = frozenset(site.params.values()) if site is not None else frozenset()
+            for x in xs:
+                names |= self._derived.get(x, frozenset())
+            if names and output.requires_grad:
+                self._derived[output] = names
+            return None
+        axes = [self.axis_of(x) if d else None for x, d in zip(xs, is_data)]
+        ok = all(type(ax) is tuple and ax[1] == 1 for ax in axes) and len(set(axes)) == 1
+        self._data[output] = axes[0] if ok else None
+        if site is None or not output.requires_grad:
+            return None
+        if not ok:
+            what = f"the inputs of {label!r} ({type(module).__name__}, shapes {[tuple(x.shape) for x in xs]})"
+            if not all(is_data):
+                why = f": input {is_data.index(False) + 1} does not carry the samples (it comes from parameters or constants only)"
+            elif any(ax is None for ax in axes):
+                why = f": the sample axis of input {axes.index(None) + 1} is unknown" + self._why_unknown(xs[axes.index(None)])
+            else:
+                why = f": the samples are not one row each on one common axis ({axes})"
+            self._refuse_axis(output, what + why, site.params.values())
+            return None
+        for q in site.params.values():
+            self.uses[q] = self.uses.get(q, 0) + 1
+        dim, batch = axes[0][0], self._batch
+        with compat.no_torch_function(), torch.no_grad():
+            a_b = site.kernel.join_inputs(module, tuple(_batch_first(x.detach(), dim, 1, batch) for x in xs))
+        on_use, fid = self.on_use, self.forward_id
+
+        def hook(g):
+            return on_use(site, a_b, _batch_first(g, dim, 1, batch), _NOTHING, batch, fid)
+
+        with compat.no_torch_function():
+            compat.add_tensor_hook(output, hook)
+        return None
 
     def _bag_use(self, module: nn.EmbeddingBag, site: Site | None, ids: Tensor, ax: Any, bag_args: list,
                  output: Tensor) -> None:

@@ -21,6 +21,8 @@ Where each family lives:
 - :mod:`~gradlens.kernels.norms`: LayerNorm, RMSNorm, GroupNorm, InstanceNorm, BatchNorm (eval
   and batch statistics);
 - :mod:`~gradlens.kernels.embedding`: ``nn.Embedding``;
+- :mod:`~gradlens.kernels.bilinear`: ``nn.Bilinear``, a layer of two inputs
+  (:attr:`Kernel.inputs`, :meth:`Kernel.join_inputs`);
 - :mod:`~gradlens.kernels.backpack`: BackPACK's derivatives (Conv1d/3d, transposed and grouped
   convolutions);
 - :mod:`~gradlens.kernels.materialised`: parameters whose per-sample gradients were formed
@@ -36,6 +38,7 @@ from gradlens.kernels.backpack import BackpackConvKernel, BackpackKernel
 from gradlens.kernels.base import (
     CHUNK_ELEMENTS, KINDS, Kernel, add_into, check_kernel, joint_sq_norm, sample_chunks, tgram_cheaper,
 )
+from gradlens.kernels.bilinear import BilinearKernel
 from gradlens.kernels.conv import Conv2dKernel, VmapConvKernel
 from gradlens.kernels.embedding import EmbeddingKernel
 from gradlens.kernels.linear import LinearKernel, OpLinear, TransposedLinearKernel
@@ -50,5 +53,5 @@ __all__ = [
     "joint_sq_norm", "LinearKernel", "TransposedLinearKernel", "OpLinear", "Conv2dKernel", "VmapConvKernel",
     "LayerNormKernel", "RMSNormKernel", "GroupNormKernel", "InstanceNormKernel", "BatchNormBatchStatsKernel",
     "BatchNormEvalKernel", "EmbeddingKernel", "BackpackKernel", "BackpackConvKernel", "Materialised",
-    "MaterialisedKernel",
+    "MaterialisedKernel", "BilinearKernel",
 ]

@@ -155,6 +155,17 @@ class Kernel:
     #: d_in]`` (``F.linear``). Exactly these classes (a subclass's forward may compute something
     #: else); their forward must be that affine map of ``module.weight`` and ``module.bias``
     fused_layers: ClassVar[Mapping[str, bool]] = MappingProxyType({})
+    #: the tensor inputs of the layer's call that its maths read (``nn.Bilinear``: 2): the
+    #: capture checks each one's sample axis, puts each batch-first and hands the kernel
+    #: :meth:`join_inputs` of them as ``a``; a layer of more than one input defines that method
+    inputs: ClassVar[int] = 1
+
+    def join_inputs(self, module: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
+        """The one batch-first tensor ``a`` this kernel's methods receive for a call whose first
+        :attr:`inputs` positional arguments are ``inputs`` (each ``[B, ...]``, detached): one
+        tensor per use, so that stacking, cross-micro-step pieces and rank merging need not know
+        how many inputs a layer has. Default (one input): that input."""
+        return inputs[0]
 
     def routes_param_grads(self, module: nn.Module) -> bool:
         """Whether the autograd node of one call of ``module`` has each of the call's parameters
@@ -452,7 +463,8 @@ def _overrides(cls: type, name: str) -> bool:
 def check_kernel(kernel: object) -> None:
     """Check what ``kernel`` declares (:attr:`Kernel.kind`, :attr:`Kernel.factored`,
     :attr:`Kernel.mixes_samples`, :attr:`Kernel.per_micro_batch`, :attr:`Kernel.rows_per_sample`,
-    :attr:`Kernel.fused_layers`, :meth:`Kernel.routes_param_grads`) against what it implements;
+    :attr:`Kernel.fused_layers`, :meth:`Kernel.routes_param_grads`, :attr:`Kernel.inputs`) against
+    what it implements;
     raises ``TypeError`` / ``ValueError`` naming the class, the attribute and the fix.
 
     Called by :func:`gradlens.capture.registry.register_kernel` for a kernel instance, and by
@@ -494,6 +506,20 @@ def check_kernel(kernel: object) -> None:
         raise TypeError(
             f"{name}.routes_param_grads must be a method, got {kernel.routes_param_grads!r}; define "
             "routes_param_grads(self, module) -> bool, or leave it out (False)"
+        )
+    n_in = kernel.inputs
+    if not isinstance(n_in, int) or isinstance(n_in, bool) or n_in < 1:
+        raise TypeError(f"{name}.inputs must be a positive int (the tensor inputs its maths read), got {n_in!r}")
+    if n_in > 1 and not _overrides(cls, "join_inputs"):
+        raise TypeError(
+            f"{name}.inputs = {n_in} but {name} does not define join_inputs; define "
+            "join_inputs(self, module, inputs) -> Tensor (the inputs as one batch-first tensor, "
+            "e.g. torch.cat(inputs, dim=-1)), or set inputs = 1"
+        )
+    if n_in > 1 and kernel.rows_per_sample:
+        raise ValueError(
+            f"{name}.inputs = {n_in} with rows_per_sample = True: the capture follows several rows "
+            "per sample for one-input layers only; set rows_per_sample = False"
         )
     kind = kernel.kind
     if not isinstance(kind, str) or kind not in KINDS:
