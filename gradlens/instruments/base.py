@@ -229,7 +229,7 @@ class Instrument:
     # ---- across ranks (gradlens.distributed.merge) -------------------------------------------
     def to_buffers(self, state: Any, ctx: Any) -> Any:
         """What this window ``state`` sends when ranks merge (a
-        :class:`gradlens.distributed.merge.DistParts`: sums, per-rank values, pieces to gather).
+        :class:`gradlens.core.stats.DistParts`: sums, per-rank values, pieces to gather).
         Stateless instruments send nothing; an instrument with a state must override this."""
         if state is None:
             return DistParts()
