@@ -294,6 +294,37 @@ class NormsConvNet(nn.Module):
         return self.head(self.rms(self.pw(x).mean((2, 3))))
 
 
+class LeviNet(nn.Module):
+    """Eval-mode BatchNorms over flattenings that keep the samples as the leading factor of the
+    rows: LeViT's ``LinearNorm`` (timm levit.py: ``bn(x.flatten(0, 1)).reshape_as(x)``, a
+    BatchNorm1d on ``[B * N, C]``) and a BatchNorm2d on ``[B * 2, C, H / 2, W]`` (each image cut
+    into two halves). Running statistics away from 0 and 1, affine maps away from identity."""
+
+    def __init__(self, classes=4, c=6):
+        super().__init__()
+        self.patch = nn.Conv2d(3, c, 2, stride=2)
+        self.halves = nn.BatchNorm2d(c)
+        self.lin = nn.Linear(c, c, bias=False)
+        self.bn = nn.BatchNorm1d(c)
+        self.head = nn.Linear(c, classes)
+        with torch.no_grad():
+            for m in (self.halves, self.bn):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+
+    def forward(self, x):
+        h = self.patch(x)  # [B, C, H, W]
+        b, c, hh, ww = h.shape
+        halves = h.view(b, c, 2, hh // 2, ww).transpose(1, 2).reshape(b * 2, c, hh // 2, ww)
+        h = self.halves(halves).view(b, 2, c, hh // 2, ww).transpose(1, 2).reshape(b, c, hh, ww)
+        t = F.gelu(h).flatten(2).transpose(1, 2)  # [B, N, C]
+        t = self.lin(t)
+        t = self.bn(t.flatten(0, 1)).reshape_as(t)
+        return self.head(F.gelu(t).mean(1))
+
+
 # ----------------------------------------------------------------------------- framework models
 def hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -450,6 +481,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("custom_params", CustomParamsModel, _token_data(13, 6), _ce_call),
         ModelCase("norms_conv", NormsConvNet, _image_data(3, 6), _ce_call),
         ModelCase("shared_parts", SharedPartsMLP, _vector_data(6), _ce_call),
+        ModelCase("levit_bn_eval", LeviNet, _image_data(3, 8), _ce_call, train_mode=False),
         ModelCase("hf_gpt2", hf_gpt2, _gpt2_data(False), _hf_lm_call, kind="hf_lm", oracle="loop", frameworks=True,
                   rtol=1e-6),
         ModelCase("hf_gpt2_padded", hf_gpt2, _gpt2_data(True), _hf_lm_call, kind="hf_lm", oracle="loop",
