@@ -142,7 +142,7 @@ class _MatrixWithoutSketch(ScaleKernel):
         (3, TypeError, r"kernel must be a gradlens.kernels.Kernel, got int \(3\); subclass gradlens.kernels.Kernel"),
     ],
     ids=["no-per-sample", "unknown-kind", "linear-without-factors", "factored-without-sums", "flag-not-bool",
-         "rows-not-bool", "fused-by-class", "fused-not-bool", "routes-not-method", "matrix-without-sketch",
+         "rows-not-bool", "rows-last-alone", "fused-by-class", "fused-not-bool", "routes-not-method", "matrix-without-sketch",
          "class-not-instance", "not-a-kernel"],
 )
 def test_register_kernel_checks_what_the_kernel_declares(kernel, error, match):
