@@ -369,6 +369,64 @@ def timm_convnext():
     )
 
 
+class _ContiguousGrad(nn.Module):
+    """``module``, its output's gradient made contiguous (same values). Works around a torch CPU
+    bug (2.13, 2.14): an eval-mode BatchNorm2d's input gradient is wrong for a batch of 1 when
+    the output gradient has channels-last strides with a batch stride of C (LeViT's stem
+    output, read back through ``flatten(2).transpose(1, 2)``): ``x [1, 16, 4, 4]``, ``go =
+    torch.randn(256).as_strided((1, 16, 4, 4), (16, 1, 64, 16))`` gives ``dx != go * w /
+    sqrt(var + eps)``. The per-sample oracle (batches of 1) would be wrong, not gradlens."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        y = self.module(x)
+        if y.requires_grad:
+            y.register_hook(lambda g: g.contiguous())
+        return y
+
+
+class _LevitEval(nn.Module):
+    """A timm LeViT whose attention layers keep ``training=True`` in eval mode (only themselves,
+    not their BatchNorms): in eval they cache their bias table for inference, and a second
+    backward through the cached tensor fails (with or without gradlens)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        model.stem = _ContiguousGrad(model.stem)
+        self.model = model
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for m in self.modules():
+            if hasattr(m, "attention_bias_cache"):
+                m.training = True
+                m.attention_bias_cache = {}
+        return self
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def timm_levit():
+    """levit_128s' layout (16x stem, LinearNorm = BatchNorm1d on ``[B * N, C]``, subsampling
+    attention between stages), tiny; for eval mode, running statistics away from 0 and 1."""
+    from timm.models.levit import Levit
+
+    model = Levit(img_size=64, num_classes=4, embed_dim=(16, 24), key_dim=8, depth=(1, 1), num_heads=(2, 2),
+                  attn_ratio=2.0, mlp_ratio=2.0, down_op="subsample")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+    return _LevitEval(model)
+
+
 # ----------------------------------------------------------------------------- the case table
 def _tokens(g, vocab, *shape):
     return torch.randint(0, vocab, shape, generator=g)
