@@ -370,7 +370,9 @@ class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
     ``nn.SyncBatchNorm``), and folds those statistics into the window: after a window every rank
     holds the running statistics of ``nn.BatchNorm`` run once on the window's samples of all
     ranks. Unlike ``nn.SyncBatchNorm`` it runs on CPU tensors too (gloo). Every rank must run
-    the same number of training forwards per window.
+    the same number of training forwards per window. (A :class:`~gradlens.Lens` refuses such a
+    multi-rank training forward as a place where the sample axis is lost, for this layer and
+    every layer after it; in eval mode, or on one rank, it is measured as ``AccumBatchNorm`` is.)
 
     Args:
         num_features, accum_steps, eps, momentum, affine, track_running_stats, device, dtype:
