@@ -242,7 +242,7 @@ def test_mask_statistics_over_unmasked_positions_exact_over_unequal_micro_batche
         bn.bias.uniform_(-1, 1, generator=gen)
     run_mean, run_var = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
     for window in range(2):
-        xs, masks = [], []
+        xs = []
         for b in sizes:
             x = torch.randn(b, C, L, generator=gen, dtype=torch.float64) * 3 + window
             lengths = torch.randint(1, L + 1, (b,), generator=gen)
