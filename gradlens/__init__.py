@@ -41,6 +41,9 @@ _LAZY = {
     "AccumBatchNorm1d": "gradlens.training.batchnorm",
     "AccumBatchNorm2d": "gradlens.training.batchnorm",
     "AccumBatchNorm3d": "gradlens.training.batchnorm",
+    "AccumBatchNormAct2d": "gradlens.training.batchnorm",
+    "AccumSyncBatchNorm": "gradlens.training.batchnorm",
+    "register_accum_batchnorm": "gradlens.training.batchnorm",
     "convert_accum_batchnorm": "gradlens.training.batchnorm",
     "follow_optimizer": "gradlens.training.batchnorm",
 }

@@ -402,3 +402,32 @@ def hist_matches(h, values, lo, hi, bins, eps=1e-12):
     assert not extra[~allowed].any()
     assert int(near.sum()) < 0.5 * values.numel()  # most values are binned exactly (the near ones:
     # e.g. rows of an embedding that a sample does not use, padded positions)
+
+
+def batchnorm_copies(model: nn.Module) -> dict[str, nn.Module]:
+    """Deep copies of every BatchNorm layer of ``model`` (by qualified name): the oracle of
+    :func:`batchnorm_window` holds its running statistics there. Take them before conversion."""
+    return {n: copy.deepcopy(m) for n, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+
+
+def batchnorm_window(plain: nn.Module, copies: dict[str, nn.Module], parts) -> list[Tensor]:
+    """The running statistics a window of micro-batches ``parts`` should leave: each BatchNorm
+    of ``plain`` (an unconverted training-mode copy, normalising each micro-batch with its own
+    statistics) records its inputs over the window, and its copy in ``copies`` runs once, in
+    training mode, on their concatenation (nn.BatchNorm's own update, momentum applied once).
+    Returns ``plain``'s outputs of the micro-batches."""
+    seen: dict[str, list[Tensor]] = {n: [] for n in copies}
+    mods = dict(plain.named_modules())
+    hooks = [mods[n].register_forward_pre_hook(lambda mod, args, n=n: seen[n].append(args[0].detach()))
+             for n in copies]
+    try:
+        outs = [plain(p) for p in parts]
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for n, ref in copies.items():
+            ref.train()
+            ref(torch.cat(seen[n]))
+    return outs

@@ -316,6 +316,37 @@ class NormsConvNet(nn.Module):
         return self.head(self.rms(self.pw(x).mean((2, 3))))
 
 
+class LeviNet(nn.Module):
+    """Eval-mode BatchNorms over flattenings that keep the samples as the leading factor of the
+    rows: LeViT's ``LinearNorm`` (timm levit.py: ``bn(x.flatten(0, 1)).reshape_as(x)``, a
+    BatchNorm1d on ``[B * N, C]``) and a BatchNorm2d on ``[B * 2, C, H / 2, W]`` (each image cut
+    into two halves). Running statistics away from 0 and 1, affine maps away from identity."""
+
+    def __init__(self, classes=4, c=6):
+        super().__init__()
+        self.patch = nn.Conv2d(3, c, 2, stride=2)
+        self.halves = nn.BatchNorm2d(c)
+        self.lin = nn.Linear(c, c, bias=False)
+        self.bn = nn.BatchNorm1d(c)
+        self.head = nn.Linear(c, classes)
+        with torch.no_grad():
+            for m in (self.halves, self.bn):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+
+    def forward(self, x):
+        h = self.patch(x)  # [B, C, H, W]
+        b, c, hh, ww = h.shape
+        halves = h.view(b, c, 2, hh // 2, ww).transpose(1, 2).reshape(b * 2, c, hh // 2, ww)
+        h = self.halves(halves).view(b, 2, c, hh // 2, ww).transpose(1, 2).reshape(b, c, hh, ww)
+        t = F.gelu(h).flatten(2).transpose(1, 2)  # [B, N, C]
+        t = self.lin(t)
+        t = self.bn(t.flatten(0, 1)).reshape_as(t)
+        return self.head(F.gelu(t).mean(1))
+
+
 # ----------------------------------------------------------------------------- framework models
 def hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -358,6 +389,64 @@ def timm_convnext():
         "convnext_atto", pretrained=False, depths=(1, 1, 1, 1), dims=(8, 16, 16, 16), num_classes=4,
         ls_init_value=0.5, conv_mlp=False, drop_path_rate=0.0,
     )
+
+
+class _ContiguousGrad(nn.Module):
+    """``module``, its output's gradient made contiguous (same values). Works around a torch CPU
+    bug (2.13, 2.14): an eval-mode BatchNorm2d's input gradient is wrong for a batch of 1 when
+    the output gradient has channels-last strides with a batch stride of C (LeViT's stem
+    output, read back through ``flatten(2).transpose(1, 2)``): ``x [1, 16, 4, 4]``, ``go =
+    torch.randn(256).as_strided((1, 16, 4, 4), (16, 1, 64, 16))`` gives ``dx != go * w /
+    sqrt(var + eps)``. The per-sample oracle (batches of 1) would be wrong, not gradlens."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        y = self.module(x)
+        if y.requires_grad:
+            y.register_hook(lambda g: g.contiguous())
+        return y
+
+
+class _LevitEval(nn.Module):
+    """A timm LeViT whose attention layers keep ``training=True`` in eval mode (only themselves,
+    not their BatchNorms): in eval they cache their bias table for inference, and a second
+    backward through the cached tensor fails (with or without gradlens)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        model.stem = _ContiguousGrad(model.stem)
+        self.model = model
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for m in self.modules():
+            if hasattr(m, "attention_bias_cache"):
+                m.training = True
+                m.attention_bias_cache = {}
+        return self
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def timm_levit():
+    """levit_128s' layout (16x stem, LinearNorm = BatchNorm1d on ``[B * N, C]``, subsampling
+    attention between stages), tiny; for eval mode, running statistics away from 0 and 1."""
+    from timm.models.levit import Levit
+
+    model = Levit(img_size=64, num_classes=4, embed_dim=(16, 24), key_dim=8, depth=(1, 1), num_heads=(2, 2),
+                  attn_ratio=2.0, mlp_ratio=2.0, down_op="subsample")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+    return _LevitEval(model)
 
 
 # ----------------------------------------------------------------------------- the case table
@@ -473,6 +562,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("norms_conv", NormsConvNet, _image_data(3, 6), _ce_call),
         ModelCase("shared_parts", SharedPartsMLP, _vector_data(6), _ce_call),
         ModelCase("bilinear", BilinearNet, _vector_data(6), _ce_call),
+        ModelCase("levit_bn_eval", LeviNet, _image_data(3, 8), _ce_call, train_mode=False),
         ModelCase("hf_gpt2", hf_gpt2, _gpt2_data(False), _hf_lm_call, kind="hf_lm", oracle="loop", frameworks=True,
                   rtol=1e-6),
         ModelCase("hf_gpt2_padded", hf_gpt2, _gpt2_data(True), _hf_lm_call, kind="hf_lm", oracle="loop",

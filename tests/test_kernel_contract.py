@@ -451,11 +451,13 @@ def check_case(rep: Report, case: Case, m: nn.Module, kernel: K.Kernel, key: typ
     rep.run("sketch/sketch_direction", sketch)
 
     def rows_per_sample():  # samples as the leading factor of their axis: [n * f, ...] as [n, f, ...]
-        if not kernel.rows_per_sample or B < 2:
+        if not kernel.rows_per_sample or B < 2:  # ([n, ..., f] for a kernel with rows_last)
             return
         f = 2 if B % 2 == 0 else B
         n = B // f
         xf, df = x.reshape(n, f, *x.shape[1:]), delta.reshape(n, f, *delta.shape[1:])
+        if kernel.rows_last:
+            xf, df = xf.movedim(1, -1), df.movedim(1, -1)
         wf = {a: want[a].reshape(n, f, *want[a].shape[1:]).sum(1) for a in attrs}  # a sample's rows summed
         got = kernel.per_sample(m, xf, df, 0, n)
         for a in attrs:

@@ -37,6 +37,8 @@ def timm_swin():
 
 
 SWIN = OM.ModelCase("timm_swin", timm_swin, OM._image_data(3, 16), OM._ce_call, oracle="loop", frameworks=True)
+LEVIT = OM.ModelCase("timm_levit", OM.timm_levit, OM._image_data(3, 64), OM._ce_call, oracle="loop", frameworks=True,
+                     train_mode=False)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -58,6 +60,29 @@ def test_timm_swin_with_no_exclusions_matches_the_oracle(reduction):
     for k, g in gs.items():
         ref = g.square().sum(0)
         torch.testing.assert_close(rec["sum_grad_squared"][k], ref, rtol=1e-9, atol=1e-12 * float(ref.abs().max() + 1e-300))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_timm_levit_eval_with_no_exclusions_matches_the_oracle(reduction):
+    """Issue 43: LeViT's LinearNorm (an eval-mode BatchNorm1d on the ``[B * N, C]`` flattening
+    of ``[B, N, C]``, the samples the leading factor of the rows) measured, not refused: every
+    parameter tracked, batch_l2 / sum_grad_squared / grad_norm == oracle (micro-batches 5, 1, 6;
+    running statistics away from 0 and 1)."""
+    model = OM.build_model(LEVIT)
+    assert not any(m.training for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+    batch = OM.make_data(LEVIT, 0)
+    gs = OM.per_sample_grads(LEVIT, model, batch, SPLIT)
+    G = OM.flat(gs)
+    (rec,) = run_windows(model, [OM.split_batch(LEVIT, batch, SPLIT)], [BatchL2(), SumGradSquared(), GradNorm()],
+                         reduction=reduction, forward=lambda m, mb: m(mb["x"]), target=lambda mb: mb["y"],
+                         close=False).flushed
+    assert rec.meta["coverage"] == 1.0 and rec.num_samples == OM.N
+    scale = float(G.square().sum(1).max())
+    torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-12 * scale)
+    window = G.mean(0) if reduction == "mean" else G.sum(0)
+    assert rec["grad_norm"] == pytest.approx(float(window.norm()), rel=1e-10)
+    for k, g in gs.items():  # (the keys' biases get round-off gradients only: softmax is shift-invariant)
+        torch.testing.assert_close(rec["sum_grad_squared"][k], g.square().sum(0), rtol=1e-9, atol=1e-12 * scale)
 
 
 def _hf_windows(case, model, run, batches):

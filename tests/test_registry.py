@@ -103,6 +103,10 @@ class _RowsNotBool(ScaleKernel):
     rows_per_sample = 1
 
 
+class _RowsLastAlone(ScaleKernel):
+    rows_last = True  # without rows_per_sample
+
+
 class _FusedByClass(ScaleKernel):
     fused_layers = {nn.Linear: False}  # the class itself, not its qualified name
 
@@ -129,6 +133,7 @@ class _MatrixWithoutSketch(ScaleKernel):
         (_FactoredInName(), TypeError, r"_FactoredInName.factored = True but _FactoredInName does not define \['batch_l2', 'sum_grad_squared', 'grad_sum'\].*or set factored = False"),
         (_FlagNotBool(), TypeError, r"_FlagNotBool.mixes_samples must be True or False, got 'yes'; set the class attribute mixes_samples = True"),
         (_RowsNotBool(), TypeError, r"_RowsNotBool.rows_per_sample must be True or False, got 1; set the class attribute rows_per_sample = True"),
+        (_RowsLastAlone(), ValueError, r"_RowsLastAlone.rows_last = True but rows_per_sample is False; set rows_per_sample = True"),
         (_FusedByClass(), TypeError, r"_FusedByClass.fused_layers must map qualified layer class names to whether the weight is transposed, got .*Linear.*; e.g. fused_layers = \{\"torch.nn.modules.linear.Linear\": False\}"),
         (_FusedNotBool(), TypeError, r"_FusedNotBool.fused_layers must map .* got \{'torch.nn.modules.linear.Linear': 'transposed'\}"),
         (_RoutesNotMethod(), TypeError, r"_RoutesNotMethod.routes_param_grads must be a method, got True; define routes_param_grads\(self, module\) -> bool"),
@@ -137,7 +142,7 @@ class _MatrixWithoutSketch(ScaleKernel):
         (3, TypeError, r"kernel must be a gradlens.kernels.Kernel, got int \(3\); subclass gradlens.kernels.Kernel"),
     ],
     ids=["no-per-sample", "unknown-kind", "linear-without-factors", "factored-without-sums", "flag-not-bool",
-         "rows-not-bool", "fused-by-class", "fused-not-bool", "routes-not-method", "matrix-without-sketch",
+         "rows-not-bool", "rows-last-alone", "fused-by-class", "fused-not-bool", "routes-not-method", "matrix-without-sketch",
          "class-not-instance", "not-a-kernel"],
 )
 def test_register_kernel_checks_what_the_kernel_declares(kernel, error, match):

@@ -345,3 +345,58 @@ def test_flattened_lm_loss_under_light_capture():
     G = _oracle(oracle_model, SPLIT, ids, labels, "mean")
     assert rec.num_samples == sum(SPLIT)
     assert rec["grad_norm"] == pytest.approx(float(G.mean(0).norm()), rel=1e-10)
+
+
+class LinearNorm(nn.Module):
+    """LeViT's LinearNorm (timm levit.py): Linear, then an eval-mode BatchNorm1d over the
+    ``[B * N, C]`` flattening of ``[B, N, C]`` (``flip``: its rows reversed before the norm and
+    back after, so they reach it as rows of known samples rather than a leading factor)."""
+
+    def __init__(self, flip: bool, c=4, classes=3):
+        super().__init__()
+        self.flip = flip
+        self.lin = nn.Linear(c, c, bias=False)
+        self.bn = nn.BatchNorm1d(c)
+        self.head = nn.Linear(c, classes)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):  # [B, N, C]
+        h = self.lin(x)
+        flat = h.flatten(0, 1)
+        out = self.bn(flat.flip(0)).flip(0) if self.flip else self.bn(flat)
+        return self.head(torch.tanh(out.reshape_as(h)).mean(1))
+
+
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_eval_batchnorm_over_a_flattening_led_by_the_samples_is_measured(reduction, flip):
+    """Issue 43: BatchNorm1d (eval) on [B * N, C] rows, the samples the leading factor (or rows
+    of known samples): every parameter tracked, batch_l2 / grad_norm / sum_grad_squared == the
+    float64 per-sample loop, micro-batches 2, 3, 1 (2, 3, 2 with ``flip``: rows of known samples
+    reshaped back to [B, N, C] in a micro-batch of one sample lose their axis, also without a
+    BatchNorm: a limit of the rows rule, not of this layer)."""
+    torch.manual_seed(0)
+    model = LinearNorm(flip).double().eval()
+    split = [2, 3, 2] if flip else [2, 3, 1]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(split), 5, 4, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (sum(split),), generator=g)
+    oracle_model = copy.deepcopy(model)
+    params = list(oracle_model.parameters())
+    rows = []
+    for i in range(sum(split)):
+        gi = torch.autograd.grad(F.cross_entropy(oracle_model(x[i:i + 1]), y[i:i + 1]), params)
+        rows.append(torch.cat([v.reshape(-1) for v in gi]))
+    G = torch.stack(rows)
+    (rec,) = run_windows(model, [micro_batches(x, y, split)], [BatchL2(), GradNorm(), SumGradSquared()],
+                         reduction=reduction, close=False).flushed
+    assert rec.meta["coverage"] == 1.0
+    _check(rec, G, reduction)
+    sizes = [p.numel() for p in params]
+    for (name, _), block in zip(oracle_model.named_parameters(), G.split(sizes, dim=1)):
+        torch.testing.assert_close(rec["sum_grad_squared"][name].reshape(-1), block.square().sum(0),
+                                   rtol=1e-10, atol=1e-14)

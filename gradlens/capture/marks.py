@@ -40,11 +40,15 @@ def _input_batch(inputs: tuple, hint: int) -> tuple[int, int] | None:
     return ax, int(first.shape[ax])
 
 
-def _batch_first(t: Tensor, ax: int, factor: int, batch: int) -> Tensor:
+def _batch_first(t: Tensor, ax: int, factor: int, batch: int, rows_last: bool = False) -> Tensor:
     """``t`` with its sample axis ``ax`` moved to dim 0; ``[B * f, ...] -> [B, f, ...]`` where
-    the samples are the leading factor of that axis."""
+    the samples are the leading factor of that axis (``[B, ..., f]`` with ``rows_last``: a
+    kernel's :attr:`~gradlens.kernels.Kernel.rows_last`)."""
     t = t.movedim(ax, 0) if ax else t
-    return t.reshape(batch, factor, *t.shape[1:]) if factor != 1 else t
+    if factor == 1:
+        return t
+    t = t.reshape(batch, factor, *t.shape[1:])
+    return t.movedim(1, -1) if rows_last else t
 
 
 def _declared(model: nn.Module) -> dict[int, tuple[str, int]]:

@@ -105,7 +105,7 @@ def kernel_for(module: nn.Module) -> "Kernel | None":
 #: kernel per module: each class is checked once, on the first module built; an instance that
 #: sets a declared attribute itself, e.g. a kind given to its constructor, is checked each time)
 _CHECKED: set[type] = set()
-_DECLARED = frozenset({"kind", "factored", "mixes_samples", "per_micro_batch", "rows_per_sample", "fused_layers",
+_DECLARED = frozenset({"kind", "factored", "mixes_samples", "per_micro_batch", "rows_per_sample", "rows_last", "fused_layers",
                        "routes_param_grads"})
 
 

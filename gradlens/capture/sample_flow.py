@@ -424,17 +424,21 @@ class SampleFlow:
 
 
 def _in_sample_order(a: Tensor, g: Tensor, ax: Rows, batch: int, name: str, rows_per_sample: bool,
-                     a_axis: Rows | None = None) -> tuple[Tensor, Tensor]:
+                     a_axis: Rows | None = None, rows_last: bool = False) -> tuple[Tensor, Tensor]:
     """A use's input and output gradient with rows on a :class:`Rows` axis, put in sample order
     (:func:`gradlens.capture.rows.samples_first`), in backward: rows that were of no sample in
     the forward (a constant joined to the batch) have been claimed by then. Rows still of no
-    sample, or several rows of one sample for a kernel that takes one, are refused."""
+    sample, or several rows of one sample for a kernel that takes one, are refused. A sample's
+    rows come on dim 1, or last with ``rows_last`` (:attr:`gradlens.kernels.Kernel.rows_last`)."""
     try:
         with torch.no_grad():
-            width = ax.layout(batch)[2]
+            _, pos, width = ax.layout(batch)
             if width > 1 and not rows_per_sample:
                 raise ValueError(f"several rows of one sample on dim {ax[0]}")
-            return samples_first(a, a_axis or ax, batch), samples_first(g, ax, batch)
+            a_b, g_b = samples_first(a, a_axis or ax, batch), samples_first(g, ax, batch)
+            if rows_last and pos is not None:  # [B, R, ...] -> [B, ..., R]
+                a_b, g_b = a_b.movedim(1, -1), g_b.movedim(1, -1)
+            return a_b, g_b
     except ValueError as err:
         raise RuntimeError(
             f"gradlens cannot measure the use {name!r}: its input's rows on dim {ax[0]} are not one sample "

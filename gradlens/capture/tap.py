@@ -401,30 +401,33 @@ class Tap(SampleFlow):
             wg = getattr(output, "_gradlens_weight_grad", None) if may_fuse else None
             if rows:  # the rows put back in sample order in backward (rows of no sample may be claimed later)
                 a_rows, name, kernel_rows = a.detach(), site.name, site.kernel.rows_per_sample
+                last = site.kernel.rows_last
                 if wg is not None:
 
                     def hook(g):
-                        a_b, g_b = _in_sample_order(a_rows, g, ax, batch, name, kernel_rows)
+                        a_b, g_b = _in_sample_order(a_rows, g, ax, batch, name, kernel_rows, rows_last=last)
                         wg.value = on_use(site, a_b, g_b, via, batch, fid, fused=True)
 
                 else:
 
                     def hook(g):
-                        a_b, g_b = _in_sample_order(a_rows, g, ax, batch, name, kernel_rows)
+                        a_b, g_b = _in_sample_order(a_rows, g, ax, batch, name, kernel_rows, rows_last=last)
                         return on_use(site, a_b, g_b, via, batch, fid)
 
             else:
                 ax, factor = ax
-                a_b = _batch_first(a, ax, factor, batch) if ax or factor != 1 else a
+                last = site.kernel.rows_last
+                a_b = _batch_first(a, ax, factor, batch, last) if ax or factor != 1 else a
                 if wg is not None:  # a fused call: the meter returns its dL/dW if it formed it
 
                     def hook(g):
-                        wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid, fused=True)
+                        wg.value = on_use(site, a_b, _batch_first(g, ax, factor, batch, last), via, batch, fid,
+                                          fused=True)
 
                 else:
 
                     def hook(g):
-                        return on_use(site, a_b, _batch_first(g, ax, factor, batch), via, batch, fid)
+                        return on_use(site, a_b, _batch_first(g, ax, factor, batch, last), via, batch, fid)
 
             with compat.no_torch_function():  # bookkeeping, not a call of the forward
                 compat.add_tensor_hook(output, hook)

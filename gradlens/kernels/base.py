@@ -146,6 +146,11 @@ class Kernel:
     #: as positions (Linear, LayerNorm, Embedding). False: such a use is refused (its sample
     #: axis reported as unknown, :meth:`gradlens.capture.tap.Tap.axis_error`)
     rows_per_sample: ClassVar[bool] = False
+    #: with :attr:`rows_per_sample`: a sample's rows are handed *last*, ``a [B, ..., f]`` and
+    #: ``delta [B, ..., f]`` (the rows one more trailing position), for channel-first layers whose
+    #: maths sum the positions after the channel dim (BatchNorm in eval mode on a ``[B * N, C]``
+    #: flattening, as LeViT's ``bn(x.flatten(0, 1))``: ``[B, C, N]``)
+    rows_last: ClassVar[bool] = False
     #: the layer classes whose sequence calls may run fused with their measurement
     #: (:mod:`gradlens.capture.fused`: one autograd Function whose backward takes dL/dW from the
     #: per-sample weight gradients the Meter formed anyway, not from a second matmul), where the
@@ -452,7 +457,7 @@ _KIND_METHODS = {
     "bn": ("directional",),
     "other": (),
 }
-_FLAGS = ("factored", "mixes_samples", "per_micro_batch", "rows_per_sample")
+_FLAGS = ("factored", "mixes_samples", "per_micro_batch", "rows_per_sample", "rows_last")
 _SUMS = ("batch_l2", "sum_grad_squared", "grad_sum")
 
 
@@ -463,8 +468,8 @@ def _overrides(cls: type, name: str) -> bool:
 def check_kernel(kernel: object) -> None:
     """Check what ``kernel`` declares (:attr:`Kernel.kind`, :attr:`Kernel.factored`,
     :attr:`Kernel.mixes_samples`, :attr:`Kernel.per_micro_batch`, :attr:`Kernel.rows_per_sample`,
-    :attr:`Kernel.fused_layers`, :meth:`Kernel.routes_param_grads`, :attr:`Kernel.inputs`) against
-    what it implements;
+    :attr:`Kernel.rows_last`, :attr:`Kernel.fused_layers`, :meth:`Kernel.routes_param_grads`,
+    :attr:`Kernel.inputs`) against what it implements;
     raises ``TypeError`` / ``ValueError`` naming the class, the attribute and the fix.
 
     Called by :func:`gradlens.capture.registry.register_kernel` for a kernel instance, and by
@@ -494,6 +499,11 @@ def check_kernel(kernel: object) -> None:
                 f"{name}.{flag} must be True or False, got {value!r}; set the class attribute "
                 f"{flag} = True (or leave it out for False)"
             )
+    if kernel.rows_last and not kernel.rows_per_sample:
+        raise ValueError(
+            f"{name}.rows_last = True but rows_per_sample is False; set rows_per_sample = True (the "
+            "kernel takes several rows per sample), or leave rows_last out"
+        )
     fused = kernel.fused_layers
     if not isinstance(fused, Mapping) or not all(
             isinstance(k, str) and "." in k and isinstance(v, bool) for k, v in fused.items()):

@@ -159,9 +159,16 @@ def _running_x_hat(module, a: Tensor) -> Tensor:
 
 
 class BatchNormEvalKernel(Kernel):
-    """``nn.BatchNorm{1,2,3}d`` in eval mode: a per-channel affine map of the running statistics."""
+    """``nn.BatchNorm{1,2,3}d`` in eval mode: a per-channel affine map of the running statistics.
+
+    Each row is normalised on its own, so a sample may hold several rows of the input (a
+    ``[B * N, C]`` flattening with the samples the leading factor, LeViT's
+    ``bn(x.flatten(0, 1))``): they come last, ``a [B, C, *spatial, N]``, and are summed as
+    positions."""
 
     kind = "bn"
+    rows_per_sample = True
+    rows_last = True  # channel-first: a sample's rows are one more trailing position
 
     def per_sample(self, module, a, delta, start, stop, attrs=None):
         x, d = a[start:stop], delta[start:stop]

@@ -33,13 +33,27 @@ an epoch: use :func:`flush_accum_batchnorm` on the model next to
 ``GradientAccumulateOptimizer.flush()``). Evaluation mode behaves exactly like ``nn.BatchNorm``
 and ignores a window still open; ``track_running_stats=False`` behaves exactly like
 ``nn.BatchNorm`` too.
+
+**Other BatchNorm layers.** :class:`AccumSyncBatchNorm` is ``nn.SyncBatchNorm``'s counterpart:
+on one process (or without an initialised process group) it is an ``AccumBatchNorm``; where
+its process group has several ranks, each training forward normalises with the statistics of
+the micro-batch of all ranks (as ``nn.SyncBatchNorm`` does; reduced with ``all_reduce`` on any
+backend, also gloo on CPU, with the statistics' gradient paths reduced in backward) and folds
+those into the window, so that every rank holds the running statistics of one batch of all the
+window's samples. :class:`AccumBatchNormAct2d` / :class:`AccumSyncBatchNormAct` keep a fused
+``drop`` and ``act`` (timm's ``BatchNormAct2d`` / ``SyncBatchNormAct``: ``act(drop(bn(x)))``).
+:func:`convert_accum_batchnorm` converts the exact classes in its table
+(:func:`register_accum_batchnorm` adds one; timm's classes are added when ``timm`` is already
+imported: gradlens never imports it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from gradlens.training.accum_checks import check_accum_steps
@@ -52,7 +66,11 @@ __all__ = [
     "AccumBatchNorm1d",
     "AccumBatchNorm2d",
     "AccumBatchNorm3d",
+    "AccumBatchNormAct2d",
+    "AccumSyncBatchNorm",
+    "AccumSyncBatchNormAct",
     "convert_accum_batchnorm",
+    "register_accum_batchnorm",
     "flush_accum_batchnorm",
     "follow_optimizer",
 ]
@@ -147,8 +165,7 @@ class _AccumBatchNormMixin:
             self.flush()
         return out
 
-    def _masked_forward(self, input: Tensor, mask: Tensor) -> Tensor:
-        compat.batchnorm_check_input_dim(self, input)
+    def _check_mask(self, input: Tensor, mask: Tensor) -> None:
         spatial = (input.shape[0], *input.shape[2:])
         if not isinstance(mask, Tensor) or tuple(mask.shape) != spatial:
             got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
@@ -156,6 +173,10 @@ class _AccumBatchNormMixin:
                 f"mask must be a tensor of shape {spatial} ([B, *spatial] of the input "
                 f"{tuple(input.shape)}: true where a position counts), got {got}"
             )
+
+    def _masked_forward(self, input: Tensor, mask: Tensor) -> Tensor:
+        compat.batchnorm_check_input_dim(self, input)
+        self._check_mask(input, mask)
         m = mask.to(dtype=input.dtype).unsqueeze(1)  # [B, 1, *spatial]
         dims = [0] + list(range(2, input.dim()))
         count = int(mask.sum())  # one sync: the pooled statistics need the count
@@ -290,11 +311,217 @@ class AccumBatchNorm3d(_AccumBatchNormMixin, nn.BatchNorm3d):
     """
 
 
-_CONVERSIONS: dict[type, type] = {
-    nn.BatchNorm1d: AccumBatchNorm1d,
-    nn.BatchNorm2d: AccumBatchNorm2d,
-    nn.BatchNorm3d: AccumBatchNorm3d,
+class _ActDropMixin:
+    """``act(drop(norm(x)))``: a fused dropout and activation after the normalisation (timm's
+    ``BatchNormAct2d`` layout; ``nn.Identity`` where none is given)."""
+
+    def _init_act(self, act: nn.Module | None, drop: nn.Module | None) -> None:
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.Identity()
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self.act(self.drop(super().forward(input, mask)))
+
+
+class AccumBatchNormAct2d(_ActDropMixin, AccumBatchNorm2d):
+    """:class:`AccumBatchNorm2d` followed by ``drop`` then ``act`` (what
+    ``convert_accum_batchnorm`` makes of timm's ``BatchNormAct2d``; its modules are kept).
+
+    Args:
+        num_features, accum_steps, eps, momentum, affine, track_running_stats, device, dtype:
+            as in :class:`AccumBatchNorm2d`.
+        act: the activation module (default ``nn.Identity()``).
+        drop: the dropout module applied before it (default ``nn.Identity()``).
+    """
+
+    def __init__(self, num_features: int, accum_steps: int = 1, *args: Any, act: nn.Module | None = None,
+                 drop: nn.Module | None = None, **kwargs: Any) -> None:
+        super().__init__(num_features, accum_steps, *args, **kwargs)
+        self._init_act(act, drop)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``all_reduce(SUM)`` of a tensor over ``group`` whose backward all-reduces the gradient:
+    every rank's loss reaches every rank's input through the pooled statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        t = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` (input ``[B, C, *spatial]``) whose running statistics are updated
+    once per window from the pooled statistics of every rank's micro-batches.
+
+    On one rank (no process group initialised, or a group of one) it is exactly an
+    ``AccumBatchNorm``, as ``nn.SyncBatchNorm`` is a ``BatchNorm`` there. With several ranks a
+    training forward normalises with the biased variance and mean of the micro-batch of all
+    ranks (``all_reduce`` of the per-channel count, sum and centred sum of squares: one host
+    sync for the count; gradients flow through the pooled statistics to every rank, as in
+    ``nn.SyncBatchNorm``), and folds those statistics into the window: after a window every rank
+    holds the running statistics of ``nn.BatchNorm`` run once on the window's samples of all
+    ranks. Unlike ``nn.SyncBatchNorm`` it runs on CPU tensors too (gloo). Every rank must run
+    the same number of training forwards per window. (A :class:`~gradlens.Lens` refuses such a
+    multi-rank training forward as a place where the sample axis is lost, for this layer and
+    every layer after it; in eval mode, or on one rank, it is measured as ``AccumBatchNorm`` is.)
+
+    Args:
+        num_features, accum_steps, eps, momentum, affine, track_running_stats, device, dtype:
+            as in :class:`AccumBatchNorm2d`.
+        process_group: the ranks whose statistics are pooled (default: the world).
+    """
+
+    def __init__(self, num_features: int, accum_steps: int = 1, eps: float = 1e-5,
+                 momentum: float | None = 0.1, affine: bool = True, track_running_stats: bool = True,
+                 process_group: Any = None, device: Any = None, dtype: Any = None) -> None:
+        nn.SyncBatchNorm.__init__(self, num_features, eps, momentum, affine, track_running_stats, process_group,
+                                  device, dtype)
+        self._init_window(accum_steps)
+
+    def _sync_group(self) -> Any:
+        """The process group to pool over, or None where this is one rank."""
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group or dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``[B, C, *spatial]`` -> same shape; see the class doc."""
+        group = self._sync_group()
+        if group is None:
+            return super().forward(input, mask)
+        compat.batchnorm_check_input_dim(self, input)
+        channels = input.shape[1]
+        dims = [0] + list(range(2, input.dim()))
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        m = None
+        if mask is not None:
+            self._check_mask(input, mask)
+            m = mask.to(dtype=input.dtype).unsqueeze(1)  # [B, 1, *spatial]
+            local = mask.sum().to(torch.long)
+        else:
+            local = torch.tensor(input.numel() // channels if channels else 0, device=input.device)
+        dist.all_reduce(local, group=group)
+        count = int(local)  # one sync: the pooled statistics need the count
+        if count <= 1:
+            raise ValueError(
+                f"the micro-batch of all ranks has {count} value(s) per channel (input size "
+                f"{tuple(input.shape)} here); training statistics need more than 1"
+            )
+        total = (input if m is None else input * m).sum(dims)
+        mean = _AllReduceSum.apply(total, group) / count
+        centred = input - mean.view(shape)
+        sq = centred.square() if m is None else centred.square() * m
+        var = _AllReduceSum.apply(sq.sum(dims), group) / count  # biased, as nn.BatchNorm normalises
+        out = centred * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        if self.track_running_stats:
+            self._fold(mean.detach(), var.detach() * (count / (count - 1)), count)
+            if self._counter.micro_steps >= self.accum_steps and not self.follows_optimizer:
+                self.flush()
+        return out
+
+
+class AccumSyncBatchNormAct(_ActDropMixin, AccumSyncBatchNorm):
+    """:class:`AccumSyncBatchNorm` followed by ``drop`` then ``act`` (timm's
+    ``SyncBatchNormAct``); ``act`` and ``drop`` as in :class:`AccumBatchNormAct2d`."""
+
+    def __init__(self, num_features: int, accum_steps: int = 1, *args: Any, act: nn.Module | None = None,
+                 drop: nn.Module | None = None, **kwargs: Any) -> None:
+        super().__init__(num_features, accum_steps, *args, **kwargs)
+        self._init_act(act, drop)
+
+
+Converter = Callable[[nn.Module, int], nn.Module]
+
+
+def _rebuild(bn: _BatchNorm, target: type, accum_steps: int, **extra: Any) -> nn.Module:
+    """``target(...)`` with ``bn``'s settings, sharing its Parameter and buffer objects: an
+    optimizer built before conversion keeps working, and outputs are bit-identical."""
+    ref = bn.running_mean if bn.track_running_stats else bn.weight
+    new = target(
+        bn.num_features,
+        accum_steps,
+        bn.eps,
+        bn.momentum,
+        bn.affine,
+        bn.track_running_stats,
+        device=None if ref is None else ref.device,
+        dtype=None if ref is None else ref.dtype,
+        **extra,
+    )
+    if bn.affine:
+        new.weight = bn.weight
+        new.bias = bn.bias
+    if bn.track_running_stats:
+        new.running_mean = bn.running_mean
+        new.running_var = bn.running_var
+        new.num_batches_tracked = bn.num_batches_tracked
+    new.train(bn.training)
+    return new
+
+
+def _fused(bn: nn.Module) -> dict[str, Any]:
+    """The fused modules of a BatchNorm-with-activation (kept, not copied)."""
+    return {"act": getattr(bn, "act", None), "drop": getattr(bn, "drop", None)}
+
+
+#: exact source class -> ``convert(bn, accum_steps) -> module`` (:func:`register_accum_batchnorm`)
+_CONVERSIONS: dict[type, Converter] = {
+    nn.BatchNorm1d: lambda bn, k: _rebuild(bn, AccumBatchNorm1d, k),
+    nn.BatchNorm2d: lambda bn, k: _rebuild(bn, AccumBatchNorm2d, k),
+    nn.BatchNorm3d: lambda bn, k: _rebuild(bn, AccumBatchNorm3d, k),
+    nn.SyncBatchNorm: lambda bn, k: _rebuild(bn, AccumSyncBatchNorm, k, process_group=bn.process_group),
 }
+
+#: classes of libraries gradlens never imports, converted once the library is imported: (the
+#: module that defines them, its attribute, the converter)
+_LIBRARY_CONVERSIONS: tuple[tuple[str, str, Converter], ...] = (
+    ("timm.layers.norm_act", "BatchNormAct2d",
+     lambda bn, k: _rebuild(bn, AccumBatchNormAct2d, k, **_fused(bn))),
+    ("timm.layers.norm_act", "SyncBatchNormAct",
+     lambda bn, k: _rebuild(bn, AccumSyncBatchNormAct, k, process_group=bn.process_group, **_fused(bn))),
+)
+
+
+def register_accum_batchnorm(source: type, convert: Converter) -> None:
+    """Let :func:`convert_accum_batchnorm` convert modules of exactly the class ``source``.
+
+    Args:
+        source: a ``BatchNorm`` class (a subclass of ``torch.nn.modules.batchnorm._BatchNorm``);
+            its subclasses are not matched (their forward may compute something else).
+        convert: ``convert(bn, accum_steps) -> module``: the accumulation-aware replacement of
+            ``bn`` (typically an ``AccumBatchNorm`` subclass sharing ``bn``'s parameters and
+            buffers, whose forward does what ``source``'s does). It replaces ``source``'s entry
+            if there was one.
+    """
+    if not (isinstance(source, type) and issubclass(source, _BatchNorm)):
+        raise TypeError(f"register_accum_batchnorm(source=...) takes a BatchNorm class, got {source!r}")
+    if not callable(convert):
+        raise TypeError(f"register_accum_batchnorm(convert=...) takes a callable (bn, accum_steps), got {convert!r}")
+    _CONVERSIONS[source] = convert
+
+
+def _converter(cls: type) -> Converter | None:
+    got = _CONVERSIONS.get(cls)
+    if got is not None:
+        return got
+    for module_name, attr, convert in _LIBRARY_CONVERSIONS:
+        lib = sys.modules.get(module_name)  # only a library that is already imported
+        if lib is not None and getattr(lib, attr, None) is cls:
+            _CONVERSIONS.setdefault(cls, convert)
+            return convert
+    return None
 
 
 def _convert_one(bn: _BatchNorm, accum_steps: int) -> nn.Module:
@@ -306,34 +533,18 @@ def _convert_one(bn: _BatchNorm, accum_steps: int) -> nn.Module:
             )
         bn.accum_steps = accum_steps
         return bn
-    target = _CONVERSIONS.get(type(bn))
-    if target is None:
+    convert = _converter(type(bn))
+    if convert is None:
         raise TypeError(
-            f"cannot convert {type(bn).__name__}: only nn.BatchNorm1d/2d/3d are converted "
-            f"(SyncBatchNorm and custom BatchNorm subclasses would silently keep per-micro-batch "
-            f"running statistics); replace it by hand."
+            f"cannot convert {type(bn).__module__}.{type(bn).__qualname__}: convert_accum_batchnorm converts "
+            "nn.BatchNorm1d/2d/3d, nn.SyncBatchNorm and timm's BatchNormAct2d / SyncBatchNormAct (other "
+            "BatchNorm subclasses would silently keep per-micro-batch running statistics); register its "
+            "accumulation-aware replacement with gradlens.training.batchnorm.register_accum_batchnorm("
+            f"{type(bn).__qualname__}, convert) or replace it by hand."
         )
-    ref = bn.running_mean if bn.track_running_stats else bn.weight
-    new = target(
-        bn.num_features,
-        accum_steps,
-        bn.eps,
-        bn.momentum,
-        bn.affine,
-        bn.track_running_stats,
-        device=None if ref is None else ref.device,
-        dtype=None if ref is None else ref.dtype,
-    )
-    # Reuse the very same Parameter and buffer objects: an optimizer built before conversion
-    # keeps working, and outputs are bit-identical.
-    if bn.affine:
-        new.weight = bn.weight
-        new.bias = bn.bias
-    if bn.track_running_stats:
-        new.running_mean = bn.running_mean
-        new.running_var = bn.running_var
-        new.num_batches_tracked = bn.num_batches_tracked
-    new.train(bn.training)
+    new = convert(bn, accum_steps)
+    if not isinstance(new, nn.Module):
+        raise TypeError(f"the converter registered for {type(bn).__qualname__} returned {type(new).__name__}, not a module")
     return new
 
 
@@ -379,7 +590,10 @@ def follow_optimizer(module: nn.Module, optimizer: Any) -> Any:
 def convert_accum_batchnorm(
     module: nn.Module, accum_steps: int | None = None, *, optimizer: Any = None
 ) -> nn.Module:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its ``AccumBatchNorm`` counterpart.
+    """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by its ``AccumBatchNorm`` counterpart,
+    ``nn.SyncBatchNorm`` by :class:`AccumSyncBatchNorm`, timm's ``BatchNormAct2d`` /
+    ``SyncBatchNormAct`` by :class:`AccumBatchNormAct2d` / :class:`AccumSyncBatchNormAct` (their
+    ``act`` and ``drop`` modules kept), and classes added by :func:`register_accum_batchnorm`.
 
     With ``optimizer=`` (a :class:`~gradlens.GradientAccumulateOptimizer`) the layers take
     their windows from it (:func:`follow_optimizer`) and ``accum_steps`` is read from it
@@ -391,7 +605,8 @@ def convert_accum_batchnorm(
     ``model = convert_accum_batchnorm(model, k)``. Module hooks on replaced layers are not copied.
 
     Raises:
-        TypeError: for other ``_BatchNorm`` subclasses (e.g. ``SyncBatchNorm``).
+        TypeError: for other ``_BatchNorm`` subclasses (the message names
+            :func:`register_accum_batchnorm`).
     """
     if optimizer is not None:
         opt_steps = optimizer.accum_steps if isinstance(optimizer, GradientAccumulateOptimizer) else None
