@@ -294,6 +294,28 @@ class NormsConvNet(nn.Module):
         return self.head(self.rms(self.pw(x).mean((2, 3))))
 
 
+class ScalarParamsModel(nn.Module):
+    """Small parameters (issue 42): a 0-dim temperature multiplying the logits (CLIP's
+    ``logit_scale``), a 0-dim bias added to them, a ``[1]``-shaped scale of the embeddings, and a
+    0-dim gate used twice (a shared 0-dim parameter) on a sequence axis."""
+
+    def __init__(self, vocab=13, d=6, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.scale = nn.Parameter(torch.tensor([0.8]))
+        self.proj = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.tensor(0.6))
+        self.head = nn.Linear(d, classes)
+        self.temperature = nn.Parameter(torch.tensor(1.7))
+        self.offset = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, tokens):
+        h = self.emb(tokens) * self.scale
+        h = h + self.gate * torch.tanh(self.proj(h))
+        h = torch.tanh(h * self.gate).mean(1)
+        return self.temperature * self.head(h) + self.offset
+
+
 # ----------------------------------------------------------------------------- framework models
 def hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -450,6 +472,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("custom_params", CustomParamsModel, _token_data(13, 6), _ce_call),
         ModelCase("norms_conv", NormsConvNet, _image_data(3, 6), _ce_call),
         ModelCase("shared_parts", SharedPartsMLP, _vector_data(6), _ce_call),
+        ModelCase("scalar_params", ScalarParamsModel, _token_data(13, 5), _ce_call),
         ModelCase("hf_gpt2", hf_gpt2, _gpt2_data(False), _hf_lm_call, kind="hf_lm", oracle="loop", frameworks=True,
                   rtol=1e-6),
         ModelCase("hf_gpt2_padded", hf_gpt2, _gpt2_data(True), _hf_lm_call, kind="hf_lm", oracle="loop",
@@ -623,7 +646,7 @@ def batch_grad_sum(case: ModelCase, model: nn.Module, batch: dict[str, Tensor], 
 
 def flat(gs: dict[str, Tensor]) -> Tensor:
     """[N, D] per-sample gradients over the given parameters, in the dict's order."""
-    return torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+    return torch.cat([g.reshape(g.shape[0], -1) for g in gs.values()], dim=1)
 
 
 @functools.lru_cache(maxsize=None)
