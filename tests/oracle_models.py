@@ -528,7 +528,7 @@ def _scales(case: ModelCase, batch: dict[str, Tensor], sizes) -> Tensor:
     """[N] factor s_n with g_n = s_n * grad(sample n's own loss): 1 for per-sample losses,
     B v_n / V for a token-mean loss (B, V of the micro-batch holding sample n)."""
     if case.kind != "hf_lm":
-        return torch.ones(N, dtype=torch.float64)
+        return torch.ones(sum(sizes), dtype=torch.float64)
     parts = []
     for mb in split_batch(case, batch, sizes):
         v = _valid_tokens(mb["labels"]).double()
