@@ -207,3 +207,38 @@ def test_a_loss_returned_as_is_and_scaled_outside_keeps_its_units():
     _close(rec["batch_l2"], G.square().sum(1))
     _close(rec["grad_norm"], G.mean(0).norm())
     lens.close()
+
+
+class _StoredAsIs(nn.Module):
+    """Keeps its loss as an attribute, untouched but for a detached copy for a log."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        self.loss = F.cross_entropy(out, y)
+        self.logged = self.loss.detach() * 1.0
+        return out
+
+
+def test_a_loss_kept_as_computed_keeps_its_units():
+    """A loss the forward computed and did not take further (a detached copy for a log needs no
+    gradient): everything between it and backward (here 1/K) is divided out, as for a loss
+    computed outside the model."""
+    model = _StoredAsIs().double()
+    x, y = _data()
+    gs = per_sample_loop(model, model.state_dict(), lambda m, i: F.cross_entropy(m(x[i:i + 1], y[i:i + 1]), y[i:i + 1]), N)
+    G = torch.cat([g.reshape(N, -1) for g in gs.values()], 1)
+    m = gradlens.extend(copy.deepcopy(model))
+    lens = Lens(m, [BatchL2(), GradNorm()])
+    for xb, yb in zip(x.split(SIZES), y.split(SIZES)):
+        m(xb, yb)
+        with lens.capture():
+            (m.loss / K).backward()
+    rec = lens.flush()
+    _close(rec["batch_l2"], G.square().sum(1))
+    _close(rec["grad_norm"], G.mean(0).norm())
+    lens.close()

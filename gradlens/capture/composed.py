@@ -125,17 +125,19 @@ class LossChain:
                 grads.append((pos, x))
         if not found:
             return
+        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)] \
+            if isinstance(out, (list, tuple)) else []
+        outs = [o for o in outs if o.requires_grad]
+        if not outs:  # (``loss.detach()`` for a log: no gradient goes that way)
+            return
         ids = frozenset().union(*(m[1] for m in found))
         self.consumed.update(ids)
         linear = all(m[2] for m in found) and samples.linear_in_pooled(func, grads)
         what = next((m[3] for m in found if m[3] is not None), None)
         if not linear and what is None:
             what = getattr(func, "__name__", str(func))
-        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)] \
-            if isinstance(out, (list, tuple)) else []
         for o in outs:
-            if o.requires_grad:
-                marks[id(o)] = (o, ids, linear, what)
+            marks[id(o)] = (o, ids, linear, what)
 
     def end(self, output: Any) -> None:
         """The forward returned ``output``: each returned tensor computed from losses becomes a
