@@ -296,7 +296,8 @@ class NormsConvNet(nn.Module):
 
 class ScalarParamsModel(nn.Module):
     """Small parameters (issue 42): a 0-dim temperature multiplying the logits (CLIP's
-    ``logit_scale``), a 0-dim bias added to them, a ``[1]``-shaped scale of the embeddings, and a
+    ``logit_scale``), a 0-dim bias added to the features (added to the logits it would get no
+    gradient: cross-entropy is shift-invariant), a ``[1]``-shaped scale of the embeddings, and a
     0-dim gate used twice (a shared 0-dim parameter) on a sequence axis."""
 
     def __init__(self, vocab=13, d=6, classes=4):
@@ -312,8 +313,8 @@ class ScalarParamsModel(nn.Module):
     def forward(self, tokens):
         h = self.emb(tokens) * self.scale
         h = h + self.gate * torch.tanh(self.proj(h))
-        h = torch.tanh(h * self.gate).mean(1)
-        return self.temperature * self.head(h) + self.offset
+        h = torch.tanh(h * self.gate + self.offset).mean(1)
+        return self.temperature * self.head(h)
 
 
 # ----------------------------------------------------------------------------- framework models
