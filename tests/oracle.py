@@ -143,7 +143,7 @@ def per_sample_grads(model: nn.Module, x, y) -> dict[str, torch.Tensor]:
 
 def flat(gs: dict[str, torch.Tensor]) -> torch.Tensor:
     """[N, D] per-sample gradients over all parameters."""
-    return torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+    return torch.cat([g.reshape(g.shape[0], -1) for g in gs.values()], dim=1)
 
 
 def bins_oracle(values: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:

@@ -347,6 +347,29 @@ class LeviNet(nn.Module):
         return self.head(F.gelu(t).mean(1))
 
 
+class ScalarParamsModel(nn.Module):
+    """Small parameters (issue 42): a 0-dim temperature multiplying the logits (CLIP's
+    ``logit_scale``), a 0-dim bias added to the features (added to the logits it would get no
+    gradient: cross-entropy is shift-invariant), a ``[1]``-shaped scale of the embeddings, and a
+    0-dim gate used twice (a shared 0-dim parameter) on a sequence axis."""
+
+    def __init__(self, vocab=13, d=6, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.scale = nn.Parameter(torch.tensor([0.8]))
+        self.proj = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.tensor(0.6))
+        self.head = nn.Linear(d, classes)
+        self.temperature = nn.Parameter(torch.tensor(1.7))
+        self.offset = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, tokens):
+        h = self.emb(tokens) * self.scale
+        h = h + self.gate * torch.tanh(self.proj(h))
+        h = torch.tanh(h * self.gate + self.offset).mean(1)
+        return self.temperature * self.head(h)
+
+
 # ----------------------------------------------------------------------------- framework models
 def hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -563,6 +586,7 @@ CASES: dict[str, ModelCase] = {
         ModelCase("shared_parts", SharedPartsMLP, _vector_data(6), _ce_call),
         ModelCase("bilinear", BilinearNet, _vector_data(6), _ce_call),
         ModelCase("levit_bn_eval", LeviNet, _image_data(3, 8), _ce_call, train_mode=False),
+        ModelCase("scalar_params", ScalarParamsModel, _token_data(13, 5), _ce_call),
         ModelCase("hf_gpt2", hf_gpt2, _gpt2_data(False), _hf_lm_call, kind="hf_lm", oracle="loop", frameworks=True,
                   rtol=1e-6),
         ModelCase("hf_gpt2_padded", hf_gpt2, _gpt2_data(True), _hf_lm_call, kind="hf_lm", oracle="loop",
@@ -618,7 +642,7 @@ def _scales(case: ModelCase, batch: dict[str, Tensor], sizes) -> Tensor:
     """[N] factor s_n with g_n = s_n * grad(sample n's own loss): 1 for per-sample losses,
     B v_n / V for a token-mean loss (B, V of the micro-batch holding sample n)."""
     if case.kind != "hf_lm":
-        return torch.ones(N, dtype=torch.float64)
+        return torch.ones(sum(sizes), dtype=torch.float64)
     parts = []
     for mb in split_batch(case, batch, sizes):
         v = _valid_tokens(mb["labels"]).double()
@@ -736,7 +760,7 @@ def batch_grad_sum(case: ModelCase, model: nn.Module, batch: dict[str, Tensor], 
 
 def flat(gs: dict[str, Tensor]) -> Tensor:
     """[N, D] per-sample gradients over the given parameters, in the dict's order."""
-    return torch.cat([g.flatten(1) for g in gs.values()], dim=1)
+    return torch.cat([g.reshape(g.shape[0], -1) for g in gs.values()], dim=1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -570,6 +570,11 @@ def test_linear_calls_and_materialised_parameters_match_the_oracle():
     K.check_kernel(kernel)
     rep.where = "MaterialisedKernel:"
     check_case_materialised(rep, stand_in, kernel, want)
+    # and of a 0-dim parameter (a learned temperature, issue 42): [B] per-sample gradients
+    scalar = nn.Parameter(torch.tensor(0.5, dtype=DT))
+    rep.where = "MaterialisedKernel (0-dim):"
+    check_case_materialised(rep, K.Materialised("p", scalar), kernel,
+                            torch.randn(5, generator=torch.Generator().manual_seed(4), dtype=DT))
     assert not rep.bad, f"{len(rep.bad)} mismatches:\n" + "\n".join(rep.bad)
 
 
@@ -578,11 +583,12 @@ def check_case_materialised(rep: Report, m, kernel, want: Tensor) -> None:
     a = want.clone()
     g = {"p": want}
     rep.close("per_sample", kernel.per_sample(m, a, None, 1, B)["p"], want[1:])
-    j = torch.tensor([0, 5, want[0].numel() - 1])
+    n = want[0].numel()
+    j = torch.tensor(sorted({0, min(5, n - 1), n - 1}))
     rep.close("entries", kernel.entries(m, a, None, "p", j), want.reshape(B, -1)[:, j])
-    rep.close("batch_l2", kernel.batch_l2(m, a, a)["p"], want.flatten(1).square().sum(1))
+    rep.close("batch_l2", kernel.batch_l2(m, a, a)["p"], want.reshape(B, -1).square().sum(1))
     rep.close("sum_grad_squared", kernel.sum_grad_squared(m, a, a)["p"], want.square().sum(0))
-    G = want.flatten(1)
+    G = want.reshape(B, -1)
     rep.close("gram", kernel.gram(m, [(a[:1], a[:1]), (a[1:], a[1:])], ["p"]), G @ G.T)
     D = {"p": torch.randn(want.shape[1:], dtype=DT)}
     rep.close("directional", kernel.directional(m, a, a, D, ["p"]), G @ D["p"].flatten())

@@ -35,6 +35,7 @@ from oracle_models import (
     per_sample_grads,
     per_sample_losses,
     problem,
+    slice_batch,
     split_batch,
     tracked_names,
     trainable_names,
@@ -295,6 +296,30 @@ def test_every_instrument_matches_oracle_and_single_batch(name, reduction):
         recs[split] = rec
     if case.split_invariant:
         check_same_record(recs["K3-unequal"], recs["K1"], case, G, grad_r)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_small_parameters_on_micro_batches_2_3_1(reduction):
+    """Issue 42: 0-dim and [1]-shaped parameters (a temperature multiplying the logits, a bias
+    added, a scale, a 0-dim gate used twice) through every instrument with micro-batches
+    2, 3, 1 (6 samples of each window) == the oracle, and == one micro-batch of 6."""
+    case, model, windows = problem("scalar_params")
+    windows = [slice_batch(case, w, 0, 6) for w in windows]
+    G = flat(per_sample_grads(case, model, windows[0], [6]))
+    assert {p.dim() for p in model.parameters()} >= {0, 1}
+    grad_r = 0.4987 * float(G.abs().max())
+    names = tracked_names(case, model)
+    params = dict(model.named_parameters())
+    param_r = 0.4987 * max(float(params[k].detach().abs().max()) for k in names)
+    recs = {}
+    for sizes in ([2, 3, 1], [6]):
+        lens, thetas = run_lens(case, model, windows, sizes, reduction, _instruments(grad_r, param_r))
+        rec = lens.records[0]
+        assert rec.micro_steps == len(sizes)
+        check_coverage(lens, rec, case, model)
+        check_record(rec, oracle_values(case, thetas, windows, sizes, reduction), case, reduction, grad_r, param_r)
+        recs[len(sizes)] = rec
+    check_same_record(recs[3], recs[1], case, G, grad_r)
 
 
 @pytest.mark.parametrize("name,reduction", _PARAMS)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from gradlens import compat
+from gradlens.capture.composed import LossChain
 from gradlens.capture.losses import _LOSS_FUNCTIONS, _note_functional_loss
 from gradlens.capture.marks import _hints, _input_batch
 from gradlens.capture.tracked import declared_batch_dim
@@ -30,6 +31,8 @@ class _LossMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.tap.chain.marks:  # a loss of this forward taken further (``(ce_a + ce_b) / 2``)
+            self.tap.chain.follow(func, args, kwargs, out)
         if func in _LOSS_FUNCTIONS and args and isinstance(args[0], Tensor) and args[0].requires_grad:
             _note_functional_loss(func, kwargs, out, self.tap.batch, args)
         return out
@@ -57,6 +60,7 @@ class ParamTap:
         self._handles: list = []
         self._hint = _hints(model)
         self._mode = _LossMode(self)
+        self.chain = LossChain()  # the losses of a forward followed to what it returns
         self._depth = 0
         self.batch: int | None = None
         self.forward_id = 0
@@ -87,7 +91,7 @@ class ParamTap:
         # k=None: removed by an earlier pre-hook of the same forward, see Tap.install
         self._handles.append(root.register_forward_pre_hook(
             lambda m, a, k=None: None if k is None else tap._pre(m, a, k), with_kwargs=True))
-        self._handles.append(root.register_forward_hook(lambda m, a, o: tap._post(), always_call=True))
+        self._handles.append(root.register_forward_hook(lambda m, a, o: tap._post(o), always_call=True))
         for q, p in self.params.items():
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._grad_hook(q)))
@@ -96,6 +100,8 @@ class ParamTap:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._depth:
+            self.chain.end(None)
         while self._depth:
             self._depth -= 1
             self._mode.__exit__(None, None, None)
@@ -117,12 +123,14 @@ class ParamTap:
             if found is not None:
                 self.batch = found[1]
             self.forward_id += 1
+            self.chain.begin()
             self._mode.__enter__()
         self._depth += 1
         return None
 
-    def _post(self) -> None:
+    def _post(self, output=None) -> None:
         if self._depth:
             self._depth -= 1
             if self._depth == 0:
                 self._mode.__exit__(None, None, None)
+                self.chain.end(output)

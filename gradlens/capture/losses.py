@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from gradlens import compat
 
-__all__ = ["LossCall", "pending_loss_calls", "take_loss_calls", "settle_rows", "settle_samples"]
+__all__ = ["LossCall", "pending_loss_calls", "take_loss_calls", "settle_rows", "settle_samples", "follow_losses"]
 
 _loss_calls = threading.local()
 
@@ -68,6 +68,11 @@ class LossCall:
     input_shape: tuple = ()
     value: Tensor | None = None
     seen: _Multiplier = field(default_factory=_Multiplier)
+    #: computed inside a tracked forward: the returned tensors computed from this loss
+    #: (:class:`gradlens.capture.composed.Root`; the loss itself where the model returns it)
+    roots: list = field(default_factory=list)
+    #: computed inside a tracked forward, an operation of that forward took it (``loss / 2``)
+    consumed: bool = False
 
     def __post_init__(self):
         if self.value is None and self.output is not None:
@@ -85,6 +90,8 @@ class LossCall:
         forget it."""
         if self.output is not None and self.output.requires_grad:
             self.output.register_hook(self.seen)
+        for root in self.roots:  # (shared by the losses it is computed from: hooked once)
+            root.watch()
         samples = self.rows[0] if self.rows else self.batch_size
         if self.counted is None and self.target is not None and samples and self.target[0].numel() > samples:
             y, ignore = self.target
@@ -120,7 +127,19 @@ def take_loss_calls() -> list[LossCall]:
     return out
 
 
+def follow_losses(chain: Any, ending: Any = None) -> None:
+    """While a tracked forward runs in this thread, the losses noted are also handed to
+    ``chain`` (a :class:`gradlens.capture.composed.LossChain`); ``follow_losses(None,
+    ending=chain)``: that forward ended (nothing changes if another chain follows by now)."""
+    if ending is not None and getattr(_loss_calls, "chain", None) is not ending:
+        return
+    _loss_calls.chain = chain
+
+
 def _note_loss(call: LossCall) -> None:
+    chain = getattr(_loss_calls, "chain", None)
+    if chain is not None:
+        chain.note(call)
     q = _pending()
     if q and q[-1].output is not None and q[-1].output is call.output:
         q[-1] = call  # an extended loss module around a loss function seen inside: one loss

@@ -168,6 +168,8 @@ class _UseMode(TorchFunctionMode):
                         tap._data.sweep()
                 else:
                     tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
+                if tap.chain.marks:  # a loss of this forward taken further (``(ce_a + ce_b) / 2``)
+                    tap.chain.follow(func, args, kwargs, out)
                 if grad and kind & _IS_LOSS:
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
             return out
@@ -185,6 +187,8 @@ class _UseMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
         tap._meet(func, saved, kwargs, tracked, out)
+        if tap.chain.marks:
+            tap.chain.follow(func, args, kwargs, out)
         return out
 
 

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from gradlens import compat
+from gradlens.capture.composed import LossChain
 from gradlens.capture.events import OnUse, OpUse, Site
 from gradlens.capture.fused import _elementwise_forward, _TrackedForward, fused_forward_for
 from gradlens.capture.marks import (
@@ -87,6 +88,8 @@ class Tap(SampleFlow):
         self.output_nodes: dict = {}
         #: data tensor -> its sample axis (see :mod:`gradlens.capture.axes`)
         self._data = _TensorMarks()
+        #: the losses of a tracked forward followed to what it returns (their units)
+        self.chain = LossChain()
         self._derived = _TensorMarks()
         #: data tensors reduced over the samples (that require grad): tensor -> (linear, what)
         self._pooled = _TensorMarks()
@@ -215,6 +218,7 @@ class Tap(SampleFlow):
         self._replaced = []
         if self._mode_depth:  # removed inside a tracked forward: the mode is on the stack once
             self._mode_depth = 0
+            self.chain.end(None)
             if not self._mode_out:
                 self._mode.__exit__(None, None, None)
         self._mode_out = False
@@ -250,6 +254,7 @@ class Tap(SampleFlow):
                     if x.dim() > ax and x.shape[ax] == self._batch:
                         self._data[x] = (ax, 1)
             self.forward_id += 1
+            self.chain.begin()
             self._mode.__enter__()
         self._mode_depth += 1
         return None
@@ -262,6 +267,7 @@ class Tap(SampleFlow):
                     self._mode_out = False
                 else:
                     self._mode.__exit__(None, None, None)
+                self.chain.end(output)
                 outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
                 data = self._data
                 self.output_nodes = {

@@ -4,7 +4,9 @@ multiplier, and from them the per-sample scale that turns output gradients into 
 The units of docs/design.md ("Units"): with L the micro-step's backpropagated objective split by
 sample, L = sum_n L_n, the per-sample gradient is g_n = B * dL_n / c for a mean objective and
 dL_n / c for a sum, c being the known multiplier of the loss on its way to ``backward`` (1, a
-GradScaler's scale, 1/K, ...). :meth:`MicroStep.scale` is that factor, B / c or 1 / c.
+GradScaler's scale, 1/K, ...): of the loss as the model returns it, so that a factor the model
+applies inside its forward stays in the objective (gradlens/capture/composed.py).
+:meth:`MicroStep.scale` is that factor, B / c or 1 / c.
 """
 
 from __future__ import annotations
@@ -84,6 +86,12 @@ class MicroStep:
         """Once backward has passed the losses: which of the losses computed since the last
         capture were backpropagated, their reduction, batch size and common multiplier.
 
+        A loss computed inside the model's forward is measured where the model returns it (its
+        :class:`~gradlens.capture.composed.Root`: ``(ce_a + ce_b) / 2`` is the objective, its
+        factor 1/2 is not divided out); one that reached backward through a returned value that
+        is not linear in the losses, or through operations of the forward that lead to no
+        returned value, is refused (:func:`_terms`).
+
         Several loss terms (``ce + 0.01 * mse``): a mean objective if any term is a mean; the
         largest multiplier among the terms is taken as the common one (1/K, a GradScaler scale)
         and divided out, the terms' relative weights being part of the objective; the loss value
@@ -119,12 +127,13 @@ class MicroStep:
             )
         if sizes and self.batch_size is None:
             self.batch_size = sizes.pop()
-        if len(active) == 1:
-            self._multiplier, self.loss_value = active[0].multiplier, active[0].value
+        terms = _terms(active)
+        if len(terms) == 1:
+            self._multiplier, self.loss_value = terms[0]
             return
-        mults = [c.multiplier.reshape(()).double() for c in active]
+        mults = [m.reshape(()).double() for m, _ in terms]
         common = torch.stack(mults).max()
-        total = sum(m * c.value.double() for m, c in zip(mults, active))
+        total = sum(m * v.double() for m, (_, v) in zip(mults, terms))
         self._multiplier, self.loss_value = common, total / common
 
     @property
@@ -143,6 +152,45 @@ class MicroStep:
             c = self._multiplier
             self._scale = base if c is None else base / c
         return self._scale
+
+
+def _terms(active: list[LossCall]) -> list[tuple[Tensor, Tensor]]:
+    """``[(multiplier, value)]``: the terms of the backpropagated objective, one per returned
+    loss. A loss computed outside the model is its own term (what multiplied it on its way to
+    backward, its value); one computed inside a tracked forward counts through the returned
+    tensors computed from it that backward reached (their :class:`~gradlens.capture.composed.Root`:
+    the factor after the model, the returned value), each once. Refused: a loss that backward
+    reached through a returned value that is not linear in the losses (no per-sample split), or
+    only through operations of the forward that lead to no returned value (a factor inside the
+    model and one after it cannot be told apart there)."""
+    terms: dict[int, tuple[Tensor, Tensor]] = {}
+    for call in active:
+        fired = [r for r in call.roots if r.multiplier is not None]
+        bent = [r for r in fired if not r.linear]
+        if bent:
+            raise RuntimeError(
+                f"the loss {call.module_name} computed inside the model's forward reaches the value the model "
+                f"returns through {bent[0].what}, which is not a sum of the losses times constants: the "
+                "per-sample split of that objective is undefined, so gradlens cannot give per-sample "
+                "gradients in its units. Return a linear combination of the losses (e.g. "
+                "(loss_a + loss_b) / 2, loss / c), or state the units yourself: "
+                "with lens.capture(reduction='mean', loss=loss): loss.backward()"
+            )
+        if fired:
+            for r in fired:
+                terms[id(r)] = (r.multiplier, r.value)
+        elif call.consumed:
+            raise RuntimeError(
+                f"the loss {call.module_name} computed inside the model's forward was backpropagated through "
+                "operations the forward applied to it that lead to no value the model returns (or that "
+                "gradlens did not see), so a factor applied inside the model (part of the objective) cannot "
+                "be told apart from one applied after it (1/K, a GradScaler scale, divided out). Return the "
+                "loss that is backpropagated from the model's forward, or state the units: "
+                "with lens.capture(reduction='mean', loss=loss): loss.backward()"
+            )
+        else:
+            terms[id(call)] = (call.multiplier, call.value)
+    return list(terms.values())
 
 
 def settle_flattened(calls: list[LossCall], batch: int | None, output_nodes: dict) -> None:

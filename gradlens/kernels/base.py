@@ -307,7 +307,7 @@ class Kernel:
         return [v for attr, v in self.batch_l2(module, a, delta).items() if attr in names]
 
     def batch_l2(self, module, a, delta) -> dict[str, Tensor]:
-        return self._reduce(module, a, delta, lambda g: g.flatten(1).square().sum(1), cat=True)
+        return self._reduce(module, a, delta, lambda g: g.reshape(g.shape[0], -1).square().sum(1), cat=True)
 
     def sum_grad_squared(self, module, a, delta) -> dict[str, Tensor]:
         return self._reduce(module, a, delta, lambda g: g.square().sum(0), cat=False)
@@ -336,7 +336,7 @@ class Kernel:
     def flat_per_sample(self, module, a: Tensor, delta: Tensor, start: int, stop: int, attrs) -> Tensor:
         """``[stop - start, D_l]``: per-sample gradients of ``attrs``, flattened in that order."""
         got = self.per_sample(module, a, delta, start, stop)
-        return _cat([got[attr].flatten(1) for attr in attrs], dim=1)
+        return _cat([rows(got[attr]) for attr in attrs], dim=1)
 
     def directional(self, module, a: Tensor, delta: Tensor, direction: dict[str, Tensor], attrs) -> Tensor:
         """``[B]``: ``<D, g_n>``, ``D`` = ``direction`` (attribute -> ``[*param]``; untracked
@@ -559,6 +559,12 @@ def check_kernel(kernel: object) -> None:
         )
 
 
+def rows(g: Tensor) -> Tensor:
+    """``[B, D]``: per-sample ``g`` (``[B, *param]``) flattened per sample; a 0-dim parameter's
+    ``[B]`` gives ``[B, 1]`` (``flatten(1)`` would fail on it)."""
+    return g.reshape(g.shape[0], -1)
+
+
 def _cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
     """``torch.cat`` without the copy when there is one tensor."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
@@ -574,7 +580,7 @@ def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
 def joint_sq_norm(g: dict[str, Tensor], names) -> Tensor:
     """``[B]`` ||g_n||^2 over the attributes ``names`` of the per-sample gradients ``g``
     (attribute -> ``[B, *param]``), in one pass."""
-    flat = [g[attr].flatten(1) for attr in names]
+    flat = [rows(g[attr]) for attr in names]
     return (torch.cat(flat, 1) if len(flat) > 1 else flat[0]).square().sum(1)
 
 

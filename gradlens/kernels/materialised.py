@@ -37,7 +37,7 @@ class MaterialisedKernel(Kernel):
     factored = True
 
     def batch_l2(self, module, a, delta):
-        return {module._attr: torch.linalg.vector_norm(a.flatten(1), dim=1).square()}
+        return {module._attr: torch.linalg.vector_norm(a.reshape(a.shape[0], -1), dim=1).square()}
 
     def sum_grad_squared(self, module, a, delta):
         # Kernel's chunked squares are right here (the slices are the input itself); defined

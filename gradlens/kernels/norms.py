@@ -42,7 +42,7 @@ class _NormKernel(Kernel):
         return self._stacked_materialised(module, a, delta, k, groups, sums)
 
     def batch_l2(self, module, a, delta):
-        return {attr: g.flatten(1).square().sum(1) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}
+        return {attr: g.reshape(g.shape[0], -1).square().sum(1) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}
 
     def sum_grad_squared(self, module, a, delta):
         return {attr: g.square().sum(0) for attr, g in self.per_sample(module, a, delta, 0, delta.shape[0]).items()}

@@ -59,7 +59,7 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
                     inst.update(micro.states[id(inst)], qname, param, gb)
             sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
             if "batch_l2" in from_chunks:
-                part = sq.flatten(1).sum(1)
+                part = sq.reshape(sq.shape[0], -1).sum(1)
                 l2 = l2 + part
                 if of:
                     chunks = group_parts.setdefault(of[qname], [])
