@@ -143,8 +143,8 @@ def check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad
         raise TypeError(
             f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
         )
-    if undefined not in ("error", "exclude"):
-        raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
+    if undefined not in ("error", "exclude", "contribution"):
+        raise ValueError(f"undefined must be 'error' or 'exclude' or 'contribution', got {undefined!r}")
 
 
 def check_sinks(sinks: Iterable[Any]) -> list[Any]:
