@@ -24,7 +24,7 @@ import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
 from oracle import hist_matches
-from test_mixing import MIXES, Mixer
+from test_mixing import MIXES, Mixer, PooledLoss, TwoTowers
 
 EPS = 1e-5  # the BatchNorms' eps
 R = 0.5  # the histogram's range (-R, R)
@@ -368,4 +368,51 @@ def test_a_checkpoint_inside_the_window_keeps_what_was_measured_as_contributions
             assert got.meta["contribution"] == want.meta["contribution"] and got.meta["units"] == want.meta["units"]
         else:
             assert "contribution" not in got.meta
+        lens.close()
+
+
+def _copies(base, b):
+    return {q: p.detach().expand(b, *p.shape).clone().requires_grad_(True) for q, p in base.named_parameters()}
+
+
+def test_a_contrastive_loss_and_a_loss_nonlinear_in_a_batch_mean_give_contributions():
+    """A CLIP-style loss on ``a @ b.T`` (every parameter before the mix) and a loss term
+    ``mean(h)^2`` (the parameters before the pooled value): contributions for those, summing to
+    the micro-step's gradient."""
+    torch.manual_seed(0)
+    split = [3, 1, 4]
+    x, y = _data((5,), sum(split))
+
+    def clip(P, xb, yb):
+        logits = _linear(xb, P["a.weight"], P["a.bias"]) @ _linear(xb.flip(1), P["b.weight"], P["b.bias"]).T
+        return F.cross_entropy(logits, torch.arange(xb.shape[0]))
+
+    def pooled(P, xb, yb):
+        h = torch.tanh(_linear(xb, P["up.weight"], P["up.bias"]))
+        ce = F.cross_entropy(_linear(h, P["head.weight"], P["head.bias"]), yb, reduction="sum")
+        return ce + h.mean(0).square().sum()
+
+    for base, loss_of, reduction, before in ((TwoTowers().double(), clip, None, ["a.bias", "a.weight", "b.bias", "b.weight"]),
+                                             (PooledLoss(square=True).double(), pooled, "sum", ["up.bias", "up.weight"])):
+        names = [q for q, _ in base.named_parameters()]
+        rows, start = [], 0
+        for b in split:
+            P = _copies(base, b)
+            g = torch.autograd.grad(loss_of(P, x[start:start + b], y[start:start + b]), [P[q] for q in names])
+            rows.append(torch.cat([v.flatten(1) for v in g], 1) * (b if reduction is None else 1))
+            start += b
+        G = torch.cat(rows)
+        model = gradlens.extend(copy.deepcopy(base))
+        lens = Lens(model, [BatchL2(), GradNorm()], undefined="contribution")
+        start = 0
+        for b in split:
+            loss = model(x[start:start + b]) if reduction is None else model(x[start:start + b], y[start:start + b])
+            with lens.capture(**({} if reduction is None else {"reduction": reduction, "loss": loss})):
+                loss.backward()
+            start += b
+        rec = lens.flush()
+        assert sorted(rec.meta["contribution"]) == before
+        torch.testing.assert_close(rec["batch_l2"], G.square().sum(1), rtol=1e-10, atol=1e-13)
+        window = G.mean(0) if reduction is None else G.sum(0)
+        assert rec["grad_norm"] == pytest.approx(float(window.norm()), rel=1e-10)
         lens.close()

@@ -20,8 +20,8 @@ bool / None), and nothing else::
     "partial_window":    None, or (``"window"`` true) the :class:`~gradlens.core.window.Window`
                          so far: {"stats": its WindowStats, "states": [each instrument's window
                          state, in the Lens' order], "sites": {use name: Site}, "coverage": float,
-                         "contribution": {name: str}, its ``Window.contribution`` (a state
-                         written before it had this key loads with none)}
+                         and, where the window measured contributions, "contribution": {name:
+                         str}, its ``Window.contribution`` (absent: none)}
                          (its stacked uses are measured into "stats" first, its empty
                          micro-steps are "empty_micro_steps", its ``sum_blocks`` a cache)
     "pending_record":    None, or (``"pending"`` set) {"record": the Record, "states":
@@ -110,8 +110,9 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
                        for i in lens.instruments],
             "sites": encode(dict(window.sites), "partial window's sites"),  # the uses measured so far
             "coverage": float(window.coverage),
-            "contribution": dict(window.contribution),
         }
+        if window.contribution:  # Lens(undefined="contribution") measured some as contributions
+            partial["contribution"] = dict(window.contribution)
     pending = None
     if lens._pending.held is not None:
         record, states = lens._pending.held
