@@ -416,3 +416,26 @@ def test_a_contrastive_loss_and_a_loss_nonlinear_in_a_batch_mean_give_contributi
         window = G.mean(0) if reduction is None else G.sum(0)
         assert rec["grad_norm"] == pytest.approx(float(window.norm()), rel=1e-10)
         lens.close()
+
+
+def test_the_inner_product_and_orthogonality_tests_read_the_contributions():
+    """InnerTest and OrthoTest (cross-micro-step projections onto the window gradient) on the
+    contributions of the MLP with two BatchNorms."""
+    from gradlens.instruments import InnerTest, OrthoTest
+
+    make, forward, shape, split, _ = CASES["mlp"]
+    torch.manual_seed(0)
+    base = make().double()
+    x, y = _data(shape, sum(split))
+    G = contributions(base, forward, x, y, split)
+    flat = torch.cat([G[q].flatten(1) for q, _ in base.named_parameters()], 1)
+    model = gradlens.extend(base)
+    lens = Lens(model, [InnerTest(), OrthoTest()], undefined="contribution")
+    rec = _run(model, lens, x, y, split)
+    n, mean = flat.shape[0], flat.mean(0)
+    g2 = mean.square().sum()
+    p = flat @ mean
+    orth = flat - (p / g2)[:, None] * mean[None, :]
+    assert rec["inner_test"] == pytest.approx(float((p.var() / n).sqrt() / g2), rel=1e-9)
+    assert rec["ortho_test"] == pytest.approx(float((orth.square().sum() / (n - 1) / (n * g2)).sqrt()), rel=1e-9)
+    lens.close()

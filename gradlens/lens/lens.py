@@ -118,12 +118,8 @@ class Lens:
             their output reaches a layer that mixes samples (a BatchNorm in training mode):
             ``"error"`` (default) names them all in one error at the first tracked micro-step;
             ``"exclude"`` leaves them out (see :attr:`tracked`, :attr:`coverage`);
-            ``"contribution"`` measures, for them, each sample's contribution to its micro-step's
-            gradient (g_m = B_k * dL_k/dtheta_m for a mean objective: the gradient through sample
-            m's own rows, the batch statistics' paths included; (1/N) sum_m g_m is the window
-            gradient), which is not the sample's own gradient; ``record.meta["contribution"]``
-            names those parameters and the layer that mixed the samples (docs/instruments.md,
-            "Contributions").
+            ``"contribution"`` measures each sample's contribution to its micro-step's gradient
+            instead, not its own gradient (``record.meta["contribution"]``; docs/instruments.md).
         process_group: under ``torch.distributed`` (e.g. DDP), the ranks whose samples form the
             window: ``None`` (default) merges over the default group when torch.distributed is
             initialised, a ``ProcessGroup`` over that group, ``False`` keeps this rank's own

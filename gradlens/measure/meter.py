@@ -335,12 +335,11 @@ class Meter(WindowGradient):
         noted in :attr:`undefined_params`, or (``"contribution"``) measured on, noted in the
         window (:class:`gradlens.measure.undefined.UndefinedParams`)."""
         bad = {q: why for q, why in self.tap.tainted.items() if q in self.tap.params}
-        if bad and self.undefined.mode == "contribution":
-            self.undefined.apply(bad, self.tap.params, self.model, window if window is not None else self.window,
-                                 self.plan.per_sample)
-        elif bad:
+        if bad:
             rest = self.undefined.apply(bad, self.tap.params, self.model, window if window is not None else self.window,
                                         self.plan.per_sample)
+            if rest is self.tap.params:  # "contribution": all measured on
+                return
             self.tap.set_params(rest)  # the Lens updates its coverage after the capture
             self._set_groups(rest)
 
