@@ -308,3 +308,20 @@ def test_trainer_window_sample_count_mismatch_is_an_error(tmp_path):
     lens_cb = LensTrainerCallback(trainer, [GradNorm()])
     with pytest.raises(RuntimeError, match=r"held 12 samples by the model's input but the Trainer's batches held 13"):
         trainer.train()
+
+
+def test_the_window_units_note_keeps_the_contribution_definition():
+    """Lens(undefined="contribution") under the Trainer: the callback's units note (window
+    objective) keeps the definition that record.meta["contribution"] refers to."""
+    from gradlens.core.records import Record
+    from gradlens.integrations.transformers import _UnitsNote
+
+    class Callback:
+        _units = "window"
+
+    for meta, named in (({"contribution": {"0.weight": "'1' (BatchNorm1d with batch statistics)"}}, True), ({}, False)):
+        record = Record(0, 4, 2, {})
+        record.meta.update(meta, units="g_n = B_k * d(micro-step objective)_n (mean objective)")
+        _UnitsNote(Callback()).write(record)
+        assert "window objective" in record.meta["units"]
+        assert ("not per-sample gradients" in record.meta["units"]) is named

@@ -285,8 +285,8 @@ class SampleFlow:
     def axis_error(self) -> RuntimeError | None:
         """The error for the uses of this micro-step's forwards whose sample axis is unknown
         (uses whose parameters are all undefined anyway, reaching an operation that mixes
-        samples, are left to that error)."""
-        tainted = self.tainted
+        samples, are left to that error, unless they are measured as contributions)."""
+        tainted = {} if self.measures_tainted else self.tainted
         errors = [w for w in self.axis_errors
                   if not (self._axis_names.get(w) and all(q in tainted for q in self._axis_names[w]))]
         origins = self._axis_origin

@@ -83,6 +83,9 @@ class Tap(SampleFlow):
         #: undefined anyway gives way to the undefined ones' error)
         self._axis_names: dict[str, frozenset] = {}
         self._axis_origin: dict[str, tuple] = {}
+        #: the parameters before a mix are measured (``Lens(undefined="contribution")``, set by
+        #: the Meter): their uses' unknown axes are errors of their own
+        self.measures_tainted = False
         #: autograd node -> sample axis ((dim, factor) or None) of the data tensors the model's
         #: last forward returned (until the capture ends)
         self.output_nodes: dict = {}

@@ -46,6 +46,9 @@ class Window:
         empty_micro_steps: captures of this window whose backward reached no sample.
         coverage: the tracked parameters' fraction of the model's trainable elements as of the
             window's opening (``record.meta["coverage"]``).
+        contribution: parameters whose per-sample values in this window are contributions
+            (``Lens(undefined="contribution")``): name -> the layer or operation that mixed the
+            samples (``record.meta["contribution"]``).
     """
 
     stats: WindowStats
@@ -56,6 +59,7 @@ class Window:
     sum_blocks: dict = field(default_factory=dict)
     empty_micro_steps: int = 0
     coverage: float = 1.0
+    contribution: dict = field(default_factory=dict)
 
     @classmethod
     def open(cls, pools: dict[str, dict], states: dict[int, Any], coverage: float) -> "Window":
@@ -73,4 +77,5 @@ class Window:
     def merged(self, stats: WindowStats, states: dict[int, Any]) -> "Window":
         """The same window with the statistics and instrument states of all ranks (after
         :func:`gradlens.distributed.merge.merge_window`; its stacked uses were settled first)."""
-        return Window(stats, states, self.sites, empty_micro_steps=self.empty_micro_steps, coverage=self.coverage)
+        return Window(stats, states, self.sites, empty_micro_steps=self.empty_micro_steps, coverage=self.coverage,
+                      contribution=self.contribution)

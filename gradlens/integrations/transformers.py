@@ -35,6 +35,7 @@ from gradlens.lens.lens import Lens
 from gradlens.lens.optimizers import unwrap_optimizer
 from gradlens.core.records import Record, flatten
 from gradlens.core.limits import CHUNK_ELEMENTS
+from gradlens.measure.undefined import CONTRIBUTION
 
 __all__ = ["LensTrainerCallback"]
 
@@ -386,6 +387,8 @@ class _UnitsNote:
                 "g_n = N * d(window objective)_n: the Trainer's loss normalised over the "
                 "window's label tokens (mean objective; N the window's samples)"
             )
+            if "contribution" in record.meta:  # Lens(undefined="contribution"): the definition stays
+                record.meta["units"] += "; " + CONTRIBUTION
 
     def close(self) -> None:
         pass

@@ -17,6 +17,7 @@ from gradlens.distributed.deepspeed import ZeroView
 from gradlens.distributed.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.lens.record import RESERVED_KEYS
+from gradlens.measure.undefined import MODES
 from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
 __all__ = ["began_unseen", "capture_error", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build",
@@ -143,8 +144,8 @@ def check_options(every, optimizer, keep_records, log_mode, chunk_elements, grad
         raise TypeError(
             f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
         )
-    if undefined not in ("error", "exclude"):
-        raise ValueError(f"undefined must be 'error' or 'exclude', got {undefined!r}")
+    if undefined not in MODES:
+        raise ValueError(f"undefined must be 'error' or 'exclude' or 'contribution', got {undefined!r}")
 
 
 def check_sinks(sinks: Iterable[Any]) -> list[Any]:

@@ -117,7 +117,9 @@ class Lens:
         undefined: what to do with parameters whose per-sample gradients are undefined because
             their output reaches a layer that mixes samples (a BatchNorm in training mode):
             ``"error"`` (default) names them all in one error at the first tracked micro-step;
-            ``"exclude"`` leaves them out (see :attr:`tracked`, :attr:`coverage`).
+            ``"exclude"`` leaves them out (see :attr:`tracked`, :attr:`coverage`);
+            ``"contribution"`` measures each sample's contribution to its micro-step's gradient
+            instead, not its own gradient (``record.meta["contribution"]``; docs/instruments.md).
         process_group: under ``torch.distributed`` (e.g. DDP), the ranks whose samples form the
             window: ``None`` (default) merges over the default group when torch.distributed is
             initialised, a ``ProcessGroup`` over that group, ``False`` keeps this rank's own
@@ -322,7 +324,7 @@ class Lens:
     # ------------------------------------------------------------------ coverage
     #: ``Lens(chunk_elements=..., undefined=...)``, as the Meter applies them
     chunk_elements = _setting("_meter", "chunk_elements", "Lens(chunk_elements=...)")
-    undefined = _setting("_meter.undefined", "mode", "Lens(undefined=...): 'error' or 'exclude'")
+    undefined = _setting("_meter.undefined", "mode", "Lens(undefined=...): 'error', 'exclude' or 'contribution'")
 
     @property
     def tracked(self) -> list[str]:

@@ -16,6 +16,7 @@ from gradlens.instruments.base import Instrument
 
 from gradlens.core.records import Record
 from gradlens.core.window import Window
+from gradlens.measure.undefined import CONTRIBUTION
 
 __all__ = ["RESERVED_KEYS", "PendingRecord", "end_window", "keep_record", "window_record"]
 
@@ -53,6 +54,9 @@ def window_record(step: int, whole: Window, instruments: Sequence[Instrument],
         if window.reduction == "mean"
         else "g_n = d(micro-step objective)_n (sum objective)"
     )
+    if whole.contribution:  # Lens(undefined="contribution") measured these as contributions
+        record.meta["contribution"] = dict(whole.contribution)
+        record.meta["units"] += "; " + CONTRIBUTION
     for i in instruments:
         record.meta.update(i.meta(states[id(i)]))
     per_group = [i for i in instruments if i.per_group]

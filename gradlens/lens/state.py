@@ -19,7 +19,9 @@ bool / None), and nothing else::
     "pending":           int or None: the step of the record waiting for the next window (Alpha)
     "partial_window":    None, or (``"window"`` true) the :class:`~gradlens.core.window.Window`
                          so far: {"stats": its WindowStats, "states": [each instrument's window
-                         state, in the Lens' order], "sites": {use name: Site}, "coverage": float}
+                         state, in the Lens' order], "sites": {use name: Site}, "coverage": float,
+                         and, where the window measured contributions, "contribution": {name:
+                         str}, its ``Window.contribution`` (absent: none)}
                          (its stacked uses are measured into "stats" first, its empty
                          micro-steps are "empty_micro_steps", its ``sum_blocks`` a cache)
     "pending_record":    None, or (``"pending"`` set) {"record": the Record, "states":
@@ -73,6 +75,7 @@ _HEADER = {
     "parameters", "undefined", "window", "pending", "partial_window", "pending_record",
 }
 _WINDOW_KEYS = {"stats", "states", "sites", "coverage"}
+_WINDOW_OPTIONAL = {"contribution"}
 _PENDING_KEYS = {"record", "states"}
 
 
@@ -108,6 +111,8 @@ def lens_state_dict(lens: "Lens") -> dict[str, Any]:
             "sites": encode(dict(window.sites), "partial window's sites"),  # the uses measured so far
             "coverage": float(window.coverage),
         }
+        if window.contribution:  # Lens(undefined="contribution") measured some as contributions
+            partial["contribution"] = dict(window.contribution)
     pending = None
     if lens._pending.held is not None:
         record, states = lens._pending.held
@@ -199,7 +204,9 @@ def _check_header(state: Any) -> None:
             ("window", isinstance(state["window"], bool)),
             ("pending", state["pending"] is None or is_count(state["pending"])),
             ("partial_window", state["partial_window"] is None if not state["window"] is True else (
-                type(state["partial_window"]) is dict and set(state["partial_window"]) == _WINDOW_KEYS
+                type(state["partial_window"]) is dict
+                and _WINDOW_KEYS <= set(state["partial_window"]) <= _WINDOW_KEYS | _WINDOW_OPTIONAL
+                and _is_names(state["partial_window"].get("contribution", {}))
                 and type(state["partial_window"]["states"]) is list
                 and isinstance(state["instruments"], list)
                 and len(state["partial_window"]["states"]) == len(state["instruments"])
@@ -224,6 +231,11 @@ def _check_header(state: Any) -> None:
                 "tuples / dicts of those); the checkpoint is damaged or was altered: resume from an "
                 "earlier one"
             )
+
+
+def _is_names(d: Any) -> bool:
+    """``{str: str}`` (a window's ``contribution``: parameter -> the layer that mixed samples)."""
+    return type(d) is dict and all(type(k) is str and type(v) is str for k, v in d.items())
 
 
 def _is_parameter_table(p: Any) -> bool:
@@ -357,7 +369,8 @@ def load_lens_state_dict(lens: "Lens", state: Any) -> None:
     lens._open_window()
     if window is not None:
         lens._use_window(Window(window["stats"], {id(i): st for i, st in zip(lens.instruments, window["states"])},
-                                window["sites"], coverage=window["coverage"]))
+                                window["sites"], coverage=window["coverage"],
+                                contribution=dict(state["partial_window"].get("contribution", {}))))
     if lens._window is not None:
         lens._window.empty_micro_steps = state["empty_micro_steps"]
     lens._pending.held = pending

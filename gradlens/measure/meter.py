@@ -119,7 +119,7 @@ class Meter(WindowGradient):
         params: qualified name -> tracked parameter.
         plan: the compiled :class:`Plan`.
         chunk_elements: upper bound on the elements of one materialised ``[b, *param]`` slice.
-        undefined: ``"error"`` or ``"exclude"`` (see :class:`gradlens.Lens`).
+        undefined: ``"error"``, ``"exclude"`` or ``"contribution"`` (see :class:`gradlens.Lens`).
         partitioned: the parameters' data is an empty partition outside their module's forward
             (DeepSpeed ZeRO-3, :mod:`gradlens.distributed.deepspeed`): each use is measured in
             backward (small uses are not stacked to the window's end); sizes are read from the
@@ -243,6 +243,8 @@ class Meter(WindowGradient):
         micro.factor = multiplier
         if not window.micro_steps:  # a new window: what its micro-steps counted per parameter
             self.undefined.new_window()
+        # undefined="contribution" measures the parameters before a mix: their uses' axes count
+        self.tap.measures_tainted = self.undefined.mode == "contribution"
         if self.tap.tainted:
             self.check_undefined(window)
         self.micro, self.window = micro, window
@@ -330,11 +332,14 @@ class Meter(WindowGradient):
     def check_undefined(self, window: Window | None = None) -> None:
         """Parameters whose output reached a layer or operation that mixes samples (found in the
         forward): an error naming them all, or (``undefined="exclude"``) left out of the Tap and
-        noted in :attr:`undefined_params` (:class:`gradlens.measure.undefined.UndefinedParams`)."""
+        noted in :attr:`undefined_params`, or (``"contribution"``) measured on, noted in the
+        window (:class:`gradlens.measure.undefined.UndefinedParams`)."""
         bad = {q: why for q, why in self.tap.tainted.items() if q in self.tap.params}
         if bad:
             rest = self.undefined.apply(bad, self.tap.params, self.model, window if window is not None else self.window,
                                         self.plan.per_sample)
+            if rest is self.tap.params:  # "contribution": all measured on
+                return
             self.tap.set_params(rest)  # the Lens updates its coverage after the capture
             self._set_groups(rest)
 

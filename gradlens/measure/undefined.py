@@ -5,7 +5,10 @@ A parameter whose output reaches a layer or operation that mixes the samples of 
 :mod:`gradlens.capture.samples`) has no per-sample gradient. The Lens' ``undefined=`` says what
 follows: ``"error"`` names them all and the fix; ``"exclude"`` leaves them out of the Tap (the
 rest stay exact) and takes the exact zeros that earlier micro-steps of the window counted for
-them (a layer those skipped) out of the window again."""
+them (a layer those skipped) out of the window again; ``"contribution"`` keeps measuring them,
+each sample's value being its contribution to the micro-step's gradient (:data:`CONTRIBUTION`,
+docs/instruments.md "Contributions"), and notes them in the window (``Window.contribution``,
+``record.meta["contribution"]``)."""
 
 from __future__ import annotations
 
@@ -16,15 +19,27 @@ from torch import nn
 from gradlens.core.param_shapes import full_numel
 from gradlens.core.window import Window
 
-__all__ = ["UndefinedParams"]
+__all__ = ["CONTRIBUTION", "MODES", "UndefinedParams"]
+
+#: the values of ``Lens(undefined=...)``
+MODES = ("error", "exclude", "contribution")
+
+#: what a per-sample value is under ``undefined="contribution"`` (``record.meta["units"]`` adds it)
+CONTRIBUTION = (
+    "the parameters in meta['contribution'] have contributions, not per-sample gradients: "
+    "g_m = B_k * dL_k/dtheta_m (mean objective; dL_k/dtheta_m for a sum), the gradient of the "
+    "micro-step's objective through sample m's own rows (the batch statistics' paths included), "
+    "summing to the micro-step's gradient"
+)
 
 
 class UndefinedParams:
     """The rule of ``Lens(undefined=...)`` and what it left out.
 
     Attributes:
-        mode: ``"error"`` or ``"exclude"``.
-        params: parameters left out so far: qualified name -> the mixing layer or operation.
+        mode: ``"error"``, ``"exclude"`` or ``"contribution"``.
+        params: parameters left out so far (``"exclude"``): qualified name -> the mixing layer
+            or operation.
     """
 
     def __init__(self, mode: str):
@@ -47,8 +62,13 @@ class UndefinedParams:
     def apply(self, bad: dict[str, str], params: dict[str, nn.Parameter], model: nn.Module,
               window: Window | None, per_sample: list[Any]) -> dict[str, nn.Parameter]:
         """``bad`` (name -> mixing layer) found among the tracked ``params``: the parameters to
-        track from now on (``"exclude"``, with ``window`` corrected), or a ``RuntimeError``
-        naming them and the fix (``"error"``, or nothing left to track)."""
+        track from now on (``"exclude"``, with ``window`` corrected; ``"contribution"``: all of
+        them, ``bad`` noted in ``window.contribution``), or a ``RuntimeError`` naming them and
+        the fix (``"error"``, or nothing left to track)."""
+        if self.mode == "contribution":
+            if window is not None:
+                window.contribution.update((q, why) for q, why in bad.items() if q not in window.contribution)
+            return params
         total = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
         lost = sum(full_numel(params[q]) for q in bad)
         keep = sum(full_numel(p) for p in params.values()) - lost
@@ -62,7 +82,8 @@ class UndefinedParams:
                 + ("Put those layers in eval mode, or " if batchnorm else "Compute it per sample, or ")
                 + f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
                 f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
-                "after it stay exact)"
+                "after it stay exact), or measure each sample's contribution to the micro-step's gradient "
+                "instead (not its own gradient) with Lens(..., undefined='contribution')"
             )
         rest = {q: p for q, p in params.items() if q not in bad}
         if not rest:
