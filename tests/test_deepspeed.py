@@ -72,11 +72,26 @@ def _deepspeed_ready():
     build_shm_op()
 
 
+def float64_zero3() -> None:
+    """Let DeepSpeed's ZeRO-3 take the tests' float64 models on any CPU. Its ``zero.Init``
+    (which stage 3 runs on a model built outside it) uses the model's dtype for the tensors it
+    creates where the accelerator reports fp16 support (a CPU with mkldnn fp16), and then refuses
+    float64 ("Invalid data type torch.float64"); where the accelerator reports none, it keeps its
+    bf16 default for those tensors and the float64 parameters as they are. The tests need the
+    latter on every machine: the CPU accelerator reports no fp16 here (no test uses fp16)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        accelerator.is_fp16_supported = lambda: False
+
+
 def _ds_init(rank: int, world: int, port: int) -> None:
     """The process group (gloo), and the environment DeepSpeed reads."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _init(rank, world, port)
+    float64_zero3()
 
 
 def ds_config(stage: int, k: int, micro: int = 3, **zero) -> dict:
@@ -374,14 +389,15 @@ def _memory_worker(rank, world, port, out_dir):
         loss_fn = gradlens.extend(nn.CrossEntropyLoss())
         g = torch.Generator().manual_seed(3)
         data = [(torch.randn(24, 12, generator=g, dtype=torch.float64), torch.randint(0, 4, (24,), generator=g))
-                for _ in range(4)]
-        # only window 2 is tracked: window 0 warms DeepSpeed up (its first step allocates its
-        # buffers); window 1's step opens window 2 (GradHist2d bins the gathered values); window 2
-        # is measured (UpdateSize and Distance read the gathered values around its update; its
-        # step opens window 3, untracked); window 3 is the untracked reference. Slices of
-        # per-sample gradients kept small.
+                for _ in range(6)]
+        # windows 2 and 4 are tracked: window 0 warms DeepSpeed up (its first step allocates its
+        # buffers); window 1's step opens window 2, the first tracked window (what is allocated
+        # once: lazy imports, the CPU math library's caches for new shapes); window 3's step opens
+        # window 4 (GradHist2d bins the gathered values); window 4 is measured (UpdateSize and
+        # Distance read the gathered values around its update; its step opens window 5,
+        # untracked); window 5 is the untracked reference. Slices of per-sample gradients kept small.
         lens = Lens(engine, [BatchL2(), GradHist2d(bins=(8, 8), range=((-0.2, 0.2), (-0.5, 0.5))), UpdateSize(),
-                             Distance()], every=lambda s: s == 2, chunk_elements=4096)
+                             Distance()], every=lambda s: s in (2, 4), chunk_elements=4096)
         partitioned = []
 
         def window(x, y):
@@ -394,15 +410,16 @@ def _memory_worker(rank, world, port, out_dir):
             partitioned.append(all(p.numel() == 0 for p in engine.module.parameters()))
 
         rss = _PeakRSS()
-        window(*data[0])
+        for w in range(3):
+            window(*data[w])
         held = [_census()]
-        opening = rss.measure(lambda: window(*data[1]))
+        opening = rss.measure(lambda: window(*data[3]))
         held.append(_census())
-        tracked = rss.measure(lambda: window(*data[2]))
+        tracked = rss.measure(lambda: window(*data[4]))
         held.append(_census())
-        untracked = rss.measure(lambda: window(*data[3]))
+        untracked = rss.measure(lambda: window(*data[5]))
         held.append(_census())
-        assert [r.step for r in lens.records] == [2] and lens.records[0]["update_size"] > 0
+        assert [r.step for r in lens.records] == [2, 4] and lens.records[1]["update_size"] > 0
         lens.close()
         torch.save({"opening": opening, "tracked": tracked, "untracked": untracked, "partitioned": partitioned,
                     "held": held, "full_bytes": full_bytes, "largest": largest},
@@ -419,7 +436,7 @@ def test_stage3_tracked_window_peak_memory_measured_and_gathered_values_released
     lines = []
     for rank, res in enumerate(results):
         full, largest = res["full_bytes"], res["largest"]
-        assert res["partitioned"] == [True] * 4  # after each window every parameter is a [0] partition again
+        assert res["partitioned"] == [True] * 6  # after each window every parameter is a [0] partition again
         before, opened, after_tracked, after_untracked = res["held"]
         # between windows the Lens keeps no gathered value: after the tracked window (and the
         # untracked one after it) the same large tensors exist as after the warm-up window; once

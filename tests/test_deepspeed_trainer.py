@@ -75,7 +75,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, stage: int, kind: st
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
+    from test_deepspeed import float64_zero3
     from transformers import Trainer, TrainingArguments
+
+    float64_zero3()
 
     from gradlens.instruments import BatchL2, GradNorm, SumGradSquared
     from gradlens.integrations.transformers import LensTrainerCallback
