@@ -171,6 +171,8 @@ class _UseMode(TorchFunctionMode):
                 if grad and kind & _IS_LOSS:
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
             return out
+        if is_data and _scalar_index(func, args, data):
+            is_data = False  # a parameter's slice picked by an index the batch computed (w[e])
         if not is_data:
             out = func(*args, **kwargs)
             names = frozenset().union(*(t[2] for t in tracked))
@@ -186,6 +188,31 @@ class _UseMode(TorchFunctionMode):
         tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
         tap._meet(func, saved, kwargs, tracked, out)
         return out
+
+
+#: indexing calls whose index may be a 0-dim tensor (see :func:`_scalar_index`)
+_PICKS = frozenset({"__getitem__", "index_select", "select"})
+
+
+def _scalar_index(func, args: tuple, data: dict) -> bool:
+    """Whether the only data arguments of an indexing call on a parameter are 0-dim integer
+    tensors (a routed expert's weight ``w[e]``, ``e`` from the batch's routing, in a loop over
+    the experts): no sample has an axis there, nothing flows back through the index, and the
+    slice is the same for every sample of the micro-batch, so it is derived from the parameter
+    alone (its uses are then measured where it meets the samples). An index with more than one
+    element picks rows per data row (``w[expert_ids]``): that is a use, followed by its rows."""
+    if getattr(func, "__name__", "") not in _PICKS:
+        return False
+    found = False
+    for x in args:
+        for y in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(y, Tensor):
+                e = data.get(id(y))
+                if e is not None and e[0]() is y:
+                    if y.dim() != 0 or y.is_floating_point() or y.is_complex() or y.requires_grad:
+                        return False
+                    found = True
+    return found
 
 
 #: what the mode needs to know of a torch function besides its arguments, as bit flags (one

@@ -168,8 +168,10 @@ def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
         return None
     if isinstance(c, int) and not isinstance(c, bool):
         return None  # one sample picked: no sample axis
-    if has_adv and (len(adv) > 1 or not isinstance(c, (Tensor, list))):
-        return None  # several advanced indices: where the result's rows come from is not followed
+    if has_adv and len(adv) > 1:
+        return _getitem_joint(comps, adv, c, x, ax, outs, batch)
+    if has_adv and not isinstance(c, (Tensor, list)):
+        return None  # the samples sliced beside an advanced index elsewhere: not followed
     # the output dim of the sample component: as if it were a full slice
     probe = tuple(slice(None) if comp is c else comp for comp in comps)
     if isinstance(c, Tensor) and c.dtype == torch.bool and c.dim() > 1:
@@ -198,6 +200,40 @@ def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     if outs[0].dim() <= out_dim or outs[0].shape[out_dim] != new.numel():
         return None
     return [rows_axis(out_dim, new, batch)]
+
+
+def _getitem_joint(comps: tuple, adv: list, c: Any, x: Tensor, ax: Any, outs: list, batch: int) -> Any:
+    """``x[i, j]`` with several advanced indices, the sample dim's ``c`` among them (a routed
+    token's gate weight ``w[token_idx, top_k_pos]``): with 1-D (or scalar) indices broadcast to
+    one length n, output row k is taken from row ``c[k]`` of the samples' dim, so it holds
+    sample ``owner[c[k]]``. The rows land where numpy puts the advanced block: at the first
+    advanced index's place when they are adjacent, else first."""
+    if not isinstance(c, (Tensor, list)):
+        return None
+    c = torch.as_tensor(c)
+    if c.dim() != 1 or c.dtype == torch.bool or c.is_floating_point():
+        return None
+    n = c.numel()
+    for other in adv:
+        if isinstance(other, bool):
+            return None
+        if isinstance(other, (Tensor, list)):
+            t = torch.as_tensor(other)
+            if t.dtype == torch.bool or t.is_floating_point() or t.dim() > 1 or (t.dim() == 1 and t.numel() not in (1, n)):
+                return None
+    where = [k for k, comp in enumerate(comps) if any(comp is a for a in adv)]
+    if where != list(range(where[0], where[-1] + 1)):
+        out_dim = 0
+    else:
+        nd = x.dim()
+        n_real = sum(1 for comp in comps if comp is not None and comp is not Ellipsis)
+        out_dim = 0
+        for comp in comps[:where[0]]:
+            out_dim += (nd - n_real) if comp is Ellipsis else 1
+    own = owner_of(ax, x.shape[ax[0]], batch, x.device)
+    if own is None or outs[0].dim() <= out_dim or outs[0].shape[out_dim] != n:
+        return None
+    return [rows_axis(out_dim, own[c.to(own.device)], batch)]
 
 
 def _index_select(name, func, args, kwargs, x, ax, outs, batch, got, marks):
@@ -445,7 +481,10 @@ def _reshape(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     """A reshape in which the samples are not the leading factor of a dim (``[T, B, d] ->
     [T * B, d]``) or rows of samples are split or merged: the sample of each row of the new dim
     that holds them, read from where each element came from."""
-    if got and got[0] is not None or len(outs) != 1:
+    if len(outs) != 1:
+        return None
+    rows_kept = bool(got and type(got[0]) is Rows)  # carry moved the rows: kept, unless they are the samples in order
+    if got and got[0] is not None and not rows_kept:
         return None
     old, new = tuple(x.shape), tuple(outs[0].shape)
     if math.prod(old) != math.prod(new) or 0 in old:
@@ -461,16 +500,22 @@ def _reshape(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     view = [1] * (i1 - i0)
     view[a - i0] = old[a]
     flat = own.view(view).expand(old[i0:i1]).reshape(new[j0:j1])  # the sample of each element
+    found = None
     for k in range(j1 - j0):
-        if new[j0 + k] == 1 and j1 - j0 > 1:
-            continue
         line = flat
         for d in range(j1 - j0):  # the first element along every other dim
             if d != k:
                 line = line.narrow(d, 0, 1)
-        if bool((flat == line).all()):
-            return [rows_axis(j0 + k, line.reshape(-1), batch)]
-    return None  # the samples spread over several dims
+        if not bool((flat == line).all()):
+            continue
+        line = line.reshape(-1)
+        f = line.numel() // batch if batch else 0
+        if f and line.numel() == batch * f and bool((line == torch.arange(batch, device=line.device)
+                                                     .repeat_interleave(f)).all()):
+            return [(j0 + k, f)]  # the samples in order, as the leading factor (a size-1 batch too)
+        if found is None and not rows_kept and not (new[j0 + k] == 1 and j1 - j0 > 1):
+            found = rows_axis(j0 + k, line, batch)
+    return None if found is None else [found]  # None: the samples spread over several dims
 
 
 def _write_rows(target_own: Tensor | None, index: Tensor, src_own: Tensor, accumulate: bool, batch: int,
