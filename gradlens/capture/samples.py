@@ -139,6 +139,8 @@ def _reduction(name, func, args, kwargs, x, ax, outs, batch, got, marks):
 def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     idx = args[1] if len(args) > 1 else None
     comps = idx if isinstance(idx, tuple) else (idx,)
+    if args and x is not args[0]:
+        return _lookup(comps, x, ax, outs)
     has_adv = any(isinstance(c, (Tensor, list)) for c in comps)
     if got and got[0] is not None and not has_adv:
         return None  # basic indexing that kept the samples whole: carry's answer
@@ -200,6 +202,20 @@ def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     if outs[0].dim() <= out_dim or outs[0].shape[out_dim] != new.numel():
         return None
     return [rows_axis(out_dim, new, batch)]
+
+
+def _lookup(comps: tuple, ids: Tensor, ax: Any, outs: list) -> Any:
+    """``w[ids]``: a tensor indexed by data ``ids`` (a routed expert's weights per token,
+    ``gate_up_proj[expert_ids]``): its rows are those of ``ids``, on the same dims, where ``ids``
+    is the first index and the others take whole dims."""
+    if not comps or comps[0] is not ids or ids.dtype == torch.bool or ids.is_floating_point():
+        return None
+    if any(not (isinstance(c, slice) and c == slice(None)) and c is not Ellipsis for c in comps[1:]):
+        return None
+    out = outs[0]
+    if out.dim() < ids.dim() or tuple(out.shape[:ids.dim()]) != tuple(ids.shape):
+        return None
+    return [ax]
 
 
 def _getitem_joint(comps: tuple, adv: list, c: Any, x: Tensor, ax: Any, outs: list, batch: int) -> Any:
