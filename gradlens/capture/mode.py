@@ -145,6 +145,16 @@ class _UseMode(TorchFunctionMode):
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
             if training or args[1] is None:
                 tap._taint_before(args[0], "F.batch_norm (batch statistics)")
+        if is_data and kind & _IS_ROWS and _scalar_index(func, args, data):
+            # a parameter's slice picked by an index the batch computed (a routed expert's w[e]):
+            # derived from the parameter alone (an untracked one's: a constant to the capture)
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if grad:
+                names = frozenset().union(*(t[2] for t in tracked)) if tracked is not None else frozenset()
+                for o in _outputs(out):
+                    if o.requires_grad:
+                        tap._derived[o] = names
+            return out
         if tracked is None or not grad:
             out = func(*args, **kwargs) if kwargs else func(*args)
             if is_data:
@@ -171,8 +181,6 @@ class _UseMode(TorchFunctionMode):
                 if grad and kind & _IS_LOSS:
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
             return out
-        if is_data and _scalar_index(func, args, data):
-            is_data = False  # a parameter's slice picked by an index the batch computed (w[e])
         if not is_data:
             out = func(*args, **kwargs)
             names = frozenset().union(*(t[2] for t in tracked))
@@ -191,7 +199,7 @@ class _UseMode(TorchFunctionMode):
 
 
 #: indexing calls whose index may be a 0-dim tensor (see :func:`_scalar_index`)
-_PICKS = frozenset({"__getitem__", "index_select", "select"})
+_PICKS = frozenset({"__getitem__", "index_select"})
 
 
 def _scalar_index(func, args: tuple, data: dict) -> bool:

@@ -61,8 +61,8 @@ class SampleFlow:
         if q is not None and x is self.params[q]:
             return (pos, x, self._single[q])
         e = self._derived._d.get(id(x))
-        if e is not None and e[0]() is x and e[1]:
-            return (pos, x, e[1])
+        if e is not None and e[0]() is x:  # (no names: a slice of an untracked parameter, a constant here)
+            return (pos, x, e[1]) if e[1] else None
         if x.requires_grad and not isinstance(x, nn.Parameter):
             return True
         return None
@@ -198,7 +198,14 @@ class SampleFlow:
                     self._lost[out] = origin
                     return None
                 op_linear = samples.linear_in_pooled(func, grads)
-                if not op_linear:  # a loss term that is no sum over samples: undefined before it
+                stat = samples.batch_statistic(func, entries, self._pooled)
+                if stat is not None:  # weighted by a statistic of the batch (a MoE router's expert fractions)
+                    op_linear = False
+                    self._taint_args(args, kwargs, self._place(
+                        f"{fname} of a value pooled over the samples ({what}) by a statistic of the whole batch "
+                        f"(a {list(stat.shape)} tensor computed from it without gradient, e.g. a MoE load-balancing "
+                        f"loss's expert fractions: a sample's share depends on the other samples)"), only=entries)
+                elif not op_linear:  # a loss term that is no sum over samples: undefined before it
                     self._taint_args(args, kwargs, self._place(
                         f"{fname} of a value pooled over the samples ({what})"), only=entries)
                 self._pooled[out] = (op_linear and all(p[0] for p in pooled), what)

@@ -737,6 +737,21 @@ def linear_in_pooled(func, grads: list[tuple[Any, Tensor]]) -> bool:
     return True
 
 
+def batch_statistic(func, entries: list, pooled: Any) -> Tensor | None:
+    """The tensor that weights a pooled value (a sum over samples) with a statistic of the whole
+    batch in a product or quotient: a data tensor of more than one element without gradient and
+    without a sample axis (``entries``: the call's data arguments ``(position, tensor, axis)``),
+    e.g. a MoE load-balancing loss's fraction of tokens per expert. Each sample's share then
+    depends on the other samples, so the pooled value is no sum of per-sample terms of their
+    own. A scalar (a token count dividing a loss) only sets the units (docs/design.md); None."""
+    if getattr(func, "__name__", "") not in _BILINEAR:
+        return None
+    for _, t, ax in entries:
+        if ax is None and not t.requires_grad and t.numel() > 1 and t not in pooled:
+            return t
+    return None
+
+
 def _matmul_place(pos: int, t: Tensor, a: int, out: Tensor, name: str, n_args: int) -> tuple[str, int] | None:
     """Where the sample dim ``a`` of argument ``pos`` of a matmul-like call lands: ``("out",
     dim)``, ``("sum", "k")`` (the contracted dim), ``("lost", -1)`` (broadcast away), or None
