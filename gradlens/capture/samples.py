@@ -131,6 +131,9 @@ def _reduction(name, func, args, kwargs, x, ax, outs, batch, got, marks):
             return None
         if dims and ax[0] not in [_dim(d, nd) for d in dims]:
             return None
+    if batch == 1 and dims and outs and isinstance(outs[0], Tensor) and outs[0].dim() > 0:
+        # one sample: its rows reduced stay its own (every row of what is left holds it)
+        return [(0, outs[0].shape[0]) if isinstance(o, Tensor) and o.dim() > 0 else None for o in outs]
     how = "over the samples" if dims else "over every dim, the samples included"
     what = f"torch.{name} {how} (dim {ax[0]} of a {list(x.shape)} tensor)"
     return [Pool(what, name in _LINEAR_REDUCTIONS)] * len(outs)
@@ -508,7 +511,7 @@ def _reshape(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     view = [1] * (i1 - i0)
     view[a - i0] = old[a]
     flat = own.view(view).expand(old[i0:i1]).reshape(new[j0:j1])  # the sample of each element
-    found = None
+    found, plain = None, []
     for k in range(j1 - j0):
         line = flat
         for d in range(j1 - j0):  # the first element along every other dim
@@ -520,9 +523,12 @@ def _reshape(name, func, args, kwargs, x, ax, outs, batch, got, marks):
         f = line.numel() // batch if batch else 0
         if f and line.numel() == batch * f and bool((line == torch.arange(batch, device=line.device)
                                                      .repeat_interleave(f)).all()):
-            return [(j0 + k, f)]  # the samples in order, as the leading factor (a size-1 batch too)
-        if found is None and not rows_kept and not (new[j0 + k] == 1 and j1 - j0 > 1):
+            plain.append((j0 + k, f))  # the samples in order, as the leading factor
+        elif found is None and not rows_kept and not (new[j0 + k] == 1 and j1 - j0 > 1):
             found = rows_axis(j0 + k, line, batch)
+    if plain:  # several only when each sample's rows fill a block of every dim (one sample, B = 1):
+        # a dim with one row per sample, else the innermost (the rows of one sample split last)
+        return [next((p for p in plain if p[1] == 1), plain[-1])]
     return None if found is None else [found]  # None: the samples spread over several dims
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from gradlens.capture.axes import _dim, _int_arg
-from gradlens.capture.rows import Mix, Rows, owner_of, rows_axis
+from gradlens.capture.rows import Mix, Rows, owner_of, rows_axis, unify
 
 __all__: list[str] = []
 
@@ -68,6 +68,13 @@ def _index_write(name, func, args, kwargs, x, ax, outs, batch, got, marks):
         if not isinstance(index, Tensor) or not isinstance(src, Tensor):
             return None
         d = _dim(dim, target.dim())
+        t_data, t_ax = (True, ax) if target is x else _mark(marks, target)
+        if t_data and t_ax is not None and t_ax[0] != d:  # written along another dim (a router's
+            s_data, s_ax = (True, ax) if src is x else _mark(marks, src)  # scores per expert)
+            if not s_data or (s_ax is not None and s_ax[0] == t_ax[0] and unify(s_ax, t_ax)):
+                return None  # each sample's rows take its own values: carry's answer
+            return [Mix(got[0] if got else None, f"torch.{name} of values whose samples are in other rows")] \
+                if src.requires_grad else [None]
         first = index
         for k in range(index.dim()):
             if k != d and first.shape[k] > 1:
