@@ -335,8 +335,18 @@ def _reduction_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
     return [(a, ax[1]) if o.dim() > a else None for o in outs]
 
 
+def _complex_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    """``view_as_real`` (a last dim of 2 added) / ``view_as_complex`` (the last dim of 2
+    taken): the leading dims stay where they are (a rotary embedding in complex numbers)."""
+    if name == "view_as_complex" and ax[0] >= nd - 1:
+        return None
+    return [ax if o.dim() > ax[0] else None for o in outs]
+
+
 #: operation name -> its rule
 _RULES: dict[str, Any] = {
+    "view_as_real": _complex_rule,
+    "view_as_complex": _complex_rule,
     **{n: _reshape_rule for n in _RESHAPES},
     **{n: _squeeze_rule for n in ("squeeze", "squeeze_", "unsqueeze", "unsqueeze_")},
     **{n: _swap_rule for n in _SWAPS},

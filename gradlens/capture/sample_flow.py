@@ -181,6 +181,12 @@ class SampleFlow:
         entries = self._data_args(args, kwargs)
         if getattr(func, "__name__", "") in samples.SHAPE_ONLY:
             entries = entries[:1]  # (the other tensor gives a shape or a dtype only)
+        if getattr(func, "__name__", "") in samples.ROWS:  # rows moved by an index of no sample axis
+            for _, t, ax in entries:  # (``zeros.index_add(0, sorted_ids, rows)``): the rows' rule
+                if ax is not None:
+                    got = self._axes(func, args, kwargs, t, ax, [out], _IS_SAMPLES)[0]
+                    return got if got is not None and got.__class__ not in EVENTS else \
+                        self._settle(got, func, args, kwargs, t, ax, out)
         if any(ax is not None for _, _, ax in entries):
             return self._several(func, args, kwargs, out, entries)
         if out.requires_grad:
