@@ -52,6 +52,10 @@ def reshaped(old: tuple[int, ...], new: tuple[int, ...], ax: Any, batch: int) ->
     a, f = ax
     if old[:a + 1] == new[:a + 1] and old[a] == batch * f:
         return ax  # the dims up to the axis unchanged: each is a group of its own (see below)
+    if batch * f == 1 and old[a] == 1:  # one sample on a dim of size 1: it stays a dim of size 1
+        ones = [k for k, n in enumerate(new) if n == 1]  # (the same rank among them), not the
+        if ones:  # leading factor of a dim of features it would merge into ([1, 1, d] -> [1, d])
+            return (ones[min(sum(1 for k in range(a) if old[k] == 1), len(ones) - 1)], 1)
     i = j = 0
     try:
         while i < len(old):

@@ -180,6 +180,8 @@ class _UseMode(TorchFunctionMode):
                     tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
                 if grad and kind & _IS_LOSS:
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
+                if tap._coupled._d:
+                    tap._couple(func, args, kwargs, out)
             return out
         if not is_data:
             out = func(*args, **kwargs)
@@ -195,6 +197,8 @@ class _UseMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         tap._carry(func, args, kwargs, first, fax, out, kind, (odd or (more and kind & _IS_CONTRACT)) and not kind & _IS_ROWS)
         tap._meet(func, saved, kwargs, tracked, out)
+        if tap._coupled._d:
+            tap._couple(func, args, kwargs, out)
         return out
 
 

@@ -131,8 +131,9 @@ def _reduction(name, func, args, kwargs, x, ax, outs, batch, got, marks):
             return None
         if dims and ax[0] not in [_dim(d, nd) for d in dims]:
             return None
-    if batch == 1 and dims and outs and isinstance(outs[0], Tensor) and outs[0].dim() > 0:
-        # one sample: its rows reduced stay its own (every row of what is left holds it)
+    if batch == 1 and dims and outs and isinstance(outs[0], Tensor) and outs[0].dim() > 1:
+        # one sample: its rows reduced stay its own (every row of what is left holds it; a
+        # vector left is a pooled value as for any batch: its one dim may be the features')
         return [(0, outs[0].shape[0]) if isinstance(o, Tensor) and o.dim() > 0 else None for o in outs]
     how = "over the samples" if dims else "over every dim, the samples included"
     what = f"torch.{name} {how} (dim {ax[0]} of a {list(x.shape)} tensor)"
