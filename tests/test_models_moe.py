@@ -166,3 +166,108 @@ def test_moe_router_aux_loss_refused_or_excluded():
     names = [k for k, _ in model.named_parameters() if k not in left]
     assert "model.layers.1.mlp.experts.down_proj" in names and "lm_head.weight" in names
     check_exact(rec, G, names, 1e-5)
+
+
+# ------------------------------------------------------------------------------ breadth
+_H = dict(_COMMON)
+_SEQ2SEQ = ("switch_transformers", "nllb_moe")
+_NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+_CAPACITY = (r"undefined: their output reaches .* a tensor computed across the samples without gradient "
+             r"\(torch.cumsum along the samples .*expert capacity counted over the batch")
+
+#: every MoE architecture the suite runs: name -> (config class, tiny config, expected). Expected
+#: ``"exact"``: every parameter tracked (coverage 1.0), exact against the per-sample loop;
+#: otherwise the pattern of the refusal, with its reason:
+#: - ``nllb_moe``: its router cuts each expert's tokens at a capacity counted by a cumsum over
+#:   all the batch's tokens (``locations = cumsum(mask, dim=0)``), so a sample's routing depends
+#:   on the samples before it: refused by the mixing rule (no gradient flows through the count,
+#:   what it selects is marked; ``undefined="exclude"`` keeps the rest).
+BREADTH: dict[str, tuple[str, dict, str]] = {
+    "granitemoe": ("GraniteMoeConfig", dict(_H, num_local_experts=4, num_experts_per_tok=2), "exact"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(_H, num_local_experts=4, num_experts_per_tok=2,
+                                                        shared_intermediate_size=12), "exact"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(_H, num_local_experts=4, num_experts_per_tok=2,
+                                                        shared_intermediate_size=12, layer_types=["mamba", "attention"],
+                                                        mamba_n_heads=4, mamba_n_groups=1, mamba_chunk_size=4,
+                                                        mamba_d_state=8, mamba_d_head=8), "exact"),
+    "jetmoe": ("JetMoeConfig", dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_key_value_heads=2,
+                                    kv_channels=8, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
+                                    max_position_embeddings=32), "exact"),
+    "dbrx": ("DbrxConfig", dict(d_model=16, n_heads=2, n_layers=2, vocab_size=V, max_seq_len=32,
+                                attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                ffn_config=dict(ffn_hidden_size=12, moe_num_experts=4, moe_top_k=2)), "exact"),
+    "gpt_oss": ("GptOssConfig", dict(_H, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=4), "exact"),
+    "deepseek_v2": ("DeepseekV2Config", dict(_H, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                                             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                             q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                             v_head_dim=4), "exact"),
+    "minimax": ("MiniMaxConfig", dict(_H, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                      layer_types=["linear_attention", "full_attention"], block_size=4), "exact"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(_H, moe_intermediate_size=8, moe_k=2, moe_num_experts=4,
+                                                moe_num_shared_experts=1, moe_layer_start_index=0), "exact"),
+    "glm4_moe": ("Glm4MoeConfig", dict(_H, moe_intermediate_size=8, num_experts_per_tok=2, n_shared_experts=1,
+                                       n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                       head_dim=8), "exact"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(_H, num_experts=4, moe_topk=2, head_dim=8), "exact"),
+    "dots1": ("Dots1Config", dict(_H, moe_intermediate_size=8, n_shared_experts=1, n_routed_experts=4, n_group=1,
+                                  topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, head_dim=8), "exact"),
+    "flex_olmo": ("FlexOlmoConfig", dict(_H, pad_token_id=0, num_experts=4, num_experts_per_tok=2), "exact"),
+    "qwen3_next": ("Qwen3NextConfig", dict(_H, initializer_range=0.3, head_dim=8, linear_conv_kernel_dim=2,
+                                           linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                           linear_num_value_heads=2, moe_intermediate_size=8,
+                                           shared_expert_intermediate_size=12, num_experts_per_tok=2, num_experts=4,
+                                           layer_types=["linear_attention", "full_attention"]), "exact"),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(_H, moe_intermediate_size=8, num_dense_layers=1, num_experts_per_tok=2,
+                                       num_experts=4, layer_types=["conv", "full_attention"]), "exact"),
+    "exaone_moe": ("ExaoneMoeConfig", dict(_H, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                                           num_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                           head_dim=8), "exact"),
+    "afmoe": ("AfmoeConfig", dict(_H, moe_intermediate_size=8, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                  num_shared_experts=1, head_dim=8), "exact"),
+    "jamba": ("JambaConfig", dict(_H, num_experts=4, num_experts_per_tok=2, expert_layer_period=1,
+                                  expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
+                                  mamba_dt_rank=4, use_mamba_kernels=False), "exact"),
+    "cohere2_moe": ("Cohere2MoeConfig", dict(_H, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                             num_shared_experts=1), "exact"),
+    "llama4": ("Llama4TextConfig", dict(_H, head_dim=8, intermediate_size_mlp=12, num_local_experts=4,
+                                        num_experts_per_tok=1, interleave_moe_layer_step=1), "exact"),
+    "switch_transformers": ("SwitchTransformersConfig", dict(vocab_size=V, d_model=16, d_kv=8, d_ff=12,
+                                                             expert_capacity=64, num_layers=2,
+                                                             num_sparse_encoder_layers=1, num_decoder_layers=2,
+                                                             num_sparse_decoder_layers=1, num_heads=2, num_experts=4,
+                                                             decoder_start_token_id=0, pad_token_id=0,
+                                                             eos_token_id=1, dropout_rate=0.0,
+                                                             router_jitter_noise=0.0), "exact"),
+    "nllb_moe": ("NllbMoeConfig", dict(vocab_size=V, d_model=16, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=12,
+                                       decoder_ffn_dim=12, encoder_attention_heads=2, decoder_attention_heads=2,
+                                       num_experts=4, expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1,
+                                       max_position_embeddings=32, decoder_start_token_id=2, pad_token_id=1,
+                                       moe_token_dropout=0.0, **_NO_DROPOUT), _CAPACITY),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BREADTH))
+def test_moe_breadth(name):
+    """Each MoE architecture of :data:`BREADTH` (eager experts, float64, K = 3 micro-batches of
+    2, 3, 1, the model's own loss): exact with every parameter tracked, or refused as documented
+    there."""
+    import transformers as T
+
+    cls, kw, expected = BREADTH[name]
+    cfg = getattr(T, cls)(**kw)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    auto = T.AutoModelForSeq2SeqLM if name in _SEQ2SEQ else T.AutoModelForCausalLM
+    model = auto.from_config(cfg).double()
+    ids = _ids()
+    if expected != "exact":
+        with pytest.raises(RuntimeError, match=expected):
+            _run(model, ids)
+        return
+    G = _oracle(copy.deepcopy(model), ids, torch.float64)
+    lens, rec = _run(model, ids)
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    assert lens.coverage == 1.0 and set(lens.tracked) == set(names)
+    check_exact(rec, G, names, 1e-5)
