@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gradlens
-from gradlens import Lens
 from gradlens.instruments import BatchDot, BatchL2, GradNorm, SumGradSquared
 from oracle import per_sample_loop
 from windows import run_windows
