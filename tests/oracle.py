@@ -372,7 +372,7 @@ def per_sample_loop(model: nn.Module, state: dict, loss_n: Callable, n: int) -> 
     for mod in m.modules():
         mod._forward_hooks.clear()
         mod._forward_pre_hooks.clear()
-    params = dict(m.named_parameters())
+    params = {k: p for k, p in m.named_parameters() if p.requires_grad}  # (a frozen one: no gradient)
     rows = []
     for i in range(n):
         gs = torch.autograd.grad(loss_n(m, i), list(params.values()), allow_unused=True)

@@ -52,6 +52,10 @@ def reshaped(old: tuple[int, ...], new: tuple[int, ...], ax: Any, batch: int) ->
     a, f = ax
     if old[:a + 1] == new[:a + 1] and old[a] == batch * f:
         return ax  # the dims up to the axis unchanged: each is a group of its own (see below)
+    if batch * f == 1 and old[a] == 1:  # one sample on a dim of size 1: it stays a dim of size 1
+        ones = [k for k, n in enumerate(new) if n == 1]  # (the same rank among them), not the
+        if ones:  # leading factor of a dim of features it would merge into ([1, 1, d] -> [1, d])
+            return (ones[min(sum(1 for k in range(a) if old[k] == 1), len(ones) - 1)], 1)
     i = j = 0
     try:
         while i < len(old):
@@ -335,8 +339,18 @@ def _reduction_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
     return [(a, ax[1]) if o.dim() > a else None for o in outs]
 
 
+def _complex_rule(name, func, args, kwargs, x, ax, outs, batch, nd):
+    """``view_as_real`` (a last dim of 2 added) / ``view_as_complex`` (the last dim of 2
+    taken): the leading dims stay where they are (a rotary embedding in complex numbers)."""
+    if name == "view_as_complex" and ax[0] >= nd - 1:
+        return None
+    return [ax if o.dim() > ax[0] else None for o in outs]
+
+
 #: operation name -> its rule
 _RULES: dict[str, Any] = {
+    "view_as_real": _complex_rule,
+    "view_as_complex": _complex_rule,
     **{n: _reshape_rule for n in _RESHAPES},
     **{n: _squeeze_rule for n in ("squeeze", "squeeze_", "unsqueeze", "unsqueeze_")},
     **{n: _swap_rule for n in _SWAPS},

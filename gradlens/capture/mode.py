@@ -145,6 +145,16 @@ class _UseMode(TorchFunctionMode):
             training = args[5] if len(args) > 5 else kwargs.get("training", False)
             if training or args[1] is None:
                 tap._taint_before(args[0], "F.batch_norm (batch statistics)")
+        if is_data and kind & _IS_ROWS and _scalar_index(func, args, data):
+            # a parameter's slice picked by an index the batch computed (a routed expert's w[e]):
+            # derived from the parameter alone (an untracked one's: a constant to the capture)
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if grad:
+                names = frozenset().union(*(t[2] for t in tracked)) if tracked is not None else frozenset()
+                for o in _outputs(out):
+                    if o.requires_grad:
+                        tap._derived[o] = names
+            return out
         if tracked is None or not grad:
             out = func(*args, **kwargs) if kwargs else func(*args)
             if is_data:
@@ -172,6 +182,8 @@ class _UseMode(TorchFunctionMode):
                     tap.chain.follow(func, args, kwargs, out)
                 if grad and kind & _IS_LOSS:
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
+                if tap._coupled._d:
+                    tap._couple(func, args, kwargs, out)
             return out
         if not is_data:
             out = func(*args, **kwargs)
@@ -189,7 +201,34 @@ class _UseMode(TorchFunctionMode):
         tap._meet(func, saved, kwargs, tracked, out)
         if tap.chain.marks:
             tap.chain.follow(func, args, kwargs, out)
+        if tap._coupled._d:
+            tap._couple(func, args, kwargs, out)
         return out
+
+
+#: indexing calls whose index may be a 0-dim tensor (see :func:`_scalar_index`)
+_PICKS = frozenset({"__getitem__", "index_select"})
+
+
+def _scalar_index(func, args: tuple, data: dict) -> bool:
+    """Whether the only data arguments of an indexing call on a parameter are 0-dim integer
+    tensors (a routed expert's weight ``w[e]``, ``e`` from the batch's routing, in a loop over
+    the experts): no sample has an axis there, nothing flows back through the index, and the
+    slice is the same for every sample of the micro-batch, so it is derived from the parameter
+    alone (its uses are then measured where it meets the samples). An index with more than one
+    element picks rows per data row (``w[expert_ids]``): that is a use, followed by its rows."""
+    if getattr(func, "__name__", "") not in _PICKS:
+        return False
+    found = False
+    for x in args:
+        for y in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(y, Tensor):
+                e = data.get(id(y))
+                if e is not None and e[0]() is y:
+                    if y.dim() != 0 or y.is_floating_point() or y.is_complex() or y.requires_grad:
+                        return False
+                    found = True
+    return found
 
 
 #: what the mode needs to know of a torch function besides its arguments, as bit flags (one

@@ -33,7 +33,8 @@ from gradlens.core.param_shapes import full_shape
 from gradlens.core.side import side_backward
 from gradlens.kernels.base import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
-__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "rows_to_samples", "CHUNK_ELEMENTS"]
+__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "routed_lookup", "grouped_weight", "rows_to_samples",
+           "CHUNK_ELEMENTS"]
 
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
@@ -218,6 +219,76 @@ def batched_lookup(func: Callable, args: tuple, kwargs: dict, pos: Any, t: Tenso
     if 0 <= pad < v:
         out[:, pad] = 0  # autograd gives the padding row no gradient
     return out
+
+
+def _row_owner(use: Any, n_rows: int, device: Any) -> Tensor | None:
+    """The sample of each of the ``n_rows`` rows on a use's sample axis (``use.rows``, or ``n``
+    for rows ``n * f + j`` of a plain axis)."""
+    if use.rows is not None:
+        rows = use.rows.to(device)
+        return rows if rows.numel() == n_rows else None
+    if n_rows != use.batch * use.factor:
+        return None
+    idx = torch.arange(use.batch, device=device)
+    return idx if use.factor == 1 else idx.repeat_interleave(use.factor)
+
+
+def routed_lookup(use: Any, pos: Any, t: Tensor, delta: Tensor) -> Tensor | None:
+    """``[B, *t.shape]``: per-sample gradients of a tensor ``t`` indexed by data ids, ``t[ids]``
+    (transformers' batched experts: ``gate_up_proj[expert_ids]``, one weight per routed token),
+    in closed form: row ``r`` of the output is slice ``ids[r]`` of ``t``, so sample n's gradient
+    gathers ``delta_r`` of its own rows into those slices (one ``index_add`` over
+    ``owner * E + ids``), without the per-row ``[R, *t.shape]`` of the generic rule. None where
+    the call is not such a lookup."""
+    if _name(use.func) != "__getitem__" or pos != 0 or len(use.args) < 2:
+        return None
+    ids = use.args[1]
+    if not isinstance(ids, Tensor) or ids.dtype == torch.bool or ids.is_floating_point() or use.axis >= ids.dim():
+        return None
+    if delta.shape[:ids.dim()] != ids.shape or tuple(delta.shape[ids.dim():]) != tuple(t.shape[1:]):
+        return None
+    owner = _row_owner(use, ids.shape[use.axis], delta.device)
+    if owner is None:
+        return None
+    shape = [1] * ids.dim()
+    shape[use.axis] = owner.numel()
+    owner = owner.view(shape).expand(ids.shape).reshape(-1)
+    e = t.shape[0]
+    flat_ids = ids.reshape(-1).to(delta.device) % e  # (negative ids count from the end)
+    out = delta.new_zeros((use.batch * e,) + tuple(t.shape[1:]))
+    out.index_add_(0, owner * e + flat_ids, delta.reshape((-1,) + tuple(t.shape[1:])))
+    return out.view((use.batch,) + tuple(t.shape))
+
+
+def grouped_weight(use: Any, pos: Any, t: Tensor, delta: Tensor) -> Tensor | None:
+    """``[B, E, k, m]``: per-sample gradients of the weight ``t`` ``[E, k, m]`` of
+    ``out = grouped_mm(x, t, offs=offs)`` (``x`` ``[S, k]``: rows ``offs[e-1]:offs[e]`` go
+    through expert e; rows past ``offs[-1]`` through none), sample n's gradient for expert e being
+    ``sum_r x_r^T delta_r`` over its rows of that group: outer products of chunks of rows
+    (at most :data:`CHUNK_ELEMENTS` elements each) added into ``owner * E + group``. None where
+    the call is not a 2-D x 3-D grouped product with offsets."""
+    if _name(use.func) not in ("grouped_mm", "_grouped_mm") or pos != 1:
+        return None
+    x = use.args[0]
+    offs = use.kwargs.get("offs", use.args[2] if len(use.args) > 2 else None)
+    if not (isinstance(x, Tensor) and x.dim() == 2 and t.dim() == 3 and isinstance(offs, Tensor)) or use.axis != 0:
+        return None
+    if delta.dim() != 2 or delta.shape[0] != x.shape[0]:
+        return None
+    s = x.shape[0]
+    owner = _row_owner(use, s, delta.device)
+    if owner is None:
+        return None
+    e, k, m = t.shape
+    group = torch.bucketize(torch.arange(s, device=delta.device), offs.to(delta.device).long(), right=True)
+    keep = group < e  # rows past the last offset: of no expert
+    x, d, owner, group = x[keep].to(delta.dtype), delta[keep], owner[keep], group[keep]
+    out = delta.new_zeros(use.batch * e, k, m)
+    step = max(1, CHUNK_ELEMENTS // max(1, k * m))
+    for a in range(0, x.shape[0], step):
+        b = min(a + step, x.shape[0])
+        out.index_add_(0, owner[a:b] * e + group[a:b], x[a:b, :, None] * d[a:b, None, :])
+    return out.view(use.batch, e, k, m)
 
 
 def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor | None]:

@@ -86,14 +86,14 @@ def unify(a: Any, b: Any) -> bool:
     that uses of them measured later see it). One host read."""
     if a is b:
         return True
-    if a is None or b is None or tuple.__ne__(a, b):
+    if a is None or b is None or a[0] != b[0]:
         return False
     ra, rb = type(a) is Rows, type(b) is Rows
     if not (ra or rb):
-        return True
-    oa = a.owner if ra else torch.arange(b.owner.numel(), device=b.owner.device)
-    ob = b.owner if rb else torch.arange(a.owner.numel(), device=a.owner.device)
-    if oa.shape != ob.shape:
+        return tuple.__eq__(a, b)
+    oa = a.owner if ra else _in_order(b.owner.numel(), a[1], b.owner.device)
+    ob = b.owner if rb else _in_order(a.owner.numel(), b[1], a.owner.device)
+    if oa is None or ob is None or oa.shape != ob.shape:
         return False
     if oa is ob:
         return True
@@ -105,6 +105,14 @@ def unify(a: Any, b: Any) -> bool:
     if rb:
         ob.copy_(torch.where(ob < 0, oa, ob))
     return True
+
+
+def _in_order(rows: int, f: int, device: Any) -> Tensor | None:
+    """The owner of ``rows`` rows of a plain axis ``(dim, f)``: ``n`` for rows ``n * f + j``."""
+    if rows % f:
+        return None
+    idx = torch.arange(rows // f, device=device)
+    return idx if f == 1 else idx.repeat_interleave(f)
 
 
 class Mix:

@@ -61,8 +61,8 @@ class SampleFlow:
         if q is not None and x is self.params[q]:
             return (pos, x, self._single[q])
         e = self._derived._d.get(id(x))
-        if e is not None and e[0]() is x and e[1]:
-            return (pos, x, e[1])
+        if e is not None and e[0]() is x:  # (no names: a slice of an untracked parameter, a constant here)
+            return (pos, x, e[1]) if e[1] else None
         if x.requires_grad and not isinstance(x, nn.Parameter):
             return True
         return None
@@ -112,6 +112,10 @@ class SampleFlow:
                     got.append(None)
                 elif g[1] == 1:
                     got.append(ax.at(g[0]))
+                elif r == 1 and any(o.shape[k] == 1 for o in outs[:1] for k in range(min(ax[0] + 1, o.dim()))):
+                    # one row merged into others ([1, 1, d] -> [1, d]): it stays a dim of one row
+                    o = outs[0]
+                    got.append(ax.at(max(k for k in range(min(ax[0] + 1, o.dim())) if o.shape[k] == 1)))
                 else:  # the rows lead a merged dim of g[1] elements each
                     got.append(Rows(g[0], ax.owner.repeat_interleave(g[1])))
         else:
@@ -127,6 +131,8 @@ class SampleFlow:
         (where, for the error of a use that meets it)."""
         if got.__class__ is Mix:
             self._taint_args(args, kwargs, self._place(got.what))
+            if not out.requires_grad:  # no gradient through it, but what it weights or selects
+                self._coupled[out] = got.what  # depends on the other samples
             return got.axis
         if got.__class__ is Pool:
             if out.requires_grad:
@@ -141,6 +147,33 @@ class SampleFlow:
             self._lost[out] = self._place(
                 f"{getattr(func, '__name__', func)} of a {list(first.shape)} tensor into {list(out.shape)}")
         return got
+
+    def _couple(self, func, args, kwargs, out) -> None:
+        """An operation on a tensor computed across the samples without gradient (a routing
+        mask cut at an expert capacity counted over the batch's tokens): its outputs are such
+        tensors too, and the parameters before its arguments with gradient are undefined (a
+        sample's gradient depends on the other samples through it). Called only while some
+        tensor is so marked."""
+        coupled = self._coupled
+        what = None
+        for x in list(args) + list(kwargs.values()):
+            for y in (x if isinstance(x, (list, tuple)) else (x,)):
+                if isinstance(y, Tensor):
+                    what = coupled.get(y)
+                    if what is not None:
+                        break
+            if what is not None:
+                break
+        if what is None:
+            return
+        outs = [out] if isinstance(out, Tensor) else _outputs(out)
+        for o in outs:
+            coupled[o] = what
+        if any(o.requires_grad for o in outs):
+            fname = getattr(func, "__name__", str(func))
+            self._taint_args(args, kwargs, self._place(
+                f"{fname} of a tensor computed across the samples without gradient ({what}): a sample's "
+                "routing or weights depend on the other samples (e.g. an expert capacity counted over the batch)"))
 
     def _place(self, what: str) -> str:
         return what
@@ -181,6 +214,12 @@ class SampleFlow:
         entries = self._data_args(args, kwargs)
         if getattr(func, "__name__", "") in samples.SHAPE_ONLY:
             entries = entries[:1]  # (the other tensor gives a shape or a dtype only)
+        if getattr(func, "__name__", "") in samples.ROWS:  # rows moved by an index of no sample axis
+            for _, t, ax in entries:  # (``zeros.index_add(0, sorted_ids, rows)``): the rows' rule
+                if ax is not None:
+                    got = self._axes(func, args, kwargs, t, ax, [out], _IS_SAMPLES)[0]
+                    return got if got is not None and got.__class__ not in EVENTS else \
+                        self._settle(got, func, args, kwargs, t, ax, out)
         if any(ax is not None for _, _, ax in entries):
             return self._several(func, args, kwargs, out, entries)
         if out.requires_grad:
@@ -198,7 +237,14 @@ class SampleFlow:
                     self._lost[out] = origin
                     return None
                 op_linear = samples.linear_in_pooled(func, grads)
-                if not op_linear:  # a loss term that is no sum over samples: undefined before it
+                stat = samples.batch_statistic(func, entries, self._pooled)
+                if stat is not None:  # weighted by a statistic of the batch (a MoE router's expert fractions)
+                    op_linear = False
+                    self._taint_args(args, kwargs, self._place(
+                        f"{fname} of a value pooled over the samples ({what}) by a statistic of the whole batch "
+                        f"(a {list(stat.shape)} tensor computed from it without gradient, e.g. a MoE load-balancing "
+                        f"loss's expert fractions: a sample's share depends on the other samples)"), only=entries)
+                elif not op_linear:  # a loss term that is no sum over samples: undefined before it
                     self._taint_args(args, kwargs, self._place(
                         f"{fname} of a value pooled over the samples ({what})"), only=entries)
                 self._pooled[out] = (op_linear and all(p[0] for p in pooled), what)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from gradlens.capture.axes import _dim, _index, _int_arg, einsum_letter
 from gradlens.capture.rows import Mix, Pool, Rows, owner_of, packed_owner, rows_axis, unify
+from gradlens.capture.writes import _index_write, _mark, _setitem
 
 __all__ = ["follow", "aligned", "TABLE", "ROWS", "CONTRACTIONS", "LINEAR"]
 
@@ -130,6 +131,10 @@ def _reduction(name, func, args, kwargs, x, ax, outs, batch, got, marks):
             return None
         if dims and ax[0] not in [_dim(d, nd) for d in dims]:
             return None
+    if batch == 1 and dims and outs and isinstance(outs[0], Tensor) and outs[0].dim() > 1:
+        # one sample: its rows reduced stay its own (every row of what is left holds it; a
+        # vector left is a pooled value as for any batch: its one dim may be the features')
+        return [(0, outs[0].shape[0]) if isinstance(o, Tensor) and o.dim() > 0 else None for o in outs]
     how = "over the samples" if dims else "over every dim, the samples included"
     what = f"torch.{name} {how} (dim {ax[0]} of a {list(x.shape)} tensor)"
     return [Pool(what, name in _LINEAR_REDUCTIONS)] * len(outs)
@@ -139,6 +144,8 @@ def _reduction(name, func, args, kwargs, x, ax, outs, batch, got, marks):
 def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     idx = args[1] if len(args) > 1 else None
     comps = idx if isinstance(idx, tuple) else (idx,)
+    if args and x is not args[0]:
+        return _lookup(comps, x, ax, outs)
     has_adv = any(isinstance(c, (Tensor, list)) for c in comps)
     if got and got[0] is not None and not has_adv:
         return None  # basic indexing that kept the samples whole: carry's answer
@@ -168,8 +175,10 @@ def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
         return None
     if isinstance(c, int) and not isinstance(c, bool):
         return None  # one sample picked: no sample axis
-    if has_adv and (len(adv) > 1 or not isinstance(c, (Tensor, list))):
-        return None  # several advanced indices: where the result's rows come from is not followed
+    if has_adv and len(adv) > 1:
+        return _getitem_joint(comps, adv, c, x, ax, outs, batch)
+    if has_adv and not isinstance(c, (Tensor, list)):
+        return None  # the samples sliced beside an advanced index elsewhere: not followed
     # the output dim of the sample component: as if it were a full slice
     probe = tuple(slice(None) if comp is c else comp for comp in comps)
     if isinstance(c, Tensor) and c.dtype == torch.bool and c.dim() > 1:
@@ -198,6 +207,54 @@ def _getitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     if outs[0].dim() <= out_dim or outs[0].shape[out_dim] != new.numel():
         return None
     return [rows_axis(out_dim, new, batch)]
+
+
+def _lookup(comps: tuple, ids: Tensor, ax: Any, outs: list) -> Any:
+    """``w[ids]``: a tensor indexed by data ``ids`` (a routed expert's weights per token,
+    ``gate_up_proj[expert_ids]``): its rows are those of ``ids``, on the same dims, where ``ids``
+    is the first index and the others take whole dims."""
+    if not comps or comps[0] is not ids or ids.dtype == torch.bool or ids.is_floating_point():
+        return None
+    if any(not (isinstance(c, slice) and c == slice(None)) and c is not Ellipsis for c in comps[1:]):
+        return None
+    out = outs[0]
+    if out.dim() < ids.dim() or tuple(out.shape[:ids.dim()]) != tuple(ids.shape):
+        return None
+    return [ax]
+
+
+def _getitem_joint(comps: tuple, adv: list, c: Any, x: Tensor, ax: Any, outs: list, batch: int) -> Any:
+    """``x[i, j]`` with several advanced indices, the sample dim's ``c`` among them (a routed
+    token's gate weight ``w[token_idx, top_k_pos]``): with 1-D (or scalar) indices broadcast to
+    one length n, output row k is taken from row ``c[k]`` of the samples' dim, so it holds
+    sample ``owner[c[k]]``. The rows land where numpy puts the advanced block: at the first
+    advanced index's place when they are adjacent, else first."""
+    if not isinstance(c, (Tensor, list)):
+        return None
+    c = torch.as_tensor(c)
+    if c.dim() != 1 or c.dtype == torch.bool or c.is_floating_point():
+        return None
+    n = c.numel()
+    for other in adv:
+        if isinstance(other, bool):
+            return None
+        if isinstance(other, (Tensor, list)):
+            t = torch.as_tensor(other)
+            if t.dtype == torch.bool or t.is_floating_point() or t.dim() > 1 or (t.dim() == 1 and t.numel() not in (1, n)):
+                return None
+    where = [k for k, comp in enumerate(comps) if any(comp is a for a in adv)]
+    if where != list(range(where[0], where[-1] + 1)):
+        out_dim = 0
+    else:
+        nd = x.dim()
+        n_real = sum(1 for comp in comps if comp is not None and comp is not Ellipsis)
+        out_dim = 0
+        for comp in comps[:where[0]]:
+            out_dim += (nd - n_real) if comp is Ellipsis else 1
+    own = owner_of(ax, x.shape[ax[0]], batch, x.device)
+    if own is None or outs[0].dim() <= out_dim or outs[0].shape[out_dim] != n:
+        return None
+    return [rows_axis(out_dim, own[c.to(own.device)], batch)]
 
 
 def _index_select(name, func, args, kwargs, x, ax, outs, batch, got, marks):
@@ -238,15 +295,6 @@ def _split(name, func, args, kwargs, x, ax, outs, batch, got, marks):
         parts.append(rows_axis(d, own[start:start + n], batch))
         start += n
     return parts
-
-
-def _mark(marks, t):
-    if marks is None or not isinstance(t, Tensor):
-        return False, None
-    e = marks._d.get(id(t))
-    if e is None or e[0]() is not t:
-        return False, None
-    return True, e[1]
 
 
 def _cat(name, func, args, kwargs, x, ax, outs, batch, got, marks):
@@ -445,7 +493,10 @@ def _reshape(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     """A reshape in which the samples are not the leading factor of a dim (``[T, B, d] ->
     [T * B, d]``) or rows of samples are split or merged: the sample of each row of the new dim
     that holds them, read from where each element came from."""
-    if got and got[0] is not None or len(outs) != 1:
+    if len(outs) != 1:
+        return None
+    rows_kept = bool(got and type(got[0]) is Rows)  # carry moved the rows: kept, unless they are the samples in order
+    if got and got[0] is not None and not rows_kept:
         return None
     old, new = tuple(x.shape), tuple(outs[0].shape)
     if math.prod(old) != math.prod(new) or 0 in old:
@@ -461,124 +512,25 @@ def _reshape(name, func, args, kwargs, x, ax, outs, batch, got, marks):
     view = [1] * (i1 - i0)
     view[a - i0] = old[a]
     flat = own.view(view).expand(old[i0:i1]).reshape(new[j0:j1])  # the sample of each element
+    found, plain = None, []
     for k in range(j1 - j0):
-        if new[j0 + k] == 1 and j1 - j0 > 1:
-            continue
         line = flat
         for d in range(j1 - j0):  # the first element along every other dim
             if d != k:
                 line = line.narrow(d, 0, 1)
-        if bool((flat == line).all()):
-            return [rows_axis(j0 + k, line.reshape(-1), batch)]
-    return None  # the samples spread over several dims
-
-
-def _write_rows(target_own: Tensor | None, index: Tensor, src_own: Tensor, accumulate: bool, batch: int,
-                dim: int, what: str, grads: bool, kept: Any) -> list:
-    """The rows of an indexed write along the sample dim (``index_put``, ``index_copy``,
-    ``index_add``, ``__setitem__``): row ``index[k]`` takes source row k; the other rows keep the
-    target's. Rows that end up holding several samples mix them; rows of no sample (a constant
-    target) are not followed."""
-    n = target_own.numel() if target_own is not None else None
-    if index.dtype == torch.bool:
-        index = index.nonzero().reshape(-1)
-    index = index.reshape(-1).to(src_own.device)
-    if index.numel() != src_own.numel():
-        return [None]
-    size = n if n is not None else int(index.max()) + 1 if index.numel() else 0
-    out = torch.full((size,), -1, dtype=torch.int64, device=src_own.device)
-    out[index] = src_own
-    if not bool((out[index] == src_own).all()):  # two samples written into one row
-        return [Mix(kept, what + " (several samples into one row)")] if grads else [None]
-    if target_own is not None:
-        written = out >= 0
-        if accumulate and bool((written & (out != target_own)).any()):
-            return [Mix(kept, what + " (added into another sample's row)")] if grads else [None]
-        out = torch.where(written, out, target_own)
-    if bool((out < 0).any()):
-        return [None]  # rows of no sample
-    return [rows_axis(dim, out, batch)]
-
-
-def _index_write(name, func, args, kwargs, x, ax, outs, batch, got, marks):
-    """``index_put`` / ``index_copy`` / ``index_add`` / ``scatter`` along the sample dim."""
-    if name in ("index_put", "index_put_"):
-        target, indices = args[0], _int_arg(args, kwargs, 1, "indices")
-        src, dim = _int_arg(args, kwargs, 2, "values"), 0
-        acc = bool(_int_arg(args, kwargs, 3, "accumulate", False))
-        if not isinstance(indices, (tuple, list)) or len(indices) != 1 or not isinstance(indices[0], Tensor):
-            return None
-        index = indices[0]
-    elif name in ("scatter", "scatter_", "scatter_add", "scatter_add_"):
-        target, dim = args[0], _int_arg(args, kwargs, 1, "dim")
-        index, src = _int_arg(args, kwargs, 2, "index"), _int_arg(args, kwargs, 3, "src")
-        acc = "add" in name or bool(kwargs.get("reduce"))
-        if not isinstance(index, Tensor) or not isinstance(src, Tensor):
-            return None
-        d = _dim(dim, target.dim())
-        first = index
-        for k in range(index.dim()):
-            if k != d and first.shape[k] > 1:
-                first = first.narrow(k, 0, 1)
-        if index.numel() and not bool((index == first).all()):
-            return [Mix(got[0] if got else None, f"torch.{name} with another row per column")] if src.requires_grad else [None]
-        index = first.reshape(-1)
-        src_rows = index.numel()
-        src = src.narrow(d, 0, src_rows) if src.shape[d] != src_rows else src
-    else:  # index_copy / index_add (x, dim, index, source)
-        target, dim = args[0], _int_arg(args, kwargs, 1, "dim")
-        index, src = _int_arg(args, kwargs, 2, "index"), _int_arg(args, kwargs, 3, "source")
-        acc = "add" in name
-    if not isinstance(src, Tensor) or not isinstance(index, Tensor):
-        return None
-    d = _dim(dim, target.dim())
-    t_data, t_ax = (True, ax) if target is x else _mark(marks, target)
-    s_data, s_ax = (True, ax) if src is x else _mark(marks, src)
-    if not s_data or s_ax is None or s_ax[0] != d or (t_data and (t_ax is None or t_ax[0] != d)):
-        if t_data and t_ax is not None and t_ax[0] != d:
-            return None  # written along another dim: the samples' rows stay
-        return [None]
-    src_own = owner_of(s_ax, src.shape[d], batch, x.device)
-    tgt_own = owner_of(t_ax, target.shape[d], batch, x.device) if t_data else None
-    if src_own is None or (t_data and tgt_own is None):
-        return [None]
-    if not t_data and index.dtype != torch.bool:
-        tgt_rows = target.shape[d]
-        out = _write_rows(None, index, src_own, acc, batch, d, f"torch.{name} along the samples",
-                          src.requires_grad, got[0] if got else None)
-        if out[0] is None or out[0].__class__ is Mix:
-            return out
-        own = owner_of(out[0], tgt_rows, batch, x.device) if type(out[0]) is not Rows else out[0].owner
-        return [out[0]] if own is not None and own.numel() == tgt_rows else [None]
-    return _write_rows(tgt_own, index, src_own, acc, batch, d, f"torch.{name} along the samples",
-                       src.requires_grad, got[0] if got else None)
-
-
-def _setitem(name, func, args, kwargs, x, ax, outs, batch, got, marks):
-    """``target[idx] = value`` (in place: the capture passes the target as the output)."""
-    target, idx, value = args[0], args[1], args[2] if len(args) > 2 else None
-    comps = idx if isinstance(idx, tuple) else (idx,)
-    if not isinstance(value, Tensor) or len(comps) != 1:
-        return None
-    t_data, t_ax = (True, ax) if target is x else _mark(marks, target)
-    v_data, v_ax = (True, ax) if value is x else _mark(marks, value)
-    if not v_data:
-        return None if t_data else [None]
-    if v_ax is None or v_ax[0] != 0 or (t_data and (t_ax is None or t_ax[0] != 0)):
-        return [None]
-    c = comps[0]
-    if isinstance(c, slice):
-        c = torch.arange(target.shape[0], device=x.device)[c]
-    if not isinstance(c, Tensor) or c.dim() != 1:
-        return [None]
-    src_own = owner_of(v_ax, value.shape[0], batch, x.device)
-    tgt_own = owner_of(t_ax, target.shape[0], batch, x.device) if t_data else None
-    if src_own is None:
-        return [None]
-    if tgt_own is None:
-        tgt_own = torch.full((target.shape[0],), -1, dtype=torch.int64, device=x.device)
-    return _write_rows(tgt_own, c, src_own, False, batch, 0, "an indexed write along the samples",
-                       value.requires_grad, got[0] if got else None)
+        if not bool((flat == line).all()):
+            continue
+        line = line.reshape(-1)
+        f = line.numel() // batch if batch else 0
+        if f and line.numel() == batch * f and bool((line == torch.arange(batch, device=line.device)
+                                                     .repeat_interleave(f)).all()):
+            plain.append((j0 + k, f))  # the samples in order, as the leading factor
+        elif found is None and not rows_kept and not (new[j0 + k] == 1 and j1 - j0 > 1):
+            found = rows_axis(j0 + k, line, batch)
+    if plain:  # several only when each sample's rows fill a block of every dim (one sample, B = 1):
+        # a dim with one row per sample, else the innermost (the rows of one sample split last)
+        return [next((p for p in plain if p[1] == 1), plain[-1])]
+    return None if found is None else [found]  # None: the samples spread over several dims
 
 
 #: methods whose second tensor gives only a shape or a dtype (no samples flow from it)
@@ -674,6 +626,21 @@ def linear_in_pooled(func, grads: list[tuple[Any, Tensor]]) -> bool:
         return len(grads) <= 1 and (name in ("mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply")
                                     or not grads or grads[0][0] == 0)
     return True
+
+
+def batch_statistic(func, entries: list, pooled: Any) -> Tensor | None:
+    """The tensor that weights a pooled value (a sum over samples) with a statistic of the whole
+    batch in a product or quotient: a data tensor of more than one element without gradient and
+    without a sample axis (``entries``: the call's data arguments ``(position, tensor, axis)``),
+    e.g. a MoE load-balancing loss's fraction of tokens per expert. Each sample's share then
+    depends on the other samples, so the pooled value is no sum of per-sample terms of their
+    own. A scalar (a token count dividing a loss) only sets the units (docs/design.md); None."""
+    if getattr(func, "__name__", "") not in _BILINEAR:
+        return None
+    for _, t, ax in entries:
+        if ax is None and not t.requires_grad and t.numel() > 1 and t not in pooled:
+            return t
+    return None
 
 
 def _matmul_place(pos: int, t: Tensor, a: int, out: Tensor, name: str, n_args: int) -> tuple[str, int] | None:

@@ -98,6 +98,9 @@ class Tap(SampleFlow):
         self._pooled = _TensorMarks()
         #: data tensors whose sample axis was lost: tensor -> where
         self._lost = _TensorMarks()
+        #: data tensors without gradient computed across the samples (a capacity count over the
+        #: batch's tokens): tensor -> where; what they meet with gradient is undefined
+        self._coupled = _TensorMarks()
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0

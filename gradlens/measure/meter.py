@@ -531,11 +531,15 @@ class Meter(WindowGradient):
                     direct = direct.detach() if direct.requires_grad else direct
                     add_into(per_q, names[0], direct if use.rows is None else ops.rows_to_samples(direct, use))
                     continue
-            gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
-            if use.factor != 1:  # rows n * f + j of the axis: sample n's gradient sums its f rows
-                gt = gt.reshape(use.batch, use.factor, *gt.shape[1:]).sum(1)
-            if use.rows is not None:  # rows reordered, selected or repeated: sample n's sums its rows
-                gt = ops.rows_to_samples(gt, use)
+            gt = ops.routed_lookup(use, pos, t, delta)  # routed experts: sample n's rows, in closed form
+            if gt is None:
+                gt = ops.grouped_weight(use, pos, t, delta)
+            if gt is None:
+                gt = ops.per_sample_wrt(use.func, use.args, use.kwargs, pos, t, delta, use.axis)
+                if use.factor != 1:  # rows n * f + j of the axis: sample n's gradient sums its f rows
+                    gt = gt.reshape(use.batch, use.factor, *gt.shape[1:]).sum(1)
+                if use.rows is not None:  # rows reordered, selected or repeated: sample n's sums its rows
+                    gt = ops.rows_to_samples(gt, use)
             if len(names) == 1 and t is tap.params[names[0]]:
                 got = [gt]
             else:
