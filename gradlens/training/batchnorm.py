@@ -189,6 +189,12 @@ class _AccumBatchNormMixin:
         mean = (input * m).sum(dims) / count
         centred = input - mean.view(shape)
         var = (centred.square() * m).sum(dims) / count  # biased, as nn.BatchNorm normalises
+        return self._normalise(centred, mean, var, count, shape)
+
+    def _normalise(self, centred: Tensor, mean: Tensor, var: Tensor, count: int, shape: list[int]) -> Tensor:
+        """The training output from the micro-batch's centred input and biased ``var``
+        (``[C]``), the affine map applied; the statistics folded into the window (and the
+        window flushed when it is complete)."""
         out = centred * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
@@ -422,14 +428,7 @@ class AccumSyncBatchNorm(_AccumBatchNormMixin, nn.SyncBatchNorm):
         centred = input - mean.view(shape)
         sq = centred.square() if m is None else centred.square() * m
         var = _AllReduceSum.apply(sq.sum(dims), group) / count  # biased, as nn.BatchNorm normalises
-        out = centred * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        if self.track_running_stats:
-            self._fold(mean.detach(), var.detach() * (count / (count - 1)), count)
-            if self._counter.micro_steps >= self.accum_steps and not self.follows_optimizer:
-                self.flush()
-        return out
+        return self._normalise(centred, mean, var, count, shape)
 
 
 class AccumSyncBatchNormAct(_ActDropMixin, AccumSyncBatchNorm):
