@@ -221,6 +221,41 @@ def test_a_contrastive_loss_on_a_times_b_transposed_is_undefined_for_every_param
     lens.close()
 
 
+class ScaledTowers(nn.Module):
+    """A SigLIP-style model: a learned temperature and bias applied to the pairwise logit matrix
+    ``a @ b.T`` (after the mix), then a sigmoid loss over every pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 4)
+        self.b = nn.Linear(5, 4)
+        self.scale = nn.Parameter(torch.tensor(0.3))
+        self.bias = nn.Parameter(torch.tensor([-0.2]))
+
+    def forward(self, x):
+        logits = (self.a(x) @ self.b(x.flip(1)).t()) * self.scale.exp() + self.bias
+        signs = 2 * torch.eye(x.shape[0], dtype=x.dtype) - 1
+        return -F.logsigmoid(signs * logits.t()).sum(-1).mean()
+
+
+def test_a_parameter_applied_to_a_pairwise_product_of_the_samples_is_undefined():
+    """The temperature and bias come after the mix, but an entry of ``a @ b.T`` pairs two
+    samples: they are undefined too (named with the pairwise product), never measured as if a
+    row were one sample's; with the towers left out by ``exclude=``, they alone are refused."""
+    torch.manual_seed(0)
+    model = gradlens.extend(ScaledTowers().double())
+    x, _ = _data()
+    for kwargs in ({}, {"exclude": ["a", "b"]}):
+        lens = Lens(model, [BatchL2()], **kwargs)
+        with pytest.raises(RuntimeError, match=r"undefined: their output reaches .*pairwise product of the samples "
+                                               r"\(matmul of tensors \[3, 4\], \[4, 3\]\)") as err:
+            loss = model(x[:3])
+            with lens.capture(reduction="mean", loss=loss):
+                loss.backward()
+        assert "'scale'" in str(err.value) and "'bias'" in str(err.value)
+        lens.close()
+
+
 class PooledLoss(nn.Module):
     """A loss term of the batch's mean activation (no sum over samples) or of its sum (linear:
     one over samples)."""

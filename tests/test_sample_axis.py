@@ -400,3 +400,41 @@ def test_eval_batchnorm_over_a_flattening_led_by_the_samples_is_measured(reducti
     for (name, _), block in zip(oracle_model.named_parameters(), G.split(sizes, dim=1)):
         torch.testing.assert_close(rec["sum_grad_squared"][name].reshape(-1), block.square().sum(0),
                                    rtol=1e-10, atol=1e-14)
+
+
+class PositionEmbedded(nn.Module):
+    """Token and position embeddings added (the position lookup made from a buffer only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(10, 4)
+        self.pos = nn.Embedding(5, 4)
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("positions", torch.arange(5)[None])
+
+    def forward(self, x):
+        return self.fc(self.tok(x) + self.pos(self.positions))
+
+
+def test_an_excluded_layer_computed_from_no_data_is_a_constant_to_the_capture():
+    """Leaving out the position embedding (``exclude=["pos"]``; or ``undefined="exclude"``
+    leaving it out after a micro-step) makes its output a constant added to the batch, not data
+    of an unknown sample axis: the rest stays exact against per-sample gradients."""
+    torch.manual_seed(0)
+    base = PositionEmbedded().double()
+    model = gradlens.extend(copy.deepcopy(base))
+    x = torch.randint(0, 10, (6, 5), generator=torch.Generator().manual_seed(2))
+    lens = Lens(model, [BatchL2()], exclude=["pos"])
+    s = 0
+    for b in (2, 3, 1):
+        loss = model(x[s:s + b]).square().sum()
+        with lens.capture(reduction="sum", loss=loss):
+            loss.backward()
+        s += b
+    rec = lens.flush()
+    want = []
+    for n in range(6):
+        g = torch.autograd.grad(base(x[n:n + 1]).square().sum(), [base.tok.weight, base.fc.weight, base.fc.bias])
+        want.append(sum(float(v.square().sum()) for v in g))
+    torch.testing.assert_close(rec["batch_l2"], torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    lens.close()

@@ -157,7 +157,13 @@ class _UseMode(TorchFunctionMode):
             return out
         if tracked is None or not grad:
             out = func(*args, **kwargs) if kwargs else func(*args)
-            if is_data:
+            if grad and not is_data:
+                # computed from untracked parameters and constants only (an excluded position
+                # embedding's lookup): a constant to the capture, not data of an unknown axis
+                for o in ([out] if isinstance(out, Tensor) else _outputs(out)):
+                    if o.requires_grad:
+                        tap._derived[o] = frozenset()
+            elif is_data:
                 if isinstance(out, Tensor):  # one output: its mark set here
                     batch = tap._batch
                     if fax is None or batch is None:
@@ -184,6 +190,8 @@ class _UseMode(TorchFunctionMode):
                     _note_functional_loss(func, kwargs, out, tap._batch, args)
                 if tap._coupled._d:
                     tap._couple(func, args, kwargs, out)
+                if tap._pairwise._d:
+                    tap._pair(func, args, kwargs, out)
             return out
         if not is_data:
             out = func(*args, **kwargs)
@@ -203,6 +211,8 @@ class _UseMode(TorchFunctionMode):
             tap.chain.follow(func, args, kwargs, out)
         if tap._coupled._d:
             tap._couple(func, args, kwargs, out)
+        if tap._pairwise._d:
+            tap._pair(func, args, kwargs, out)
         return out
 
 

@@ -175,6 +175,39 @@ class SampleFlow:
                 f"{fname} of a tensor computed across the samples without gradient ({what}): a sample's "
                 "routing or weights depend on the other samples (e.g. an expert capacity counted over the batch)"))
 
+    def _pair(self, func, args, kwargs, out) -> None:
+        """An operation on a pairwise product of the samples (``a @ b.T``: one argument's
+        samples on its rows, another's on its columns; a CLIP or SigLIP logit matrix).
+        Elementwise operations and transposes keep it pairwise; a contraction or a reduction
+        ends it (rows of samples again: attention across the batch, ``softmax(h @ h.T) @ v``),
+        as does a loss (fewer dims). A parameter it meets on the way (a learned temperature or
+        bias of the logits) is undefined: no row of the matrix is one sample's own, so its share
+        of the loss is no per-sample gradient. Called only while some tensor is so marked."""
+        pairs = self._pairwise
+        src = what = None
+        for x in list(args) + list(kwargs.values()):
+            for y in (x if isinstance(x, (list, tuple)) else (x,)):
+                if isinstance(y, Tensor) and (got := pairs.get(y)) is not None:
+                    src, what = y, got
+                    break
+            if src is not None:
+                break
+        name = getattr(func, "__name__", "")
+        if src is None or name in samples.CONTRACTIONS or name in samples.REDUCTIONS:
+            return
+        outs = [out] if isinstance(out, Tensor) else _outputs(out)
+        kept = [o for o in outs if isinstance(o, Tensor) and o.dim() >= src.dim() and o.requires_grad]
+        for o in kept:
+            pairs[o] = what
+        if kept:
+            for x in list(args) + list(kwargs.values()):
+                if isinstance(x, Tensor) and x.requires_grad and pairs.get(x) is None:
+                    why = self._place(
+                        f"{name} of a pairwise product of the samples ({what}): an entry pairs two samples, "
+                        "so a parameter applied to it has no per-sample gradient (a contrastive loss's "
+                        "temperature or bias)")
+                    self._taint_before(x, why)
+
     def _place(self, what: str) -> str:
         return what
 
@@ -290,6 +323,8 @@ class SampleFlow:
                    else "takes the samples from different places of its arguments")
             self._taint_args(args, kwargs, self._place(f"{samples.describe(func, entries)}, which {why}"),
                              only=entries)
+            if not blind and out.requires_grad and samples.pairwise(func, args, entries, out):
+                self._pairwise[out] = self._place(samples.describe(func, entries))
         elif ok == "pooled" and out.requires_grad:  # a sum over the samples of per-sample products
             self._pooled[out] = (True, f"{samples.describe(func, entries)}, summed over the samples")
         return axis
@@ -428,6 +463,11 @@ class SampleFlow:
     def _taint_before(self, x: Tensor, layer: str) -> None:
         """Every tracked parameter whose output reaches ``x`` (the input of a layer that mixes
         samples) has an undefined per-sample gradient."""
+        if x.grad_fn is None:  # a tracked parameter itself (a leaf: no graph to walk)
+            q = self._pid.get(id(x))
+            if q is not None and x is self.params[q]:
+                self.tainted.setdefault(q, layer)
+            return
         stack = [x.grad_fn]
         visited = self._visited
         while stack:

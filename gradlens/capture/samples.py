@@ -21,7 +21,7 @@ from gradlens.capture.axes import _dim, _index, _int_arg, einsum_letter
 from gradlens.capture.rows import Mix, Pool, Rows, owner_of, packed_owner, rows_axis, unify
 from gradlens.capture.writes import _index_write, _mark, _setitem
 
-__all__ = ["follow", "aligned", "TABLE", "ROWS", "CONTRACTIONS", "LINEAR"]
+__all__ = ["follow", "aligned", "pairwise", "TABLE", "ROWS", "CONTRACTIONS", "LINEAR", "REDUCTIONS"]
 
 
 def _owner(x: Tensor, ax: Any, batch: int) -> Tensor | None:
@@ -114,6 +114,10 @@ _LINEAR_REDUCTIONS = {"sum", "mean", "nansum", "nanmean"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "norm", "logsumexp",
                "nansum", "nanmean", "median", "nanmedian", "var_mean", "std_mean", "vector_norm", "aminmax",
                "mode", "quantile", "nanquantile"}
+
+
+#: reductions along dims (what ends a pairwise product of the samples, as contractions do)
+REDUCTIONS = frozenset(_REDUCTIONS)
 
 
 def _reduction(name, func, args, kwargs, x, ax, outs, batch, got, marks):
@@ -687,6 +691,49 @@ def aligned(func, args: tuple, kwargs: dict, data: list[tuple[Any, Tensor, Any]]
     ``"pooled"`` when they are all summed over one contracted index in the same rows (a sum of
     per-sample terms, ``h.T @ h``: no axis); False otherwise (the operation mixes samples;
     ``axis``: the output dim of the first argument whose samples land on one, or None)."""
+    places = _places(func, args, data, out)
+    first_axis = None
+    for t, place, ax in places:
+        if place is not None and place[0] == "out":
+            first_axis = (place[1], ax[1]) if type(ax) is not Rows else ax.at(place[1])
+            break
+    grads = [(t, place, ax) for t, place, ax in places if t.requires_grad]
+    if not grads:
+        return True, first_axis
+    if all(place is not None and place[0] == "sum" for _, place, _ in grads):
+        ref = grads[0]
+        for t, place, ax in places:  # every data argument summed over the same index, same rows
+            if place is None or place != ref[1] or not unify((0, ax[1]) if type(ax) is not Rows else ax.at(0),
+                                                                 (0, ref[2][1]) if type(ref[2]) is not Rows else ref[2].at(0)):
+                return False, first_axis
+        return "pooled", None
+    ref = None
+    for t, place, ax in grads:
+        if place is None or place[0] != "out":
+            return False, first_axis
+        here = (place[1], ax[1]) if type(ax) is not Rows else ax.at(place[1])
+        if ref is None:
+            ref = here
+        elif not unify(ref, here):
+            return False, first_axis
+    # data arguments without grad whose samples sit elsewhere do not mix gradients
+    return True, ref
+
+
+def pairwise(func, args: tuple, data: list[tuple[Any, Tensor, Any]], out: Tensor) -> bool:
+    """Whether a product of several data arguments puts the samples of its arguments that
+    require grad on two or more different output dims: ``a @ b.T`` (a CLIP / SigLIP logit
+    matrix), ``cdist(a, b)``. Its entries are pairs of samples: no dim of it is one sample's."""
+    if getattr(func, "__name__", "") not in CONTRACTIONS:
+        return False
+    dims = {place[1] for t, place, _ in _places(func, args, [d for d in data if d[2] is not None], out)
+            if t.requires_grad and place is not None and place[0] == "out"}
+    return len(dims) > 1
+
+
+def _places(func, args: tuple, data: list[tuple[Any, Tensor, Any]], out: Tensor) -> list:
+    """``[(tensor, place, axis)]``: where each data argument's sample dim lands in ``out``
+    (``("out", dim)``, ``("sum", index)``, ``("lost", -1)``, or None where not followed)."""
     name = getattr(func, "__name__", "")
     places = []
     for pos, t, ax in data:
@@ -714,32 +761,7 @@ def aligned(func, args: tuple, kwargs: dict, data: list[tuple[Any, Tensor, Any]]
             r = a + out.dim() - t.dim()
             place = ("out", r) if 0 <= r < out.dim() and out.shape[r] == t.shape[a] else ("lost", -1)
         places.append((t, place, ax))
-    first_axis = None
-    for t, place, ax in places:
-        if place is not None and place[0] == "out":
-            first_axis = (place[1], ax[1]) if type(ax) is not Rows else ax.at(place[1])
-            break
-    grads = [(t, place, ax) for t, place, ax in places if t.requires_grad]
-    if not grads:
-        return True, first_axis
-    if all(place is not None and place[0] == "sum" for _, place, _ in grads):
-        ref = grads[0]
-        for t, place, ax in places:  # every data argument summed over the same index, same rows
-            if place is None or place != ref[1] or not unify((0, ax[1]) if type(ax) is not Rows else ax.at(0),
-                                                                 (0, ref[2][1]) if type(ref[2]) is not Rows else ref[2].at(0)):
-                return False, first_axis
-        return "pooled", None
-    ref = None
-    for t, place, ax in grads:
-        if place is None or place[0] != "out":
-            return False, first_axis
-        here = (place[1], ax[1]) if type(ax) is not Rows else ax.at(place[1])
-        if ref is None:
-            ref = here
-        elif not unify(ref, here):
-            return False, first_axis
-    # data arguments without grad whose samples sit elsewhere do not mix gradients
-    return True, ref
+    return places
 
 
 def describe(func, data: list[tuple[Any, Tensor, Any]]) -> str:

@@ -101,6 +101,10 @@ class Tap(SampleFlow):
         #: data tensors without gradient computed across the samples (a capacity count over the
         #: batch's tokens): tensor -> where; what they meet with gradient is undefined
         self._coupled = _TensorMarks()
+        #: products pairing the samples of two arguments (``a @ b.T``, a contrastive model's
+        #: logits) and what elementwise operations made of them: tensor -> where; a parameter
+        #: they meet is undefined (:meth:`_pair`)
+        self._pairwise = _TensorMarks()
         self._visited: set = set()
         self._ops = 0
         self.forward_id = 0
@@ -370,17 +374,18 @@ class Tap(SampleFlow):
             elif self._is_data(a):
                 ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
             else:
-                if site is not None and output.requires_grad:
-                    names = frozenset(site.params.values()) | self._derived.get(a, frozenset())
-                    self._derived[output] = names
-                elif a in self._derived and output.requires_grad:
-                    self._derived[output] = self._derived[a]
+                if output.requires_grad:  # derived from parameters only (untracked ones: a constant)
+                    names = self._derived.get(a, frozenset())
+                    self._derived[output] = names if site is None else frozenset(site.params.values()) | names
                 return None
             if is_bag:
                 return self._bag_use(module, site, a, ax, bag_args, output)
             data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
             if kernel is not None and kernel.mixes_samples:
                 self._taint_before(a, f"{site.name if site else type(module).__name__!r} ({type(module).__name__} with batch statistics)")
+            if self._pairwise._d and site is not None and (pair := self._pairwise.get(a)) is not None:
+                for q in site.params.values():  # a layer applied to a pairwise product of the samples
+                    self.tainted.setdefault(q, f"{site.name!r} applied to a pairwise product of the samples ({pair})")
             if site is None or not output.requires_grad:
                 return None
             batch = self._batch
@@ -466,7 +471,7 @@ class Tap(SampleFlow):
             names = frozenset(site.params.values()) if site is not None else frozenset()
             for x in xs:
                 names |= self._derived.get(x, frozenset())
-            if names and output.requires_grad:
+            if output.requires_grad:  # (no names: from untracked parameters, a constant)
                 self._derived[output] = names
             return None
         axes = [self.axis_of(x) if d else None for x, d in zip(xs, is_data)]

@@ -80,9 +80,12 @@ class UndefinedParams:
                 f"trainable elements) are undefined: their output reaches {', '.join(layers)}, which "
                 f"mixes the samples of a micro-batch: {sorted(bad)}. "
                 + ("Put those layers in eval mode, or " if batchnorm else "Compute it per sample, or ")
-                + f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
-                f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
-                "after it stay exact), or measure each sample's contribution to the micro-step's gradient "
+                + (f"leave these parameters out with Lens(..., undefined='exclude') and track the other "
+                   f"{100 * keep / max(total, 1):.2f}% (each such layer's own weight and bias and everything "
+                   "after it stay exact), or " if keep else
+                   "use only instruments of the window gradient (e.g. GradNorm), which need no per-sample "
+                   "gradients (no parameter is left to track), or ")
+                + "measure each sample's contribution to the micro-step's gradient "
                 "instead (not its own gradient) with Lens(..., undefined='contribution')"
             )
         rest = {q: p for q, p in params.items() if q not in bad}
