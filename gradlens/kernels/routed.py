@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradlens.core.limits import CHUNK_ELEMENTS
+from gradlens.core.limits import CHUNK_ELEMENTS, CPU_SLICE_ELEMENTS
 from gradlens.kernels.base import Kernel
 
 __all__ = ["Routed", "RoutedKernel", "pack"]
@@ -75,26 +75,33 @@ def _tokens(a: Tensor, delta: Tensor, offset: int = 0) -> tuple[Tensor, Tensor, 
     return owner, ids[keep], delta[keep], a[..., :-1][keep]
 
 
+def _budget(t: Tensor) -> int:
+    """Elements of one block of formed segments or outer products: :data:`CHUNK_ELEMENTS`, on
+    the CPU :data:`CPU_SLICE_ELEMENTS` (as the materialising pass of
+    :mod:`gradlens.measure.slices`)."""
+    return CPU_SLICE_ELEMENTS if t.device.type == "cpu" else CHUNK_ELEMENTS
+
+
 def _add_outer(out: Tensor, index: Tensor, u: Tensor, v: Tensor) -> None:
     """``out[index[t]] += u_t v_t^T`` for every token t, a bounded number of outer products
-    (at most :data:`CHUNK_ELEMENTS` elements) at a time."""
+    (at most :func:`_budget` elements) at a time."""
     p1, p2 = u.shape[1], v.shape[1]
-    step = max(1, CHUNK_ELEMENTS // max(1, p1 * p2))
+    step = max(1, _budget(u) // max(1, p1 * p2))
     for s in range(0, u.shape[0], step):
         e = min(u.shape[0], s + step)
         out.index_add_(0, index[s:e], u[s:e, :, None] * v[s:e, None, :])
 
 
-def _segments(a: Tensor, delta: Tensor, experts: int, budget: int = CHUNK_ELEMENTS):
+def _segments(a: Tensor, delta: Tensor, experts: int):
     """The non-empty ``(sample, expert)`` segments, a few at a time: yields ``(sample [S],
-    expert [S], G [S, p1, p2])`` with ``S p1 p2 <= budget`` (at least one segment)."""
+    expert [S], G [S, p1, p2])`` with ``S p1 p2`` at most :func:`_budget` (at least one)."""
     owner, ids, u, v = _tokens(a, delta)
     seg = owner * experts + ids
     seg, order = torch.sort(seg, stable=True)
     u, v = u[order], v[order]
     useg, inv, counts = torch.unique_consecutive(seg, return_inverse=True, return_counts=True)
     ends = torch.cumsum(counts, 0).tolist()
-    step = max(1, budget // max(1, u.shape[1] * v.shape[1]))
+    step = max(1, _budget(u) // max(1, u.shape[1] * v.shape[1]))
     for j0 in range(0, useg.numel(), step):
         j1 = min(useg.numel(), j0 + step)
         t0, t1 = (ends[j0 - 1] if j0 else 0), ends[j1 - 1]
@@ -132,7 +139,7 @@ class RoutedKernel(Kernel):
         if not self._pairs_cheaper(a, delta):
             out = delta.new_zeros(b)
             for n, _, g in _segments(a, delta, module.experts):
-                out.index_add_(0, n, g.square().sum((1, 2)))
+                out.index_add_(0, n, g.square_().sum((1, 2)))
             return {module._attr: out}
         ids, v = a[..., -1], a[..., :-1]
         parts = []
@@ -149,7 +156,7 @@ class RoutedKernel(Kernel):
         param = getattr(module, module._attr)
         out = delta.new_zeros(module.experts, delta.shape[2], a.shape[2] - 1)
         for _, ex, g in _segments(a, delta, module.experts):
-            out.index_add_(0, ex, g.square())
+            out.index_add_(0, ex, g.square_())
         return {module._attr: out.view(param.shape)}
 
     def grad_sum(self, module, a, delta):
