@@ -17,9 +17,10 @@ import textwrap
 import pytest
 import torch
 
-from gradlens.instruments import BatchDot, BatchL2, GradNorm, SumGradSquared
+from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
 from gradlens.kernels.base import check_kernel
 from gradlens.kernels.routed import Routed, RoutedKernel, pack
+from oracle import hist_matches
 from test_moe_routing import SIZES, TinyMoE, _check, _data, _oracle
 from windows import run_windows
 
@@ -104,6 +105,34 @@ def test_routed_experts_take_the_factored_route_exactly(form, monkeypatch):
     run.lens.close()
 
 
+class _AlsoWhole(TinyMoE):
+    """TinyMoE whose expert weight ``w_up`` also meets the batch whole (``h * w_up.mean()``):
+    a use of another kind in the same micro-step."""
+
+    def forward(self, x):
+        return super().forward(x * (1 + self.w_up.mean()))
+
+
+def test_routed_part_joins_a_materialised_use_of_the_same_weight(monkeypatch):
+    """An expert weight with a routed use and a whole one (its g_n the sum of both): the
+    routed tokens' part is added into the materialised [B, *param] of the other; exact, and a
+    histogram of every g_n (formed in chunks) matches the oracle's."""
+    bins, r = 9, 0.2  # (0 inside a bin: the exact zeros of slices no token reached)
+    added = []
+    real = RoutedKernel.add_per_sample
+    monkeypatch.setattr(RoutedKernel, "add_per_sample", lambda self, *a: added.append(a[3]) or real(self, *a))
+    torch.manual_seed(7)
+    model = _AlsoWhole("loop").double()
+    x, y = _data(torch.Generator().manual_seed(8))
+    G = _oracle(model, x, y)
+    run = run_windows(model, [list(zip(x.split(SIZES), y.split(SIZES)))],
+                      [BatchL2(), SumGradSquared(), GradNorm(), BatchDot(), GradHist1d(bins=bins, range=(-r, r))])
+    names = [k for k, _ in model.named_parameters()]
+    _check(run.record, G, names, 1e-10)
+    assert len(added) == len(SIZES)  # w_up's routed part, once per micro-step
+    hist_matches(run.record["grad_hist_1d"], torch.cat([G[k].flatten(1) for k in names], 1), -r, r, bins)
+
+
 _PEAK = textwrap.dedent(
     """
     import json, resource, sys
@@ -112,7 +141,7 @@ _PEAK = textwrap.dedent(
     from torch import nn
     import gradlens
     from gradlens import Lens
-    from gradlens.instruments import BatchDot, BatchL2, GradNorm, SumGradSquared
+    from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
     torch.set_num_threads(1)
     B, T, D, E, K = 64, 4, 256, 8, 2
     torch.manual_seed(0)
