@@ -22,7 +22,7 @@ from gradlens.kernels.base import check_kernel
 from gradlens.kernels.routed import Routed, RoutedKernel, pack
 from oracle import hist_matches
 from test_moe_routing import SIZES, TinyMoE, _check, _data, _oracle
-from windows import run_windows
+from windows import all_instruments, run_windows
 
 
 def _tokens(seed, b=5, e=4, p1=3, p2=6, m=23):
@@ -131,6 +131,46 @@ def test_routed_part_joins_a_materialised_use_of_the_same_weight(monkeypatch):
     _check(run.record, G, names, 1e-10)
     assert len(added) == len(SIZES)  # w_up's routed part, once per micro-step
     hist_matches(run.record["grad_hist_1d"], torch.cat([G[k].flatten(1) for k in names], 1), -r, r, bins)
+
+
+def _all_records(factored, cross, monkeypatch):
+    import gradlens.capture.ops as ops
+
+    if not factored:
+        monkeypatch.setattr(ops, "routed_factors", lambda *a: None)
+    torch.manual_seed(0)
+    model = TinyMoE("loop").double()
+    x, y = _data(torch.Generator().manual_seed(1))
+    windows = [list(zip(x.split(SIZES), y.split(SIZES))), list(zip(x.flip(0).split(SIZES), y.flip(0).split(SIZES)))]
+    run = run_windows(model, windows, all_instruments(grad_r=0.3, param_r=2.0, cross=cross))
+    monkeypatch.undo()
+    return run.lens.records
+
+
+@pytest.mark.parametrize("cross", [None, pytest.param({"mode": "sketch", "k": 16}, marks=pytest.mark.slow)])
+def test_every_instrument_agrees_with_the_materialising_route(cross, monkeypatch):
+    """Every first-order instrument (projections of InnerTest / OrthoTest, Grams, sketches,
+    1-D and 2-D histograms from chunks), two windows: the factored route's records == those
+    of the route that forms each sample's [E, out, in] (the per-operation rule, exact against
+    the oracle in tests/test_moe_routing.py)."""
+    got, want = _all_records(True, cross, monkeypatch), _all_records(False, cross, monkeypatch)
+    assert len(got) == len(want) == 2
+    for rg, rw in zip(got, want):
+        assert set(rg.values) == set(rw.values)
+        for k in rg.values:
+            a, b = rg[k], rw[k]
+            if hasattr(a, "counts"):
+                assert torch.equal(a.counts, b.counts), k
+            elif isinstance(a, dict):
+                assert a.keys() == b.keys(), k
+                for q in a:
+                    torch.testing.assert_close(torch.as_tensor(a[q]).double(), torch.as_tensor(b[q]).double(),
+                                               rtol=1e-9, atol=1e-12)
+            elif a is None or b is None:
+                assert a is None and b is None, k
+            else:
+                torch.testing.assert_close(torch.as_tensor(a).double(), torch.as_tensor(b).double(), rtol=1e-9,
+                                           atol=1e-12)
 
 
 _PEAK = textwrap.dedent(
