@@ -8,6 +8,7 @@ process, far below ``B E out in`` numbers."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, SumGradSquared
 from gradlens.kernels.base import check_kernel
@@ -131,6 +134,48 @@ def test_routed_part_joins_a_materialised_use_of_the_same_weight(monkeypatch):
     _check(run.record, G, names, 1e-10)
     assert len(added) == len(SIZES)  # w_up's routed part, once per micro-step
     hist_matches(run.record["grad_hist_1d"], torch.cat([G[k].flatten(1) for k in names], 1), -r, r, bins)
+
+
+class _StoredInOut(nn.Module):
+    """``[B, T, 4]`` -> ``[B, 3]``: an expert weight stored ``[E, in, out]`` used as it is,
+    ``grouped_mm(x, w, offs=offs)`` (GPT-OSS' layout), each token to the expert of its largest
+    of the first E features."""
+
+    def __init__(self, e=3, d=8):
+        super().__init__()
+        self.e = e
+        self.inp = nn.Linear(4, d)
+        self.w = nn.Parameter(torch.randn(e, d, d) / d ** 0.5)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.inp(x).reshape(-1, self.inp.out_features)
+        with torch.no_grad():
+            ids, perm = torch.sort(h[:, :self.e].argmax(-1))
+            offs = torch.cumsum(torch.bincount(ids, minlength=self.e), 0).to(torch.int32)
+            back = torch.empty_like(perm)
+            back[perm] = torch.arange(perm.numel())
+        y = F.grouped_mm(h[perm], self.w, offs=offs)[back]
+        return self.head(torch.tanh(y).view(x.shape[0], x.shape[1], -1).mean(1))
+
+
+def test_grouped_weight_stored_in_out_exact(monkeypatch):
+    """``grouped_mm(x, w)`` with ``w [E, in, out]`` itself (no transpose): the factors' roles
+    swap (u = the input, v = the output gradient); exact against a per-sample loop (float32,
+    as torch's CPU grouped_mm) with micro-batches 2, 3, 1, through the routed kernel."""
+    calls = _count(monkeypatch)
+    torch.manual_seed(2)
+    model = _StoredInOut()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 5, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+    ref = copy.deepcopy(model)
+    params = dict(ref.named_parameters())
+    rows = [torch.autograd.grad(F.cross_entropy(ref(x[i:i + 1]), y[i:i + 1]), list(params.values())) for i in range(6)]
+    G = {k: torch.stack([r[j] for r in rows]).double() for j, k in enumerate(params)}
+    run = run_windows(model, [list(zip(x.split(SIZES), y.split(SIZES)))],
+                      [BatchL2(), SumGradSquared(), GradNorm(), BatchDot()])
+    _check(run.record, G, list(params), 1e-4)
+    assert calls["batch_l2"] == len(SIZES)
 
 
 def _all_records(factored, cross, monkeypatch):
