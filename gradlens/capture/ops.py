@@ -320,7 +320,7 @@ def routed_factors(use: Any, pos: Any, t: Tensor, param: Tensor, delta: Tensor) 
         owner = _row_owner(use, n_rows, delta.device)
         if owner is None:
             return None
-        v = x.movedim(use.axis, 0).reshape(n_rows, -1, x.shape[-1])
+        v = x.detach().movedim(use.axis, 0).reshape(n_rows, -1, x.shape[-1])
         u = delta.movedim(use.axis, 0).reshape(n_rows, -1, delta.shape[-1])
         owner = owner[:, None].expand(n_rows, u.shape[1]).reshape(-1)
         expert = torch.full_like(owner, e)
@@ -345,7 +345,7 @@ def routed_factors(use: Any, pos: Any, t: Tensor, param: Tensor, delta: Tensor) 
             return None
         group = torch.bucketize(torch.arange(x.shape[0], device=delta.device), offs.to(delta.device).long(), right=True)
         keep = group < param.shape[0]  # rows past the last offset: of no expert
-        xs, ds = x[keep].to(delta.dtype), delta[keep]
+        xs, ds = x.detach()[keep].to(delta.dtype), delta[keep]
         return (owner[keep], group[keep]) + ((ds, xs) if swap else (xs, ds))
     return None
 
