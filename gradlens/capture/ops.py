@@ -33,8 +33,8 @@ from gradlens.core.param_shapes import full_shape
 from gradlens.core.side import side_backward
 from gradlens.kernels.base import CHUNK_ELEMENTS, sample_chunks  # the one chunking rule (re-exported)
 
-__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "routed_lookup", "grouped_weight", "rows_to_samples",
-           "CHUNK_ELEMENTS"]
+__all__ = ["per_sample_wrt", "chain_to_params", "batched_lookup", "routed_lookup", "grouped_weight", "routed_factors",
+           "rows_to_samples", "CHUNK_ELEMENTS"]
 
 
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
@@ -289,6 +289,65 @@ def grouped_weight(use: Any, pos: Any, t: Tensor, delta: Tensor) -> Tensor | Non
         b = min(a + step, x.shape[0])
         out.index_add_(0, owner[a:b] * e + group[a:b], x[a:b, :, None] * d[a:b, None, :])
     return out.view(use.batch, e, k, m)
+
+
+def _slice_of(t: Tensor, param: Tensor) -> int | None:
+    """e where ``t`` is the view ``param[e]`` of a 3-D ``param`` (a select along dim 0), else None."""
+    if param.dim() != 3 or compat.view_base(t) is not param or tuple(t.shape) != tuple(param.shape[1:]):
+        return None
+    if tuple(t.stride()) != tuple(param.stride()[1:]) or param.stride(0) <= 0:
+        return None
+    off = t.storage_offset() - param.storage_offset()
+    return off // param.stride(0) if off % param.stride(0) == 0 and 0 <= off < param.numel() else None
+
+
+def routed_factors(use: Any, pos: Any, t: Tensor, param: Tensor, delta: Tensor) -> tuple | None:
+    """``(owner [M], expert [M], u [M, p1], v [M, p2])``: the tokens of a routed expert use of
+    the 3-D ``param [E, p1, p2]``, sample ``owner_m``'s gradient of slice ``expert_m`` gaining
+    ``u_m v_m^T`` (the factored form of :mod:`gradlens.kernels.routed`), for
+    ``F.linear(x, param[e])`` (u the output gradient, v the input; the loop over the experts)
+    and ``grouped_mm(x, t, offs=offs)`` with ``t`` the parameter (u = x, v = delta) or its
+    ``transpose(-2, -1)`` (u = delta, v = x); None for any other call."""
+    name = _name(use.func)
+    if param.dim() != 3 or tuple(full_shape(param)) != tuple(param.shape):
+        return None
+    if use.func is F.linear and pos == 1:
+        e = _slice_of(t, param)
+        x = use.args[0]
+        if e is None or not isinstance(x, Tensor) or delta.shape[:-1] != x.shape[:-1] or use.axis >= x.dim() - 1:
+            return None
+        n_rows = x.shape[use.axis]
+        owner = _row_owner(use, n_rows, delta.device)
+        if owner is None:
+            return None
+        v = x.detach().movedim(use.axis, 0).reshape(n_rows, -1, x.shape[-1])
+        u = delta.movedim(use.axis, 0).reshape(n_rows, -1, delta.shape[-1])
+        owner = owner[:, None].expand(n_rows, u.shape[1]).reshape(-1)
+        expert = torch.full_like(owner, e)
+        return owner, expert, u.reshape(-1, u.shape[-1]), v.reshape(-1, v.shape[-1]).to(delta.dtype)
+    if name in ("grouped_mm", "_grouped_mm") and pos == 1:
+        x = use.args[0]
+        offs = use.kwargs.get("offs", use.args[2] if len(use.args) > 2 else None)
+        if not (isinstance(x, Tensor) and x.dim() == 2 and isinstance(offs, Tensor)) or use.axis != 0:
+            return None
+        if t is param:
+            swap = False
+        elif compat.view_base(t) is param and tuple(t.shape) == (param.shape[0], param.shape[2], param.shape[1]) \
+                and tuple(t.stride()) == (param.stride(0), param.stride(2), param.stride(1)) \
+                and t.storage_offset() == param.storage_offset():
+            swap = True
+        else:
+            return None
+        if delta.dim() != 2 or delta.shape[0] != x.shape[0]:
+            return None
+        owner = _row_owner(use, x.shape[0], delta.device)
+        if owner is None:
+            return None
+        group = torch.bucketize(torch.arange(x.shape[0], device=delta.device), offs.to(delta.device).long(), right=True)
+        keep = group < param.shape[0]  # rows past the last offset: of no expert
+        xs, ds = x.detach()[keep].to(delta.dtype), delta[keep]
+        return (owner[keep], group[keep]) + ((ds, xs) if swap else (xs, ds))
+    return None
 
 
 def chain_to_params(t: Tensor, params: list[Tensor], g: Tensor) -> list[Tensor | None]:

@@ -50,6 +50,10 @@ class MicroStep:
     shared: dict[str, Tensor] = field(default_factory=dict)
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
+    #: routed expert uses kept as token factors until the micro-step ends (uses that are slices
+    #: of one 3-D parameter, :func:`gradlens.capture.ops.routed_factors`): qualified name ->
+    #: [(owner, expert, u, v, batch)]
+    routed: dict = field(default_factory=dict)
     #: small single uses kept to be measured together (:func:`gradlens.measure.deferred.stack`): stack
     #: key -> [(site, a, delta, split, via)], and their elements (carried to the window's end
     #: when the micro-step folds)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from gradlens import compat
 
-from gradlens.measure import deferred, slices
+from gradlens.measure import deferred, routed, slices
 from gradlens.measure.undefined import UndefinedParams
 
 from gradlens.capture import ops
@@ -531,6 +531,12 @@ class Meter(WindowGradient):
                     direct = direct.detach() if direct.requires_grad else direct
                     add_into(per_q, names[0], direct if use.rows is None else ops.rows_to_samples(direct, use))
                     continue
+            if len(names) == 1:  # a slice of a routed expert weight: kept as its tokens' factors
+                got = ops.routed_factors(use, pos, t, tap.params[names[0]], delta)
+                if got is not None:
+                    micro.routed.setdefault(names[0], []).append((*got, use.batch))
+                    micro.seen.add(names[0])
+                    continue
             gt = ops.routed_lookup(use, pos, t, delta)  # routed experts: sample n's rows, in closed form
             if gt is None:
                 gt = ops.grouped_weight(use, pos, t, delta)
@@ -566,6 +572,7 @@ class Meter(WindowGradient):
         """After backward: measure the shared parameters (sum over their uses) and check that
         every tracked parameter that received a gradient was measured."""
         with torch.no_grad():
+            routed.measure(self, micro)
             deferred.measure(self, micro)
         if micro.grad_parts:
             self._add_grad_parts(micro)
