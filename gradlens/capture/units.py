@@ -50,6 +50,9 @@ class MicroStep:
     shared: dict[str, Tensor] = field(default_factory=dict)
     #: shared Linear-like uses kept as factors until the micro-step ends: (site, a, delta)
     linear_uses: list = field(default_factory=list)
+    #: shared parameters' other uses, kept until the micro-step ends: qualified name ->
+    #: [(site, attr, a, delta)] (summed slice by slice there: :func:`gradlens.measure.deferred.measure`)
+    shared_uses: dict = field(default_factory=dict)
     #: small single uses kept to be measured together (:func:`gradlens.measure.deferred.stack`): stack
     #: key -> [(site, a, delta, split, via)], and their elements (carried to the window's end
     #: when the micro-step folds)
