@@ -120,6 +120,8 @@ def main() -> None:
                 print(f"{label}: failed: {done.stderr.strip().splitlines()[-1:]}")
                 continue
             rows.append((label, json.loads(done.stdout.strip().splitlines()[-1])))
+            print(f"{label}: peak RSS {rows[-1][1]['rss_mb']:,.0f} MB, window {rows[-1][1]['ms']:,.0f} ms",
+                  flush=True)  # as each process ends (the table follows)
     plain = dict(rows).get("plain")
     params = rows[0][1]["params"] if rows else 0
     print(f"GPT2LMHeadModel{' (small check)' if args.small else ''}, {params / 1e6:.1f}M parameters, windows of "
