@@ -54,6 +54,9 @@ class MicroStep:
     #: of one 3-D parameter, :func:`gradlens.capture.ops.routed_factors`): qualified name ->
     #: [(owner, expert, u, v, batch)]
     routed: dict = field(default_factory=dict)
+    #: shared parameters' other uses, kept until the micro-step ends: qualified name ->
+    #: [(site, attr, a, delta)] (summed slice by slice there: :func:`gradlens.measure.deferred.measure`)
+    shared_uses: dict = field(default_factory=dict)
     #: small single uses kept to be measured together (:func:`gradlens.measure.deferred.stack`): stack
     #: key -> [(site, a, delta, split, via)], and their elements (carried to the window's end
     #: when the micro-step folds)

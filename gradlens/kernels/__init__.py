@@ -42,7 +42,7 @@ from gradlens.kernels.bilinear import BilinearKernel
 from gradlens.kernels.conv import Conv2dKernel, VmapConvKernel
 from gradlens.kernels.embedding import EmbeddingKernel
 from gradlens.kernels.linear import LinearKernel, OpLinear, TransposedLinearKernel
-from gradlens.kernels.materialised import Materialised, MaterialisedKernel
+from gradlens.kernels.materialised import Materialised, MaterialisedKernel, SummedUsesKernel
 from gradlens.kernels.norms import (
     BatchNormBatchStatsKernel, BatchNormEvalKernel, GroupNormKernel, InstanceNormKernel, LayerNormKernel,
     RMSNormKernel,
@@ -53,5 +53,5 @@ __all__ = [
     "joint_sq_norm", "LinearKernel", "TransposedLinearKernel", "OpLinear", "Conv2dKernel", "VmapConvKernel",
     "LayerNormKernel", "RMSNormKernel", "GroupNormKernel", "InstanceNormKernel", "BatchNormBatchStatsKernel",
     "BatchNormEvalKernel", "EmbeddingKernel", "BackpackKernel", "BackpackConvKernel", "Materialised",
-    "MaterialisedKernel", "BilinearKernel",
+    "MaterialisedKernel", "SummedUsesKernel", "BilinearKernel",
 ]

@@ -570,6 +570,18 @@ def _cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
+def zeros_into(acc: dict, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """``acc[key]``, created as zeros of ``shape`` (in the buffer the accumulator dict offers
+    for ``key``, :class:`gradlens.core.stats.Accumulators`) if missing: a sum that in-place adds
+    then build."""
+    got = acc.get(key)
+    if got is None:
+        buffer = getattr(acc, "buffer", None)
+        out = buffer(key, shape, like) if buffer else None
+        got = acc[key] = like.new_zeros(shape) if out is None else out.zero_()
+    return got
+
+
 def add_into(acc: dict[str, Tensor], key: str, v: Tensor) -> None:
     if key in acc:
         acc[key].add_(v)

@@ -35,6 +35,10 @@ class EmbeddingKernel(Kernel):
         out.scatter_add_(1, idx.unsqueeze(-1).expand_as(d), d)
         return {"weight": out}
 
+    def add_per_sample(self, module, a, delta, attr, out):
+        idx, d = self._flat(module, a, delta)  # scattered into ``out [B, V, D]`` (no temporary)
+        out.scatter_add_(1, idx.unsqueeze(-1).expand_as(d), d.to(out.dtype))
+
     def entries(self, module, a, delta, attr, j):
         idx, d = self._flat(module, a, delta)  # [B, T], [B, T, D]
         v, k = j // module.embedding_dim, j % module.embedding_dim

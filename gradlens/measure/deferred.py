@@ -61,16 +61,24 @@ def sums_here(site: Site, a: Tensor, out: Tensor) -> bool:
 
 
 def add_shared(micro: MicroStep, site: Site, a: Tensor, delta: Tensor) -> None:
-    """Add a use of shared parameters into ``micro.shared`` (qualified name -> ``[B, *param]``
-    per-sample gradients summed over the uses so far)."""
-    pending = [attr for attr, q in site.params.items() if q not in micro.shared]
-    got = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=pending) if pending else {}
+    """Keep a use of shared parameters (``micro.shared_uses``: qualified name -> its uses), to be
+    summed when the micro-step ends (:func:`measure`)."""
     for attr, q in site.params.items():
-        if q in micro.shared:  # a later use: added in place (no [B, *param] temporary)
-            site.kernel.add_per_sample(site.module, a, delta, attr, micro.shared[q])
-        else:  # owned: later uses add into it, and a, delta may be kept by other measurements
-            g = got[attr]
-            micro.shared[q] = g.clone() if _shares_storage(g, a) or _shares_storage(g, delta) else g
+        micro.shared_uses.setdefault(q, []).append((site, attr, a, delta))
+
+
+def _summed(uses: list, dense: Tensor | None) -> Tensor:
+    """``[B, *param]``: the per-sample gradients of one shared parameter summed over its uses
+    ``[(site, attr, a, delta)]`` (and ``dense``, the per-operation uses' sum, added into)."""
+    g = dense
+    for site, attr, a, delta in uses:
+        if g is None:
+            g = site.kernel.per_sample(site.module, a, delta, 0, delta.shape[0], attrs=[attr])[attr]
+            if _shares_storage(g, a) or _shares_storage(g, delta):  # a view: later uses add into it
+                g = g.clone()
+        else:  # a later use: added in place (no [B, *param] temporary)
+            site.kernel.add_per_sample(site.module, a, delta, attr, g)
+    return g
 
 
 def stack_key(site: Site, split: list) -> tuple | None:
@@ -118,7 +126,7 @@ def measure(meter, micro: MicroStep) -> None:
         for _, q in key:
             owners[q] = owners.get(q, 0) + 1
     for key, uses in linear.items():
-        if any(owners[q] > 1 or q in micro.shared for _, q in key):
+        if any(owners[q] > 1 or q in micro.shared or q in micro.shared_uses for _, q in key):
             for site, a, delta in uses:
                 add_shared(micro, site, a, delta)
             continue
@@ -131,9 +139,13 @@ def measure(meter, micro: MicroStep) -> None:
         stand_in = OpLinear(m.weight, getattr(m, "bias", None), attrs)
         name = "+".join(q for _, q in key) + "#uses"
         meter.measure_use(Site(name, stand_in, site0.kernel, dict(key)), a, d, micro)
-    for q, g in micro.shared.items():
-        meter.measure_param(f"{q}#uses", q, g, micro)
-    micro.linear_uses, micro.shared = [], {}
+    for q in {**micro.shared, **micro.shared_uses}:
+        uses, dense = micro.shared_uses.get(q, []), micro.shared.get(q)
+        if dense is None and not meter.plan.layer:  # one slice of samples at a time
+            meter.measure_summed(f"{q}#uses", q, uses, micro)
+        else:  # layer instruments keep the [B, *param] tensor itself
+            meter.measure_param(f"{q}#uses", q, _summed(uses, dense), micro)
+    micro.linear_uses, micro.shared, micro.shared_uses = [], {}, {}
 
 
 def carry(window: Window, micro: MicroStep, index: int) -> None:

@@ -37,7 +37,7 @@ from gradlens.core.param_shapes import full_shape
 from gradlens.compat import queue_backward_callback
 from gradlens.core.groups import group_params
 from gradlens.measure.window_grad import WindowGradient
-from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, add_into
+from gradlens.kernels import CHUNK_ELEMENTS, Materialised, MaterialisedKernel, SummedUsesKernel, add_into
 from gradlens.capture.units import MicroStep, check_reduction, loss_calls_for, settle_flattened
 
 __all__ = ["Plan", "Meter"]
@@ -567,6 +567,15 @@ class Meter(WindowGradient):
         per-operation rule)."""
         site = Site(name, Materialised("p", self.tap.params[q]), MaterialisedKernel(), {"p": q})
         self.measure_use(site, g, g.new_zeros(g.shape[0]), micro)
+
+    def measure_summed(self, name: str, q: str, uses: list, micro: MicroStep) -> None:
+        """Measure tracked parameter ``q`` whose per-sample gradients are the sum over its
+        ``uses`` (``[(site, attr, a, delta)]``), formed one slice of samples at a time
+        (:class:`~gradlens.kernels.SummedUsesKernel`) as one use named ``name``."""
+        b = uses[0][3].shape[0]
+        stand_in = torch.zeros(b, dtype=uses[0][3].dtype, device=uses[0][3].device)
+        site = Site(name, Materialised("p", self.tap.params[q]), SummedUsesKernel(uses), {"p": q})
+        self.measure_use(site, stand_in, stand_in, micro)
 
     def finish(self, micro: MicroStep) -> None:
         """After backward: measure the shared parameters (sum over their uses) and check that

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gradlens.capture.events import Site
-from gradlens.kernels.base import add_into, sample_chunks
+from gradlens.kernels.base import add_into, sample_chunks, zeros_into
 from gradlens.capture.units import MicroStep
 from gradlens.core.limits import CPU_SLICE_ELEMENTS
 from gradlens.core.param_shapes import full_numel, full_shape
@@ -57,9 +57,14 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
             for inst in meter.plan.per_sample:
                 if (id(inst), attr) not in done:
                     inst.update(micro.states[id(inst)], qname, param, gb)
-            sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
-            if "batch_l2" in from_chunks:
-                part = sq.reshape(sq.shape[0], -1).sum(1)
+            total = "grad_sum" in from_chunks and attr not in weight_via_node  # else from autograd
+            single = e - s == 1 and gb.numel() > CPU_SLICE_ELEMENTS  # one large sample: its sums in place
+            if single:
+                part = _one_sample(gb, qname, stats, from_chunks, total)
+            else:
+                sq = gb.square() if from_chunks & {"batch_l2", "sum_grad_squared"} else None  # once
+                part = sq.reshape(sq.shape[0], -1).sum(1) if "batch_l2" in from_chunks else None
+            if part is not None:
                 l2 = l2 + part
                 if of:
                     chunks = group_parts.setdefault(of[qname], [])
@@ -67,9 +72,11 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
                         chunks[-1] = chunks[-1] + part
                     else:
                         chunks.append(part)
+            if single:
+                continue
             if "sum_grad_squared" in from_chunks:
                 add_into(stats.sum_grad_squared, qname, sq.sum(0))
-            if "grad_sum" in from_chunks and attr not in weight_via_node:  # else from autograd
+            if total:
                 add_into(stats.grad_sum, qname, gb.sum(0))
         if "batch_l2" in from_chunks:
             l2_parts.append(l2)
@@ -81,3 +88,16 @@ def measure(meter, w: Site, a: Tensor, delta: Tensor, micro: MicroStep, attrs: l
         holder, scale = weight_grad
         holder.value = (wsum / scale).to(module.weight.dtype)
 
+
+
+def _one_sample(g: Tensor, qname: str, stats, from_chunks: frozenset, total: bool) -> Tensor | None:
+    """The sums of one sample's gradient ``g [1, *param]`` added in place into the window's
+    accumulators (no temporary of the parameter's size); returns its ``[1]`` ||g_n||^2 where
+    ``"batch_l2"`` is in ``from_chunks``, else None. ``total``: add g_n into ``grad_sum`` too."""
+    flat = g.reshape(-1)
+    shape = tuple(g.shape[1:])
+    if "sum_grad_squared" in from_chunks:
+        zeros_into(stats.sum_grad_squared, qname, shape, g).view(-1).addcmul_(flat, flat)
+    if "grad_sum" in from_chunks and total:
+        zeros_into(stats.grad_sum, qname, shape, g).view(-1).add_(flat)
+    return torch.dot(flat, flat).reshape(1) if "batch_l2" in from_chunks else None
