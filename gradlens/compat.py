@@ -303,16 +303,17 @@ def node_name(fn: Any) -> str | None:
 _SAVED_NAMES: dict = {}
 
 
-def node_saved(fn: Any) -> tuple:
+def node_saved(fn: Any, names: tuple | None = None) -> tuple:
     """What autograd node ``fn`` saved for its backward, in a fixed order: ``((name, value),
     ...)`` over its ``_saved_*`` attributes (``_saved_dim``, ``_saved_self_sym_sizes``,
-    ``_saved_indices``, ...; ``name`` without the prefix). Values as torch gives them: ints,
-    tuples, tensors, None."""
-    cls = type(fn)
-    names = _SAVED_NAMES.get(cls)
+    ``_saved_indices``, ...; ``name`` without the prefix), or over ``names`` only (names as
+    returned). Values as torch gives them: ints, tuples, tensors, None."""
     if names is None:
-        names = _SAVED_NAMES[cls] = tuple(sorted(n for n in dir(fn) if n.startswith("_saved_")))
-    return tuple((n[7:], getattr(fn, n)) for n in names)
+        cls = type(fn)
+        names = _SAVED_NAMES.get(cls)
+        if names is None:
+            names = _SAVED_NAMES[cls] = tuple(sorted(n[7:] for n in dir(fn) if n.startswith("_saved_")))
+    return tuple((n, getattr(fn, "_saved_" + n)) for n in names)
 
 
 def is_builtin_node(fn: Any) -> bool:

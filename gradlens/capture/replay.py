@@ -118,9 +118,10 @@ class Replay:
         self.base: tuple = ()
 
     # ------------------------------------------------------------------ a forward
-    def begin(self, tap: "Tap", inputs: tuple, packed: bool) -> bool:
+    def begin(self, tap: Any, inputs: tuple, packed: bool) -> bool:
         """A tracked forward opens (its inputs already marked): True if it is replayed (the
-        mode stays off)."""
+        mode stays off). ``packed``: not planned (packed sequences, a submodule called on its
+        own)."""
         self._forward_clear()
         self.state = None
         batch = tap._batch
@@ -152,7 +153,7 @@ class Replay:
                 return False
         return self.state == "replay"
 
-    def end(self, tap: "Tap", outs: list) -> None:
+    def end(self, tap: Any, outs: list) -> None:
         """The forward returns ``outs``: a recorded plan is kept if every use was a plain site
         use; a replayed forward checks that it used every site of its plan and that what it
         returns has a known axis (marked for the loss), else refuses it."""
@@ -167,7 +168,7 @@ class Replay:
         finally:
             self._forward_clear()
 
-    def _keep(self, tap: "Tap", outs: list) -> None:
+    def _keep(self, tap: Any, outs: list) -> None:
         rec, base = self.rec, self.base
         ok = rec is not None and (sum(tap.uses.values()) - base[0] == rec.uses and tap._ops == base[1]
               and len(tap.tainted) == base[2] and len(tap.axis_errors) == base[3]
@@ -187,7 +188,7 @@ class Replay:
             self.plans.pop(self.key, None)
             self.next_try[self.key] = self.count + self.retry
 
-    def _returned(self, tap: "Tap", outs: list) -> None:
+    def _returned(self, tap: Any, outs: list) -> None:
         if tap.chain.calls:
             tap._refuse_axis(None, "a loss computed inside a forward replayed from its plan (a branch the first "
                              "tracked forward of this micro-batch size did not take); set "
@@ -212,7 +213,7 @@ class Replay:
                     "follow every forward", tuple(tap.params))
 
     # ------------------------------------------------------------------ a site use
-    def note(self, tap: "Tap", module: nn.Module, a: Tensor, ax: Any, output: Tensor, uses: int) -> None:
+    def note(self, tap: Any, module: nn.Module, a: Tensor, ax: Any, output: Tensor, uses: int) -> None:
         """A site use (``ax``: its input's axis as the mode found it, or :data:`DERIVED`) in a
         recorded forward; ``uses``: the parameter uses it counts."""
         rec = self.rec
@@ -237,7 +238,7 @@ class Replay:
                 return False
         return rec.axes.setdefault(s, ax) == ax  # (one signature, one axis: else the plan is not kept)
 
-    def replay_use(self, tap: "Tap", module: nn.Module, a: Tensor, output: Tensor) -> None:
+    def replay_use(self, tap: Any, module: nn.Module, a: Tensor, output: Tensor) -> None:
         """A site use in a replayed forward: its input checked against the plan (the next
         site, the same signature) and marked with the plan's axis. A use the plan does not
         expect switches the rest of the forward to the mode (:meth:`leave`); its own input
@@ -272,7 +273,7 @@ class Replay:
                 data[a] = ax
             self._after(a, ax, output)
 
-    def leave(self, tap: "Tap") -> None:
+    def leave(self, tap: Any) -> None:
         """A replayed forward departs from its plan: the mode follows the rest of it (back on
         the torch-function stack when the site being run returns), the plan of this size is
         recorded again next time."""
@@ -280,7 +281,7 @@ class Replay:
         self.plans.pop(self.key, None)
         tap._mode_out = True  # the site's post-hook puts the mode on
 
-    def leave_now(self, tap: "Tap") -> None:
+    def leave_now(self, tap: Any) -> None:
         """:meth:`leave` outside a site's call (a module whose tracked-window forward uses its
         parameters through the mode: attention, RNNs): the mode goes on at once."""
         if self.state == "replay":
@@ -344,7 +345,7 @@ class Replay:
         return found.pop() if len(found) == 1 else _MISSING
 
     # ------------------------------------------------------------------ signatures
-    def signature(self, x: Tensor, tap: "Tap | None") -> tuple | None:
+    def signature(self, x: Tensor, tap: Any) -> tuple | None:
         """The signature of ``x`` (see the module's docstring), or None where the plan cannot
         describe it."""
         try:
@@ -373,31 +374,86 @@ class Replay:
         if k is not None:
             return ("R", k, nr)
         seen[node] = len(seen)
-        if not compat.is_builtin_node(node):
+        cls = type(node)
+        kind = _KIND.get(cls)
+        if kind is None:
+            kind = _kind(node)
+        if kind is _UNKNOWN:
             raise _Unknown
-        name = compat.node_name(node)
-        if name == "AccumulateGrad":
+        if kind is _ACCUMULATE:
             v = node.variable
             e = self.front_t.get(id(v))
             if e is not None and e[0] is v:
                 return ("F", e[1], compat.tensor_version(v) - e[2])
             return ("L", id(v), tuple(v.shape))  # a parameter used between sites, or a leaf input
-        saved = []
-        dims = None
-        for key, v in compat.node_saved(node):
-            if key == "dim":
-                dims = v
-            saved.append((key, _value(v)))
-        for key, v in saved:  # an index without a dim it moves rows along: not described
-            if type(v) is tuple and v[:1] == ("I",) and dims is None and name not in _MASKS:
-                raise _Unknown
-        kids = tuple(None if n is None else self._sig_node(n, i, seen) for n, i in node.next_functions)
-        return (name, nr, tuple(saved), kids)
+        saved = ()
+        if kind is not _POINTWISE_KIND:  # (an elementwise node moves no row: its class says all)
+            names = _NAMES.get(cls)
+            if names is None:
+                names = _names(node)
+            saved = []
+            dims = None
+            for key, v in compat.node_saved(node, names):
+                if key == "dim":
+                    dims = v
+                saved.append((key, _value(v)))
+            for key, v in saved:  # an index without a dim it moves rows along: not described
+                if type(v) is tuple and v[:1] == ("I",) and dims is None and kind is not _MASK_KIND:
+                    raise _Unknown
+            saved = tuple(saved)
+        kids = []
+        for n, i in node.next_functions:
+            kids.append(None if n is None else self._sig_node(n, i, seen))
+        return (cls, nr, saved, tuple(kids))
+
+
+#: autograd node class -> the saved values a signature reads (see :func:`_names`)
+_NAMES: dict = {}
+
+
+def _names(node: Any) -> tuple:
+    """The saved values of a node class that a signature reads: its arguments (dims, sizes,
+    flags) and integer or boolean tensors (indices, masks), not the floating-point tensors it
+    keeps for the backward formula (their shapes follow from the nodes around them), which
+    are slow to read."""
+    keep = tuple(k for k, v in compat.node_saved(node)
+                 if not (isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex())))
+    _NAMES[type(node)] = keep
+    return keep
+
+
+#: autograd node class -> what a signature makes of it (see :func:`_kind`)
+_KIND: dict = {}
+_UNKNOWN, _ACCUMULATE, _POINTWISE_KIND, _MASK_KIND, _OTHER = "unknown", "accumulate", "pointwise", "mask", "other"
+
+
+def _kind(node: Any) -> str:
+    """Whether a node class is not described (a Python ``autograd.Function``, a C++
+    extension's), a leaf's, elementwise (:data:`_POINTWISE`), a mask's (:data:`_MASKS`) or
+    another of torch's."""
+    name = compat.node_name(node)
+    if not compat.is_builtin_node(node):
+        kind = _UNKNOWN
+    elif name == "AccumulateGrad":
+        kind = _ACCUMULATE
+    elif name in _POINTWISE:
+        kind = _POINTWISE_KIND
+    elif name in _MASKS:
+        kind = _MASK_KIND
+    else:
+        kind = _OTHER
+    _KIND[type(node)] = kind
+    return kind
 
 
 def _value(v: Any) -> Any:
     """A saved value as a signature holds it: tensors by shape and dtype (index tensors marked
     ``"I"``), lists as tuples."""
+    t = type(v)
+    if t is int or t is bool or v is None:
+        return v
+    if t is tuple and all(type(y) is int for y in v):
+        return v
     if isinstance(v, Tensor):
         if v.is_floating_point() or v.is_complex():
             return ("T", tuple(v.shape), v.dtype)

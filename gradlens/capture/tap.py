@@ -266,7 +266,7 @@ class Tap(SampleFlow):
                         self._data[x] = (ax, 1)
             self.forward_id += 1
             self.chain.begin()
-            if not self._replay.begin(self, inputs, bool(packed)):  # replayed: its plan's site hooks only
+            if not self._replay.begin(self, inputs, bool(packed) or module is not self.model):  # replayed: its plan's site hooks only
                 self._mode.__enter__()
         self._mode_depth += 1
         return None
