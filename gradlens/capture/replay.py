@@ -83,12 +83,12 @@ class Replay:
     once a replayed forward left its plan and the mode took over, None: the mode, nothing
     recorded).
 
-    Class attributes: ``enabled`` (False: every tracked forward runs under the mode, as before
-    plans), ``verify_every`` (every so many tracked forwards run under the mode and record
+    Class attributes: ``enabled`` (off by default: replayed forwards are not faster yet, see
+    docs/design.md "Planned forwards"; False: every tracked forward runs under the mode), ``verify_every`` (every so many tracked forwards run under the mode and record
     their plan again), ``retry`` (a forward whose plan could not be kept is recorded again
     after so many tracked forwards), ``max_plans`` (micro-batch sizes kept)."""
 
-    enabled = True
+    enabled = False
     verify_every = 16
     retry = 16
     max_plans = 32
@@ -110,7 +110,7 @@ class Replay:
 
     def _forward_clear(self) -> None:
         self.front_t: dict[int, tuple] = {}  # id -> (tensor, leaf, version): tensors without a node
-        self.front_n: dict[tuple, tuple] = {}  # (node, output_nr) -> leaf
+        self.front_n: dict = {}  # node -> leaf (output 0) or {output_nr: leaf}
         self.pos = 0
         self.rec: Plan | None = None
         self.plan: Plan | None = None
@@ -301,7 +301,14 @@ class Replay:
     def _front(self, x: Tensor, leaf: tuple) -> None:
         node = x.grad_fn
         if node is not None:
-            self.front_n[(node, x.output_nr)] = leaf
+            nr = x.output_nr
+            if nr == 0 and node not in self.front_n:
+                self.front_n[node] = leaf
+            else:
+                got = self.front_n.get(node)
+                outs = got if type(got) is dict else ({} if got is None else {0: got})
+                outs[nr] = leaf
+                self.front_n[node] = outs
         else:
             self.front_t[id(x)] = (x, leaf, compat.tensor_version(x))
 
@@ -324,7 +331,7 @@ class Replay:
         with compat.no_torch_function():
             while stack:
                 n, nr = stack.pop()
-                leaf = self.front_n.get((n, nr))
+                leaf = _at(self.front_n.get(n), nr)
                 if leaf is None and compat.node_name(n) == "AccumulateGrad":
                     e = self.front_t.get(id(n.variable))
                     leaf = e[1] if e is not None and e[0] is n.variable else None
@@ -367,9 +374,11 @@ class Replay:
         return ("G", tuple(x.shape), x.dtype, self._sig_node(node, x.output_nr, seen))
 
     def _sig_node(self, node: Any, nr: int, seen: dict) -> tuple:
-        leaf = self.front_n.get((node, nr))
+        leaf = self.front_n.get(node)
         if leaf is not None:
-            return ("F", leaf)
+            leaf = _at(leaf, nr)
+            if leaf is not None:
+                return ("F", leaf)
         k = seen.get(node)
         if k is not None:
             return ("R", k, nr)
@@ -402,8 +411,18 @@ class Replay:
                     raise _Unknown
             saved = tuple(saved)
         kids = []
+        front = self.front_n
         for n, i in node.next_functions:
-            kids.append(None if n is None else self._sig_node(n, i, seen))
+            if n is None:
+                kids.append(None)
+                continue
+            leaf = front.get(n)  # (the frontier and repeats inline: most edges end there)
+            if leaf is not None and (i == 0 or type(leaf) is dict) and (leaf := _at(leaf, i)) is not None:
+                kids.append(("F", leaf))
+            elif n in seen:
+                kids.append(("R", seen[n], i))
+            else:
+                kids.append(self._sig_node(n, i, seen))
         return (cls, nr, saved, tuple(kids))
 
 
@@ -465,6 +484,13 @@ def _value(v: Any) -> Any:
     if isinstance(v, torch.SymInt):
         return int(v)
     return repr(v)
+
+
+def _at(leaf: Any, nr: int) -> Any:
+    """The frontier leaf of output ``nr`` of a node (see :attr:`Replay.front_n`)."""
+    if type(leaf) is dict:
+        return leaf.get(nr)
+    return leaf if nr == 0 else None
 
 
 def _leaf(x: Tensor, ax: Any) -> tuple:
