@@ -30,7 +30,7 @@ __all__ = [
     "BatchNormBase", "LossBase", "ConvTransposeBase", "InstanceNormBase", "run_pre_hooks_added",
     "pre_hook_ids", "register_load_state_dict_pre_hook", "batchnorm_check_input_dim", "set_module_parameter", "sparse_values", "fsdp_module_params", "named_parameters", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
-    "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "embedding_saved", "view_input_sizes", "slice_dim", "is_compiled_node", "compile_stance", "set_compile_stance", "compiled_in_place",
+    "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "node_saved", "is_builtin_node", "embedding_saved", "view_input_sizes", "slice_dim", "is_compiled_node", "compile_stance", "set_compile_stance", "compiled_in_place",
     "active_ddp_module", "ddp_grad_sync", "ddp_comm_hook", "ddp_average_departure",
     "ddp_python_reducer", "ddp_delayed_params", "ddp_static_graph_pending", "ddp_join_enabled",
     "process_group_timeout",
@@ -297,6 +297,30 @@ def node_name(fn: Any) -> str | None:
     ``"TBackward0"``, ``"EmbeddingBackward0"``; None for no node. These names are generated
     from torch's derivatives.yaml and carry a version suffix (the ``0``)."""
     return None if fn is None else type(fn).__name__
+
+
+#: per autograd node class: the names of its saved non-tensor arguments and tensors
+_SAVED_NAMES: dict = {}
+
+
+def node_saved(fn: Any, names: tuple | None = None) -> tuple:
+    """What autograd node ``fn`` saved for its backward, in a fixed order: ``((name, value),
+    ...)`` over its ``_saved_*`` attributes (``_saved_dim``, ``_saved_self_sym_sizes``,
+    ``_saved_indices``, ...; ``name`` without the prefix), or over ``names`` only (names as
+    returned). Values as torch gives them: ints, tuples, tensors, None."""
+    if names is None:
+        cls = type(fn)
+        names = _SAVED_NAMES.get(cls)
+        if names is None:
+            names = _SAVED_NAMES[cls] = tuple(sorted(n[7:] for n in dir(fn) if n.startswith("_saved_")))
+    return tuple((n, getattr(fn, "_saved_" + n)) for n in names)
+
+
+def is_builtin_node(fn: Any) -> bool:
+    """Whether autograd node ``fn`` is one of torch's generated nodes (its backward formula
+    fixed by its name and saved values), not a Python ``autograd.Function``'s or a C++
+    extension's ``CppNode``."""
+    return type(fn).__module__ == "builtins" and not type(fn).__name__.startswith("CppNode")
 
 
 def embedding_saved(fn: Any) -> tuple[Tensor, int, bool]:

@@ -654,3 +654,32 @@ def test_fsdp_params_unsharded_param_and_slots(group):
     _check("fsdp_param_slots", slots == [(model[0], "weight")], f"gave {slots}")
     _check("fsdp_param_slots", model[0]._parameters["weight"] is names["0.weight"], "slot not the sharded parameter outside forward")
     del model, fps, fp, names, full, again, seen
+
+
+def test_node_saved():
+    x = torch.randn(3, 4, requires_grad=True)
+    with _entry("node_saved"):
+        vals, idx = (x * 2).max(1)
+        got = dict(compat.node_saved(vals.grad_fn))
+        flip = dict(compat.node_saved(x.flip(0).grad_fn))
+    _check("node_saved", got.get("dim") == 1 and got.get("keepdim") is False,
+           f"max(dim=1) saved {sorted(got)} ({got.get('dim')!r}, {got.get('keepdim')!r}), not dim 1, keepdim False")
+    _check("node_saved", isinstance(got.get("indices"), torch.Tensor) and torch.equal(got["indices"], idx),
+           "max(dim=1)'s saved indices are not the indices it returned")
+    _check("node_saved", tuple(flip.get("dims", ())) == (0,), f"flip(0) saved {flip}, not dims (0,)")
+
+
+def test_is_builtin_node():
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with _entry("is_builtin_node"):
+        got = (compat.is_builtin_node((x * 2).grad_fn), compat.is_builtin_node(Twice.apply(x).grad_fn))
+    _check("is_builtin_node", got == (True, False), f"(x * 2, a Python autograd.Function) gave {got}")

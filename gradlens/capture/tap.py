@@ -21,6 +21,7 @@ from gradlens.capture.marks import (
     _batch_first, _declared, _hints, _input_batch, _outputs, _tensors, _TensorMarks,
 )
 from gradlens.capture.rows import Rows, packed_owner, rows_axis
+from gradlens.capture.replay import DERIVED, Replay
 from gradlens.capture.mode import _UseMode
 from gradlens.capture.param_grads import _hook_param_grads
 from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
@@ -121,6 +122,8 @@ class Tap(SampleFlow):
         #: stacked (:func:`gradlens.measure.deferred.fits`; a fused Linear call is never stacked, so a
         #: small one runs unfused); None: nothing is stacked (set by the Meter)
         self.stacks_if = None
+        #: the plans of this Tap's forwards (:mod:`gradlens.capture.replay`)
+        self._replay = Replay()
         self.set_params(params)
         self.reset_micro()
 
@@ -129,6 +132,7 @@ class Tap(SampleFlow):
         was = self.installed
         self.remove()
         self.params = dict(params)
+        self._replay.reset()
         self._pid = {id(p): q for q, p in self.params.items()}
         self._single = {q: frozenset((q,)) for q in self.params}
         self.sites: dict[int, tuple[nn.Module, Site | None]] = {}
@@ -229,8 +233,9 @@ class Tap(SampleFlow):
         if self._mode_depth:  # removed inside a tracked forward: the mode is on the stack once
             self._mode_depth = 0
             self.chain.end(None)
-            if not self._mode_out:
+            if not self._mode_out and self._replay.state != "replay":
                 self._mode.__exit__(None, None, None)
+            self._replay.state = None
         self._mode_out = False
         self._skip = 0
         self._hooks_gen += 1  # hooks made before this removal do nothing if torch still runs them
@@ -265,7 +270,8 @@ class Tap(SampleFlow):
                         self._data[x] = (ax, 1)
             self.forward_id += 1
             self.chain.begin()
-            self._mode.__enter__()
+            if not self._replay.begin(self, inputs, bool(packed) or module is not self.model):  # replayed: its plan's site hooks only
+                self._mode.__enter__()
         self._mode_depth += 1
         return None
 
@@ -275,10 +281,12 @@ class Tap(SampleFlow):
             if self._mode_depth == 0:
                 if self._mode_out:  # (not reached: a site's post-hook always puts it back)
                     self._mode_out = False
-                else:
+                elif self._replay.state != "replay":
                     self._mode.__exit__(None, None, None)
-                self.chain.end(output)
                 outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
+                if self._replay.state is not None:
+                    self._replay.end(self, outs)  # a plan kept, or a replayed forward's outputs checked
+                self.chain.end(output)
                 data = self._data
                 self.output_nodes = {
                     o.grad_fn: data[o] for o in outs if isinstance(o, Tensor) and o in data and o.grad_fn is not None
@@ -301,6 +309,9 @@ class Tap(SampleFlow):
         bag_args: list = [None, None]  # this call's offsets and per-sample weights (keywords too)
         use = self._site_use(mod, site, bag_args) if is_site else None
         entered: list[bool] = []  # per call of a submodule: whether it opened the forward
+        # a registered tracked-window forward uses its parameters through the mode: a replayed
+        # forward that reaches it leaves its plan
+        mode_forward = forward_for(mod) is not None and any(id(p) in self._pid for p in mod.parameters())
 
         def pre(module, args, kwargs=None):  # kwargs too: hf_model(input_ids=..., labels=...)
             if not is_root:
@@ -310,6 +321,8 @@ class Tap(SampleFlow):
                     self._root_pre(module, args, kwargs)
             if gen != self._hooks_gen or not self._mode_depth:  # (stale: removed earlier in this forward)
                 return None
+            if mode_forward and self._replay.state == "replay":
+                self._replay.leave_now(self)
             if declared is not None and args and isinstance(args[0], Tensor):
                 self._check_declared(module, declared, args[0])
             if is_bag and args and isinstance(args[0], Tensor) and args[0].dim() == 1:
@@ -362,6 +375,12 @@ class Tap(SampleFlow):
             nonlocal site
             if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
                 return None
+            rp = self._replay
+            if rp.state is not None and rp.state != "record":  # a replayed forward: the plan's axis
+                if n_in > 1 or is_bag:
+                    rp.leave(self)
+                else:
+                    rp.replay_use(self, module, args[0], output)
             if n_in > 1:
                 return self._multi_use(module, site, args, output, n_in)
             kernel = kernel_for(module) if stateful else None
@@ -374,10 +393,15 @@ class Tap(SampleFlow):
             elif self._is_data(a):
                 ax = self.axis_of(a)  # the axis unknown, or made where the mode did not see it
             else:
+                if rp.rec is not None:
+                    rp.note(self, module, a, DERIVED, output, 0)
                 if output.requires_grad:  # derived from parameters only (untracked ones: a constant)
                     names = self._derived.get(a, frozenset())
                     self._derived[output] = names if site is None else frozenset(site.params.values()) | names
                 return None
+            if rp.rec is not None:
+                rp.note(self, module, a, ax, output,
+                        len(site.params) if site is not None and output.requires_grad and not is_bag else 0)
             if is_bag:
                 return self._bag_use(module, site, a, ax, bag_args, output)
             data[output] = ax if output.dim() >= a.dim() else None  # a layer keeps the axis
