@@ -22,6 +22,7 @@ from gradlens.capture.marks import (
 )
 from gradlens.capture.rows import Rows, packed_owner, rows_axis
 from gradlens.capture.mode import _UseMode
+from gradlens.capture.parallel import check_batch_layout
 from gradlens.capture.param_grads import _hook_param_grads
 from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
 from gradlens.capture.tracked import declared_batch_dim
@@ -250,6 +251,7 @@ class Tap(SampleFlow):
                 for p in packed:
                     owner = packed_owner(p.batch_sizes, p.sorted_indices, p.data.device)
                     self._data[p.data] = rows_axis(0, owner, self._batch)
+            check_batch_layout([x for _, x in _tensors(inputs)], "the model")  # sequence / context parallel
             hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
             found = _input_batch(inputs, hint)
             if found is not None:
@@ -358,6 +360,8 @@ class Tap(SampleFlow):
             nonlocal site
             if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
                 return None
+            if compat.is_dtensor(args[0]):  # (a sequence-parallel layer input is refused)
+                check_batch_layout(args[:1], self._names.get(id(module), type(module).__name__))
             if n_in > 1:
                 return self._multi_use(module, site, args, output, n_in)
             kernel = kernel_for(module) if stateful else None

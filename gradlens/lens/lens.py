@@ -42,6 +42,8 @@ from gradlens.instruments.base import Instrument
 from gradlens.core.window import Window
 from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import CHUNK_ELEMENTS
+from gradlens.distributed.pipeline import resolve_pipeline
+from gradlens.lens.pipeline import PipelineRankMerge, pipeline_capture
 from gradlens.lens.checks import began_unseen, capture_error, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge
@@ -185,6 +187,9 @@ class Lens:
         groups: Any = None,
     ):
         optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
+        # Lens(schedule) / Lens(stage): a pipeline stage's module, merged across the stages (gradlens/lens/pipeline.py)
+        model, self._pipe = resolve_pipeline(model)
+        self._pipe_inner = False
         # DeepSpeed: the engine's module, the torch optimizer inside DeepSpeed's, a ZeroView
         model, optimizer, zero = resolve_deepspeed(model, optimizer)
         # torch.compile(model) or model.compile(): tracked windows run the model eagerly
@@ -222,8 +227,12 @@ class Lens:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
-        self._group = resolve_group(process_group)
-        self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
+        if self._pipe is not None:
+            self._group = self._pipe.group
+            self._ranks = PipelineRankMerge(self._pipe, merge, timeout, instruments, plan, groups)
+        else:
+            self._group = resolve_group(process_group)
+            self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
         self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 
         # under torch.distributed: rank 0 writes; a sink that fails is reported and retried,
@@ -489,6 +498,10 @@ class Lens:
                 ``ValueError`` (the window is dropped): it would be divided out twice.
         """
         self._check_open()
+        if self._pipe is not None and not self._pipe_inner:  # around schedule.step(): per micro-batch
+            with pipeline_capture(self, self._pipe, reduction, losses, multiplier, loss):
+                yield
+            return
         if loss is not None and reduction is None:
             raise ValueError("lens.capture(loss=...) needs the loss's reduction: capture(reduction='mean', loss=loss)")
         multiplier = check_multiplier(reduction, multiplier, loss)

@@ -1,0 +1,210 @@
+"""Pipelines (``torch.distributed.pipelining``, gloo, CPU, float64): a Lens per stage on a
+two-stage ``Schedule1F1B`` / ``ScheduleGPipe`` gives, on every rank, the record of the whole
+model (N = the step's batch, per-sample norms summed over the stages, per-parameter values of
+every stage), equal to the float64 torch.func oracle of the unsplit model built before
+splitting; what is refused, and the refusals of sequence and context parallelism.
+
+torch's schedules split a step's batch into micro-batches of equal size (a stage's receive
+buffers take the first micro-batch's shape, measured: 3, 3, 2, 2 fails inside torch), so the
+unequal case here is the window: one window of one ``schedule.step()`` (N = 12, 4 micro-batches),
+then one of two steps before the update (N = 24, 8 micro-batches)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import BatchDot, BatchL2, GradNorm, SumGradSquared
+from oracle import flat, per_sample_grads
+from test_distributed import _check_window, _close, _init, _spawn
+from windows import all_instruments
+
+M = 4  # micro-batches per schedule.step()
+BATCH = 12
+STAGES = (("0", "1"), ("2", "3"))  # the layers of stage 0 and stage 1
+LR = 0.3
+#: what a Lens on a pipeline stage merges (the rest is refused, below)
+PIPELINE = ("BatchL2", "SumGradSquared", "GradNorm", "NormTest", "MeanGSNR", "NoiseScale",
+            "NoiseScaleTwoBatch", "GradHist1d", "GradHist2d")
+
+
+class PipeNet(nn.Module):
+    """Linear -> tanh -> LayerNorm | Linear -> tanh -> Linear, layers keyed by name so that a
+    stage keeps the whole model's parameter names."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": nn.Linear(6, 8), "1": nn.LayerNorm(8), "2": nn.Linear(8, 5),
+                                     "3": nn.Linear(5, 4)})
+
+    def forward(self, x):
+        for name, layer in self.layers.items():
+            x = layer(x)
+            if name in ("0", "2"):
+                x = torch.tanh(x)
+        return x
+
+
+def _problem():
+    torch.manual_seed(0)
+    model = PipeNet().double()
+    with torch.no_grad():
+        model.layers["1"].weight.uniform_(0.5, 1.5)
+        model.layers["1"].bias.uniform_(-0.3, 0.3)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(BATCH, 6, dtype=torch.float64, generator=g), torch.randint(0, 4, (BATCH,), generator=g))
+               for _ in range(3)]
+    windows = [batches[:1], batches[1:]]  # one step, then two steps before the update
+    G = flat(per_sample_grads(model, *batches[0]))
+    theta = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return model, windows, 0.5 * float(G.abs().max()), 0.5 * float(theta.abs().max())
+
+
+def _stage_module(model0: nn.Module, rank: int) -> nn.Module:
+    m = copy.deepcopy(model0)
+    for name in list(m.layers):
+        if name not in STAGES[rank]:
+            del m.layers[name]
+    return m
+
+
+def _step(schedule, rank: int, x, y) -> None:
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y)
+
+
+def _pipe_worker(rank: int, world: int, port: int, out_dir: str, kind: str, reduction: str, on: str) -> None:
+    _init(rank, world, port)
+    try:
+        model0, windows, grad_r, param_r = _problem()
+        module = gradlens.extend(_stage_module(model0, rank))
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction=reduction))
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[kind](stage, M, loss_fn=loss_fn)
+        opt = torch.optim.SGD(module.parameters(), lr=LR)
+        instruments = all_instruments(grad_r, param_r, bins=10, bins_2d=(6, 8), order=PIPELINE)
+        log = os.path.join(out_dir, "log.jsonl")
+        # Lens(schedule): the reduction comes from its loss_fn; Lens(stage): stated at the capture
+        lens = Lens(schedule if on == "schedule" else stage, instruments, optimizer=opt, log=log)
+        thetas = [copy.deepcopy(module.state_dict())]
+        for steps in windows:
+            for x, y in steps:
+                with lens.capture(reduction=None if on == "schedule" else reduction):
+                    _step(schedule, rank, x, y)
+            opt.step()
+            opt.zero_grad()
+            thetas.append(copy.deepcopy(module.state_dict()))
+        lens.close()
+        records = [(r.step, r.num_samples, r.micro_steps, dict(r.values)) for r in lens.records]
+        torch.save((records, thetas, lens.tracked), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind,reduction,on", [("1f1b", "mean", "schedule"), ("gpipe", "mean", "schedule"),
+                                               ("1f1b", "sum", "stage")])
+def test_pipeline_stages_give_the_whole_models_record(kind, reduction, on):
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_pipe_worker, 2, out_dir, kind, reduction, on)
+        results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+        logged = open(os.path.join(out_dir, "log.jsonl")).read().splitlines()
+    model0, windows, grad_r, param_r = _problem()
+    assert results[0][2] == ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
+    assert results[1][2] == ["layers.2.weight", "layers.2.bias", "layers.3.weight", "layers.3.bias"]
+    assert len(logged) == 2  # rank 0 writes each record once
+    records = results[0][0]
+    assert len(records) == 2
+    for t, (step, n, micro, vals) in enumerate(records):
+        theta = copy.deepcopy(model0)  # the whole model at window t: both stages' parameters
+        theta.load_state_dict({**results[0][1][t], **results[1][1][t]})
+        x = torch.cat([b[0] for b in windows[t]])
+        y = torch.cat([b[1] for b in windows[t]])
+        G = flat(per_sample_grads(theta, x, y))
+        sizes = [BATCH // M] * (M * len(windows[t]))
+        assert (step, n, micro) == (t, len(x), len(sizes))
+        assert sorted(vals["sum_grad_squared"]) == sorted(n for n, _ in model0.named_parameters())
+        if reduction == "mean":
+            _check_window(vals, n, G, theta, None, None, None, sizes, grad_r, param_r, "pipeline")
+        else:  # g_n is the same per-sample gradient; the window gradient is the sum
+            _close(vals["batch_l2"], G.square().sum(1))
+            _close(vals["grad_norm"], G.sum(0).norm())
+        # the same record on every rank
+        step1, n1, micro1, vals1 = results[1][0][t]
+        assert (step1, n1, micro1) == (step, n, micro)
+        _close(vals1["batch_l2"], vals["batch_l2"], rtol=0)
+        assert vals1["grad_norm"] == vals["grad_norm"]
+        for q, v in vals["sum_grad_squared"].items():
+            _close(vals1["sum_grad_squared"][q], v, rtol=0)
+        assert torch.equal(vals1["grad_hist_1d"].counts, vals["grad_hist_1d"].counts)
+        if reduction == "mean":
+            assert vals1["noise_scale_two_batch"]["trace_sigma"] == vals["noise_scale_two_batch"]["trace_sigma"]
+            assert vals1["mean_gsnr"] == vals["mean_gsnr"] or (math.isnan(vals1["mean_gsnr"]) and math.isnan(vals["mean_gsnr"]))
+
+
+def _refusal_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
+    seen = {}
+    try:
+        model0, windows, _, _ = _problem()
+        module = gradlens.extend(_stage_module(model0, rank))
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, M, loss_fn=gradlens.extend(nn.CrossEntropyLoss()))
+        # instruments that pair samples across layers: refused by name, before any collective
+        try:
+            Lens(schedule, [BatchL2(), BatchDot()])
+        except ValueError as err:
+            seen["batch_dot"] = str(err)
+        # several stages per rank (interleaved): refused, naming what works
+        subs = [gradlens.extend(nn.Linear(4, 4).double()) for _ in range(2)]
+        stages = [PipelineStage(m, rank + 2 * i, 2 * world, torch.device("cpu")) for i, m in enumerate(subs)]
+        try:
+            Lens(ScheduleInterleaved1F1B(stages, M, loss_fn=nn.MSELoss()), [BatchL2()])
+        except TypeError as err:
+            seen["interleaved"] = str(err)
+        # a Lens on the stage (no loss_fn known) without a stated reduction: the first stage
+        # cannot know its units; refused at the capture, before the step
+        lens = Lens(stage, [GradNorm()], optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+        if rank == 0:
+            try:
+                with lens.capture():
+                    pass
+            except ValueError as err:
+                seen["reduction"] = str(err)
+        lens.close()
+        # stages whose modules use the same parameter names: refused on every rank
+        same = gradlens.extend(nn.Sequential(nn.Linear(6, 6)).double())
+        twin = PipelineStage(same, rank, world, torch.device("cpu"))
+        try:
+            Lens(ScheduleGPipe(twin, M, loss_fn=nn.CrossEntropyLoss()), [SumGradSquared()])
+        except RuntimeError as err:
+            seen["names"] = str(err)
+        torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_refusals_name_what_works():
+    with tempfile.TemporaryDirectory() as out_dir:
+        _spawn(_refusal_worker, 2, out_dir)
+        seen = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    for rank, s in enumerate(seen):
+        assert "['BatchDot'] are not merged across pipeline stages" in s["batch_dot"]
+        assert "supported: BatchL2, SumGradSquared, GradNorm" in s["batch_dot"]
+        assert "ScheduleInterleaved1F1B runs several pipeline stages per rank" in s["interleaved"]
+        assert "ScheduleGPipe or Schedule1F1B" in s["interleaved"]
+        assert "track parameters of the same name: '0.weight' (stages 0 and 1)" in s["names"]
+    assert "pipeline stage 0 computes no loss" in seen[0]["reduction"]
+    assert "lens.capture(reduction='mean')" in seen[0]["reduction"]
+    assert "reduction" not in seen[1]
