@@ -315,6 +315,8 @@ class Tap(SampleFlow):
                 self._bags((args[0], None, offsets), {"include_last_offset": module.include_last_offset})
                 bag_args[:] = [offsets, args[2] if len(args) > 2 else (kwargs or {}).get("per_sample_weights")]
             if is_site:
+                if args and compat.is_dtensor(args[0]):  # (a sequence-parallel layer input is refused)
+                    check_batch_layout(args[:1], self._names.get(id(module), type(module).__name__))
                 if not self._skip and compat.top_function_mode() is self._mode:
                     self._mode.__exit__(None, None, None)  # back in the site's post-hook
                     self._mode_out = True
@@ -360,8 +362,6 @@ class Tap(SampleFlow):
             nonlocal site
             if not (isinstance(output, Tensor) and args and isinstance(args[0], Tensor) and torch.is_grad_enabled()):
                 return None
-            if compat.is_dtensor(args[0]):  # (a sequence-parallel layer input is refused)
-                check_batch_layout(args[:1], self._names.get(id(module), type(module).__name__))
             if n_in > 1:
                 return self._multi_use(module, site, args, output, n_in)
             kernel = kernel_for(module) if stateful else None

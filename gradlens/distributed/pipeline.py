@@ -57,6 +57,7 @@ class PipelineInfo:
         group: the pipeline's process group (one rank per stage).
         layout: filled by :func:`stage_layout`: per stage, ``[(name, shape, dtype), ...]``.
         last_rank: the rank (in ``group``) of the last stage.
+        inside: set while a micro-step's own capture is entered.
     """
 
     stage: Any
@@ -64,6 +65,8 @@ class PipelineInfo:
     group: Any
     layout: list = field(default_factory=list)
     last_rank: int = -1
+    #: a micro-step's own capture is being entered (``Lens.capture`` then captures it as usual)
+    inside: bool = False
 
     @property
     def index(self) -> int:

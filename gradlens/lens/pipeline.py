@@ -33,7 +33,7 @@ from gradlens.core.window import Window
 from gradlens.instruments.base import Instrument
 from gradlens.lens.rank_merge import RankMerge
 
-__all__ = ["PipelineRankMerge", "SUPPORTED", "pipeline_capture"]
+__all__ = ["PipelineRankMerge", "SUPPORTED", "pipeline_capture", "rank_merge"]
 
 #: the instruments a Lens on a pipeline stage merges across the stages (their window states add
 #: over the stages' parameters, or are the stages' parameters' own)
@@ -96,11 +96,21 @@ class PipelineRankMerge(RankMerge):
         return window
 
 
-@contextmanager
+def rank_merge(pipe: PipelineInfo | None, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument],
+               plan: Any, groups: Any) -> tuple[Any, RankMerge]:
+    """The Lens's process group and :class:`~gradlens.lens.rank_merge.RankMerge`: the pipeline's
+    group and :class:`PipelineRankMerge` on a pipeline stage, else ``group`` (resolved from
+    ``Lens(process_group=...)``) and a plain one."""
+    if pipe is not None:
+        return pipe.group, PipelineRankMerge(pipe, merge, timeout, instruments, plan, groups)
+    return group, RankMerge(group, merge, timeout, instruments, plan)
+
+
 def pipeline_capture(lens: Any, info: PipelineInfo, reduction: str | None, losses: Any, multiplier: Any,
                      loss: Any) -> Iterator[None]:
     """``with lens.capture(): schedule.step(...)`` on a pipeline stage: each backward of a
-    micro-batch is one capture of the Lens (module docstring)."""
+    micro-batch is one capture of the Lens (module docstring). A generator that yields once
+    (``Lens.capture`` delegates to it)."""
     if losses is not None or multiplier is not None or loss is not None:
         raise ValueError(
             "lens.capture() around schedule.step() takes reduction= only (the schedule computes "
@@ -142,11 +152,11 @@ def pipeline_capture(lens: Any, info: PipelineInfo, reduction: str | None, losse
             put_back_loss_calls(mine)
             inner = lens.capture()
         with ExitStack() as stack:
-            lens._pipe_inner = True
+            info.inside = True
             try:
                 stack.enter_context(inner)
             finally:
-                lens._pipe_inner = False
+                info.inside = False
             yield
 
     @contextmanager
