@@ -144,6 +144,11 @@ class Tap(SampleFlow):
         if was:
             self.install()
 
+    #: what :meth:`reset_micro` starts afresh: what the forwards since noted (a pipeline stage
+    #: keeps one per micro-batch, gradlens/distributed/pipeline.py)
+    MICRO_STATE = ("uses", "received", "tainted", "axis_errors", "_axis_names", "_axis_origin", "output_nodes",
+                   "_visited", "_ops")
+
     def reset_micro(self) -> None:
         self.uses: Counter = Counter()
         self.received: set[str] = set()

@@ -151,18 +151,43 @@ def placeholders(info: PipelineInfo, params: dict[str, Tensor]) -> dict[str, Ten
     return out
 
 
+def _micro_state(tap: Any) -> dict:
+    return {name: getattr(tap, name) for name in type(tap).MICRO_STATE}
+
+
+def _set_micro_state(tap: Any, state: dict) -> None:
+    for name, value in state.items():
+        setattr(tap, name, value)
+
+
 @contextmanager
 def stage_backwards(info: PipelineInfo, micro: Callable[[Tensor | None], ContextManager],
-                    paused: Callable[[], ContextManager]) -> Iterator[None]:
+                    paused: Callable[[], ContextManager], tap: Any) -> Iterator[None]:
     """While it is active, every ``backward_one_chunk(chunk, loss=...)`` of the stage runs
     inside ``micro(loss)`` (one micro-step of the Lens; ``loss`` the micro-batch's loss on the
     last stage, None elsewhere), and the shape inference of a schedule's first step
     (:data:`gradlens.compat.PIPELINE_SETUP`: a forward and an ``autograd.grad`` of the first
     micro-batch, not a training micro-step) inside ``paused()`` (the Lens's hooks off). The
-    stage's methods are shadowed on the instance, and restored."""
+    stage's methods are shadowed on the instance, and restored.
+
+    What ``tap`` (the Lens's Tap) notes in a forward for the micro-step that backpropagates it
+    (``Tap.MICRO_STATE``: how often each parameter was used, parameters whose samples mix,
+    unknown sample axes, the model's outputs) is kept per micro-batch: 1F1B and GPipe run other
+    forwards before a micro-batch's backward, whose notes must not count for it."""
     stage = info.stage
     original = stage.backward_one_chunk
+    forward = stage.forward_one_chunk
     setups = [name for name in compat.PIPELINE_SETUP if hasattr(stage, name)]
+    noted: dict[int, dict] = {}  # chunk -> what its forward noted
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        before = _micro_state(tap)
+        tap.reset_micro()
+        try:
+            return forward(fwd_chunk_id, *args, **kwargs)
+        finally:
+            noted[fwd_chunk_id] = _micro_state(tap)
+            _set_micro_state(tap, before)
 
     def unhooked(name):
         method = getattr(stage, name)
@@ -184,14 +209,17 @@ def stage_backwards(info: PipelineInfo, micro: Callable[[Tensor | None], Context
                 "lens.capture(): this schedule splits the backward into input and weight parts "
                 f"(zero-bubble), which gradlens does not measure; use {SUPPORTED_SCHEDULES}"
             )
+        if bwd_chunk_id in noted:  # (the backward itself adds what reaches parameters)
+            _set_micro_state(tap, {**noted.pop(bwd_chunk_id), "received": set()})
         with micro(loss):
             return original(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     stage.backward_one_chunk = backward_one_chunk
+    stage.forward_one_chunk = forward_one_chunk
     try:
         yield
     finally:
-        for name in ("backward_one_chunk", *setups):
+        for name in ("backward_one_chunk", "forward_one_chunk", *setups):
             del stage.__dict__[name]
 
 

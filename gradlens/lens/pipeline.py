@@ -168,5 +168,5 @@ def pipeline_capture(lens: Any, info: PipelineInfo, reduction: str | None, losse
         finally:
             meter.install()
 
-    with stage_backwards(info, micro, paused):
+    with stage_backwards(info, micro, paused, lens._meter.tap):
         yield
