@@ -85,14 +85,15 @@ def _step(schedule, rank: int, x, y) -> None:
         schedule.step(target=y)
 
 
-CONFIGS = {  # (schedule, loss reduction, what the Lens is built on)
-    "1f1b-mean": ("1f1b", "mean", "schedule"),
-    "gpipe-mean": ("gpipe", "mean", "schedule"),
-    "1f1b-sum-stage": ("1f1b", "sum", "stage"),
+CONFIGS = {  # (schedule, loss reduction, what the Lens is built on, every)
+    "1f1b-mean": ("1f1b", "mean", "schedule", 1),
+    "gpipe-mean": ("gpipe", "mean", "schedule", 1),
+    "1f1b-sum-stage": ("1f1b", "sum", "stage", 1),
+    "gpipe-every2": ("gpipe", "mean", "schedule", 2),  # window 1 untracked: no record
 }
 
 
-def _run_config(rank: int, world: int, out_dir: str, kind: str, reduction: str, on: str) -> None:
+def _run_config(rank: int, world: int, out_dir: str, kind: str, reduction: str, on: str, every: int) -> None:
     model0, windows, grad_r, param_r = _problem()
     module = gradlens.extend(_stage_module(model0, rank))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
@@ -102,7 +103,7 @@ def _run_config(rank: int, world: int, out_dir: str, kind: str, reduction: str, 
     instruments = all_instruments(grad_r, param_r, bins=10, bins_2d=(6, 8), order=PIPELINE)
     log = os.path.join(out_dir, "log.jsonl")
     # Lens(schedule): the reduction comes from its loss_fn; Lens(stage): stated at the capture
-    lens = Lens(schedule if on == "schedule" else stage, instruments, optimizer=opt, log=log)
+    lens = Lens(schedule if on == "schedule" else stage, instruments, optimizer=opt, log=log, every=every)
     thetas = [copy.deepcopy(module.state_dict())]
     for steps in windows:
         for x, y in steps:
@@ -141,14 +142,15 @@ def results():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pipeline_stages_give_the_whole_models_record(results, name):
-    reduction = CONFIGS[name][1]
+    reduction, every = CONFIGS[name][1], CONFIGS[name][3]
     ranks, logged = results[name]
     model0, windows, grad_r, param_r = _problem()
     assert ranks[0][2] == ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
     assert ranks[1][2] == ["layers.2.weight", "layers.2.bias", "layers.3.weight", "layers.3.bias"]
-    assert len(logged) == 2  # rank 0 writes each record once
+    tracked = len(windows) // every
+    assert len(logged) == tracked  # rank 0 writes each record once
     records = ranks[0][0]
-    assert len(records) == 2
+    assert len(records) == tracked
     for t, (step, n, micro, vals) in enumerate(records):
         theta = copy.deepcopy(model0)  # the whole model at window t: both stages' parameters
         theta.load_state_dict({**ranks[0][1][t], **ranks[1][1][t]})
