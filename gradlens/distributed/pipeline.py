@@ -11,12 +11,16 @@ hold different samples of the same parameters) but its transpose:
 - per-sample squared norms ``[N]`` add elementwise over the stages (||g_n||^2 of the whole
   model is the sum over the stages' parameters), and so do the micro-steps' ||s_k||^2 of the
   two-batch noise scale and histogram counts;
-- per-parameter sums (``sum_grad_squared``, ``grad_sum``, MeanGSNR's moments) are each stage's
-  own parameters, gathered: every stage ends with the entries of every stage.
+- per-parameter sums (``sum_grad_squared``, MeanGSNR's moments) are each stage's own
+  parameters, gathered: every stage ends with the entries of every stage; the window
+  gradient's squared norm ||sum_n g_n||^2 (GradNorm, NormTest, NoiseScale, the two-batch noise
+  scale) adds over the stages, so each stage sends its own, one number (``WindowStats.grad_sum``
+  keeps this stage's own vectors).
 
 What travels per tracked window: one ``all_reduce`` (the ``[N]`` norms, the histogram counts, a
-small per-stage row of counts) and one ``all_gather`` of each stage's per-parameter sums (D_s
-numbers per needed sum, padded to the largest stage), through :func:`gradlens.distributed.merge.exchange`.
+small per-stage row of counts) and, for ``sum_grad_squared`` or MeanGSNR, one ``all_gather`` of
+each stage's per-parameter sums (D_s numbers each, padded to the largest stage), through
+:func:`gradlens.distributed.merge.exchange`.
 
 The stage's micro-batches: :func:`stage_backwards` makes each ``backward_one_chunk`` of the
 stage one micro-step of the Lens (a capture of its own), so 1F1B, which runs the backward of one
@@ -241,11 +245,13 @@ def merge_stages(whole: Window, instruments, info: PipelineInfo, ctx: Any, own: 
     device = next((t.device for t in stats.batch_l2), torch.device("cpu"))
     row = torch.tensor([stats.num_samples, stats.micro_steps, stats.micro_size_sq, stats.loss_unknown,
                         float(stats.loss_sum), _REDUCTIONS.get(stats.reduction, 0.0)], dtype=torch.float64)
+    # ||sum_n g_n||^2 adds over the stages' parameters: each stage sends its own (the supported
+    # instruments read the window gradient only through it), not the vector
+    grad_sq = stats.grad_sum_sq_norm().double() if "grad_sum" in ctx.needs else torch.zeros((), dtype=torch.float64)
     sums = [stats.batch_l2_all().double().to(device) if "batch_l2" in ctx.needs else
             torch.zeros(0, dtype=torch.float64, device=device),
-            stats.micro_grad_sq.double().reshape(()).to(device)]
-    quantities = [(q, acc) for q, acc in (("sum_grad_squared", stats.sum_grad_squared), ("grad_sum", stats.grad_sum))
-                  if q in ctx.needs]
+            stats.micro_grad_sq.double().reshape(()).to(device), grad_sq.reshape(()).to(device)]
+    quantities = [(q, acc) for q, acc in (("sum_grad_squared", stats.sum_grad_squared),) if q in ctx.needs]
     pieces = [_flat(acc, own).to(device) for _, acc in quantities]
     parts = [DistParts(sums=sums, per_rank=[row], pieces=pieces)]
     for inst in instruments:
@@ -265,7 +271,8 @@ def merge_stages(whole: Window, instruments, info: PipelineInfo, ctx: Any, own: 
         micro_size_sq=float(last[2]),
         loss_unknown=int(last[3]),
         sum_grad_squared=Accumulators(getattr(stats.sum_grad_squared, "pool", None)),
-        grad_sum=Accumulators(getattr(stats.grad_sum, "pool", None)),
+        grad_sum=stats.grad_sum,  # this stage's own (their dtypes: NormTest's rounding bound)
+        grad_sum_sq=summed[2] if "grad_sum" in ctx.needs else None,
     )
     if "batch_l2" in ctx.needs and summed[0].numel():
         merged.batch_l2 = [summed[0]]
