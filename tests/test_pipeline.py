@@ -200,6 +200,13 @@ def _refusals(rank: int, world: int, out_dir: str) -> None:
         Lens(ScheduleInterleaved1F1B(stages, M, loss_fn=nn.MSELoss()), [BatchL2()])
     except TypeError as err:
         seen["interleaved"] = str(err)
+    # the pipeline's group is the stage's: another is refused; False keeps each stage's own
+    # records (nothing merged, so any instrument)
+    try:
+        Lens(schedule, [BatchL2()], process_group=dist.group.WORLD)
+    except ValueError as err:
+        seen["group"] = str(err)
+    Lens(schedule, [BatchDot()], process_group=False).close()
     # a Lens on the stage (no loss_fn known) without a stated reduction: the first stage
     # cannot know its units; refused at the capture, before the step
     lens = Lens(stage, [GradNorm()], optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
@@ -228,6 +235,7 @@ def test_pipeline_refusals_name_what_works(results):
         assert "ScheduleInterleaved1F1B runs several pipeline stages per rank" in s["interleaved"]
         assert "ScheduleGPipe or Schedule1F1B" in s["interleaved"]
         assert "track parameters of the same name: '0.weight' (stages 0 and 1)" in s["names"]
+        assert "merges over the pipeline's own group" in s["group"] and "pass False" in s["group"]
     assert "pipeline stage 0 computes no loss" in seen[0]["reduction"]
     assert "lens.capture(reduction='mean')" in seen[0]["reduction"]
     assert "reduction" not in seen[1]

@@ -33,7 +33,7 @@ from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.lens.compiled import CompileNotice
 from gradlens.lens.probes import ForwardProbes
 from gradlens.lens.curvature_graph import CurvatureGraph
-from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer, resolve_group
+from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer
 from gradlens.lens.optimizers import after_closure, unwrap_optimizer  # imports no framework
 from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
@@ -222,7 +222,7 @@ class Lens:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
-        self._group, self._ranks = rank_merge(self._pipe, resolve_group(process_group), merge, timeout, instruments,
+        self._group, self._ranks = rank_merge(self._pipe, process_group, merge, timeout, instruments,
                                               plan, groups)  # sync / deferred; a pipeline stage: across its stages
         self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 

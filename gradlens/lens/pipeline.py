@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 from torch import Tensor
 
 from gradlens.capture.losses import put_back_loss_calls, take_loss_calls
-from gradlens.distributed.merge import MergeContext, check_ranks_agree, lens_fingerprint
+from gradlens.distributed.merge import MergeContext, check_ranks_agree, lens_fingerprint, resolve_group
 from gradlens.distributed.pipeline import PipelineInfo, merge_stages, placeholders, stage_backwards, stage_layout
 from gradlens.core.window import Window
 from gradlens.instruments.base import Instrument
@@ -96,13 +96,20 @@ class PipelineRankMerge(RankMerge):
         return window
 
 
-def rank_merge(pipe: PipelineInfo | None, group: Any, merge: str, timeout: Any, instruments: Sequence[Instrument],
-               plan: Any, groups: Any) -> tuple[Any, RankMerge]:
-    """The Lens's process group and :class:`~gradlens.lens.rank_merge.RankMerge`: the pipeline's
-    group and :class:`PipelineRankMerge` on a pipeline stage, else ``group`` (resolved from
-    ``Lens(process_group=...)``) and a plain one."""
-    if pipe is not None:
+def rank_merge(pipe: PipelineInfo | None, process_group: Any, merge: str, timeout: Any,
+               instruments: Sequence[Instrument], plan: Any, groups: Any) -> tuple[Any, RankMerge]:
+    """The Lens's process group and :class:`~gradlens.lens.rank_merge.RankMerge`: on a pipeline
+    stage the pipeline's group and :class:`PipelineRankMerge` (``process_group=False``: each
+    stage's own records, nothing merged), else the group of ``Lens(process_group=...)``."""
+    if pipe is not None and process_group is not False:
+        if process_group is not None:
+            raise ValueError(
+                "Lens(schedule, process_group=...): a pipeline stage's Lens merges over the "
+                "pipeline's own group (the stage's); drop process_group, or pass False to keep "
+                "each stage's own records"
+            )
         return pipe.group, PipelineRankMerge(pipe, merge, timeout, instruments, plan, groups)
+    group = resolve_group(process_group)
     return group, RankMerge(group, merge, timeout, instruments, plan)
 
 
