@@ -36,6 +36,7 @@ __all__ = [
     "process_group_timeout",
     "grad_scaler_scale", "optimizer_grad_scale",
     "fsdp_params", "fsdp_unsharded_param", "fsdp_param_slots",
+    "pipeline_kind", "pipeline_schedule_parts", "PIPELINE_SETUP", "context_parallel_active", "is_dtensor",
 ]
 
 # ---------------------------------------------------------------------------- modules
@@ -507,3 +508,70 @@ def fsdp_param_slots(fp: Any) -> list[tuple[nn.Module, str]]:
     its module and name, then the modules that share it, e.g. a tied embedding)."""
     info = fp._module_info
     return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+
+
+# ---------------------------------------------------------------------------- pipelines, DTensor
+
+
+def pipeline_kind(obj: Any) -> str | None:
+    """What ``obj`` is in ``torch.distributed.pipelining``: ``"single"`` for a schedule of one
+    stage per rank (``ScheduleGPipe``, ``Schedule1F1B``: ``PipelineScheduleSingle``),
+    ``"multi"`` for a schedule of several stages per rank (``PipelineScheduleMulti``:
+    interleaved, zero-bubble), ``"stage"`` for a stage (``PipelineStage``: the private base
+    ``_PipelineStageBase``), None otherwise. Checked on torch 2.6-2.13."""
+    if isinstance(obj, nn.Module):
+        return None
+    try:
+        from torch.distributed.pipelining import schedules, stage
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return None
+    if isinstance(obj, schedules.PipelineScheduleSingle):
+        return "single"
+    if isinstance(obj, schedules.PipelineScheduleMulti):
+        return "multi"
+    if isinstance(obj, stage._PipelineStageBase):
+        return "stage"
+    return None
+
+
+def pipeline_schedule_parts(schedule: Any) -> tuple[Any, Any]:
+    """``(stage, loss_fn)`` of a one-stage-per-rank schedule: its private ``_stage`` and
+    ``_loss_fn`` (None when the schedule was built without a loss). Checked on torch 2.6-2.13."""
+    return schedule._stage, schedule._loss_fn
+
+
+#: the private methods of a ``PipelineStage`` that a schedule's first ``step()`` calls to infer
+#: the shapes its micro-batches will have: they run the stage's forward and an
+#: ``autograd.grad`` of its inputs on the first micro-batch (not a training micro-step). Those a
+#: stage has are shadowed while a Lens captures (gradlens/distributed/pipeline.py). Checked on
+#: torch 2.13 (older releases infer in ``_prepare_forward_infra`` only).
+PIPELINE_SETUP = ("_prepare_forward_infra", "_prepare_backward_infra")
+
+
+#: the module that holds context parallelism's replaced functions (imported only by
+#: ``torch.distributed.tensor.experimental.context_parallel``)
+_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def context_parallel_active() -> bool:
+    """Whether ``torch.distributed.tensor.experimental.context_parallel(...)`` is active in its
+    default mode: it replaces ``F.scaled_dot_product_attention`` by a ring-attention wrapper
+    noted in its module's private ``_replaced_functions`` (and shards its buffers along the
+    sequence dim in place). False when that module was never imported. Checked on torch 2.13."""
+    import sys
+
+    module = sys.modules.get(_CP_MODULE)
+    if module is None:
+        return False
+    replaced = getattr(module, "_replaced_functions", {})
+    return torch.nn.functional.scaled_dot_product_attention in replaced
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False when DTensor was never
+    imported: nothing can be one then)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None) if module is not None else None
+    return cls is not None and isinstance(t, cls)

@@ -683,3 +683,53 @@ def test_is_builtin_node():
     with _entry("is_builtin_node"):
         got = (compat.is_builtin_node((x * 2).grad_fn), compat.is_builtin_node(Twice.apply(x).grad_fn))
     _check("is_builtin_node", got == (True, False), f"(x * 2, a Python autograd.Function) gave {got}")
+
+# ---------------------------------------------------------------------------- pipelines, DTensor
+
+
+def test_pipeline_kind_parts_and_setup(group):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    loss_fn = nn.CrossEntropyLoss()
+    schedule = ScheduleGPipe(stage, 2, loss_fn=loss_fn)
+    with _entry("pipeline_kind"):
+        kinds = [compat.pipeline_kind(x) for x in (schedule, stage, model, object())]
+        multi = compat.pipeline_kind(ScheduleInterleaved1F1B([stage], 2, loss_fn=loss_fn))
+    _check("pipeline_kind", kinds == ["single", "stage", None, None] and multi == "multi", f"gave {kinds}, {multi}")
+    with _entry("pipeline_schedule_parts"):
+        parts = compat.pipeline_schedule_parts(schedule)
+    _check("pipeline_schedule_parts", parts[0] is stage and parts[1] is loss_fn, f"gave {parts}")
+    # the first step infers the micro-batches' shapes in PIPELINE_SETUP, a forward and a
+    # backward of its own, before the micro-batches' backward_one_chunk calls
+    calls = []
+    with _entry("PIPELINE_SETUP"):
+        names = [n for n in compat.PIPELINE_SETUP if hasattr(stage, n)]
+        for name in [*names, "backward_one_chunk"]:
+            method = getattr(stage, name)
+            setattr(stage, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+        schedule.step(torch.randn(4, 3), target=torch.tensor([0, 1, 1, 0]))
+    _check("PIPELINE_SETUP", names == list(compat.PIPELINE_SETUP), f"the stage has only {names}")
+    _check("PIPELINE_SETUP", calls == [*names, "backward_one_chunk", "backward_one_chunk"], f"calls {calls}")
+    _check("PIPELINE_SETUP", all(p.grad is not None for p in model.parameters()), "no gradient after the step")
+
+
+def test_context_parallel_active_and_is_dtensor(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (1,))
+    with _entry("is_dtensor"):
+        flags = [compat.is_dtensor(distribute_tensor(torch.zeros(2, 2), mesh, [Replicate()])),
+                 compat.is_dtensor(torch.zeros(2)), compat.is_dtensor(None)]
+    _check("is_dtensor", flags == [True, False, False], f"gave {flags}")
+    x = torch.randn(2, 4, 3)
+    with _entry("context_parallel_active"):
+        before = compat.context_parallel_active()
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
+            inside = compat.context_parallel_active()
+        after = compat.context_parallel_active()
+    _check("context_parallel_active", (before, inside, after) == (False, True, False), f"gave {(before, inside, after)}")

@@ -74,6 +74,8 @@ class ParamTap:
         if was:
             self.install()
 
+    MICRO_STATE = ("uses", "received", "tainted")  # (as Tap.MICRO_STATE)
+
     def reset_micro(self) -> None:
         self.uses: Counter = Counter()
         self.received: set[str] = set()

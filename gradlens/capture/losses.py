@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from gradlens import compat
 
-__all__ = ["LossCall", "pending_loss_calls", "take_loss_calls", "settle_rows", "settle_samples", "follow_losses"]
+__all__ = ["LossCall", "pending_loss_calls", "take_loss_calls", "put_back_loss_calls", "settle_rows", "settle_samples", "follow_losses"]
 
 _loss_calls = threading.local()
 
@@ -125,6 +125,14 @@ def take_loss_calls() -> list[LossCall]:
     out = list(q)
     q.clear()
     return out
+
+
+def put_back_loss_calls(calls: list[LossCall]) -> None:
+    """Make ``calls`` (oldest first) pending again, before those computed since (a pipeline
+    stage hands each micro-batch's backward only its own loss, :mod:`gradlens.lens.pipeline`)."""
+    q = _pending()
+    for call in reversed(calls):
+        q.appendleft(call)
 
 
 def follow_losses(chain: Any, ending: Any = None) -> None:

@@ -23,6 +23,7 @@ from gradlens.capture.marks import (
 from gradlens.capture.rows import Rows, packed_owner, rows_axis
 from gradlens.capture.replay import DERIVED, Replay
 from gradlens.capture.mode import _UseMode
+from gradlens.capture.parallel import check_batch_layout
 from gradlens.capture.param_grads import _hook_param_grads
 from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
 from gradlens.capture.tracked import declared_batch_dim
@@ -151,6 +152,11 @@ class Tap(SampleFlow):
         if was:
             self.install()
 
+    #: what :meth:`reset_micro` starts afresh: what the forwards since noted (a pipeline stage
+    #: keeps one per micro-batch, gradlens/distributed/pipeline.py)
+    MICRO_STATE = ("uses", "received", "tainted", "axis_errors", "_axis_names", "_axis_origin", "output_nodes",
+                   "_visited", "_ops")
+
     def reset_micro(self) -> None:
         self.uses: Counter = Counter()
         self.received: set[str] = set()
@@ -259,6 +265,7 @@ class Tap(SampleFlow):
                 for p in packed:
                     owner = packed_owner(p.batch_sizes, p.sorted_indices, p.data.device)
                     self._data[p.data] = rows_axis(0, owner, self._batch)
+            check_batch_layout([x for _, x in _tensors(inputs)], "the model")  # sequence / context parallel
             hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
             found = _input_batch(inputs, hint)
             if found is not None:
@@ -330,6 +337,8 @@ class Tap(SampleFlow):
                 self._bags((args[0], None, offsets), {"include_last_offset": module.include_last_offset})
                 bag_args[:] = [offsets, args[2] if len(args) > 2 else (kwargs or {}).get("per_sample_weights")]
             if is_site:
+                if args and compat.is_dtensor(args[0]):  # (a sequence-parallel layer input is refused)
+                    check_batch_layout(args[:1], self._names.get(id(module), type(module).__name__))
                 if not self._skip and compat.top_function_mode() is self._mode:
                     self._mode.__exit__(None, None, None)  # back in the site's post-hook
                     self._mode_out = True

@@ -33,7 +33,7 @@ from gradlens.compat import compiled_in_place, compiled_original
 from gradlens.lens.compiled import CompileNotice
 from gradlens.lens.probes import ForwardProbes
 from gradlens.lens.curvature_graph import CurvatureGraph
-from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer, resolve_group
+from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer
 from gradlens.lens.optimizers import after_closure, unwrap_optimizer  # imports no framework
 from gradlens.core.groups import check_groups
 from gradlens.distributed.fsdp import presenting
@@ -42,9 +42,10 @@ from gradlens.instruments.base import Instrument
 from gradlens.core.window import Window
 from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import CHUNK_ELEMENTS
+from gradlens.distributed.pipeline import resolve_pipeline
+from gradlens.lens.pipeline import pipeline_capture, rank_merge
 from gradlens.lens.checks import began_unseen, capture_error, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
 from gradlens.measure.meter import Meter, Plan
-from gradlens.lens.rank_merge import RankMerge
 from gradlens.core.records import Record
 from gradlens.output.sinks import JsonlSink, SinkSet
 from gradlens.lens.state import lens_state_dict, load_lens_state_dict
@@ -87,7 +88,8 @@ class Lens:
                 opt.step(); opt.zero_grad()       # closes the window -> lens.records[-1]
 
     Args:
-        model: a model passed through :func:`gradlens.extend`.
+        model: a model passed through :func:`gradlens.extend`; or a pipeline's ``ScheduleGPipe``
+            / ``Schedule1F1B`` (or ``PipelineStage``) whose stage module was (docs/distributed.md).
         instruments: instances from :mod:`gradlens.instruments` (record keys must be distinct).
         optimizer: the optimizer whose real updates close windows (a ``torch.optim.Optimizer``,
             e.g. :class:`~gradlens.GradientAccumulateOptimizer`); ``None``: call :meth:`flush`.
@@ -146,11 +148,9 @@ class Lens:
             matches; the unmatched form ``"other"``). Shared parameters count once, under
             their first name. Every instrument value that decomposes over parameters (its
             class sets ``per_group``) gets one value per group; see :mod:`gradlens.core.groups`.
-        timeout: under ``torch.distributed``, the seconds each of the Lens's collectives waits
-            for the other ranks before it raises naming the window (default 300 s:
-            :data:`gradlens.distributed.merge.DEFAULT_TIMEOUT_S`; ``None``: the process group's
-            own). When built, the Lens checks once (one small all_reduce) that every rank has the
-            same instruments, settings, schedule, merge mode and tracked parameters (docs/distributed.md).
+        timeout: under ``torch.distributed``, seconds each collective of the Lens waits, then raises
+            naming the window (default 300 s; ``None``: the process group's own). When built, the Lens
+            checks once that the ranks agree (instruments, settings, schedule, merge, parameters).
 
     Attributes:
         records: the records so far (if ``keep_records``).
@@ -185,8 +185,8 @@ class Lens:
         groups: Any = None,
     ):
         optimizer, wrapped_scaler = unwrap_optimizer(optimizer)  # Accelerate: the torch optimizer inside
-        # DeepSpeed: the engine's module, the torch optimizer inside DeepSpeed's, a ZeroView
-        model, optimizer, zero = resolve_deepspeed(model, optimizer)
+        model, self._pipe = resolve_pipeline(model)  # Lens(schedule): a pipeline stage (gradlens/lens/pipeline.py)
+        model, optimizer, zero = resolve_deepspeed(model, optimizer)  # DeepSpeed: the engine's module, ..., a ZeroView
         # torch.compile(model) or model.compile(): tracked windows run the model eagerly
         compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
         model = watched_model(model)
@@ -222,8 +222,8 @@ class Lens:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
-        self._group = resolve_group(process_group)
-        self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
+        self._group, self._ranks = rank_merge(self._pipe, process_group, merge, timeout, instruments,
+                                              plan, groups)  # sync / deferred; a pipeline stage: across its stages
         self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 
         # under torch.distributed: rank 0 writes; a sink that fails is reported and retried,
@@ -489,6 +489,8 @@ class Lens:
                 ``ValueError`` (the window is dropped): it would be divided out twice.
         """
         self._check_open()
+        if self._pipe is not None and not self._pipe.inside:  # around schedule.step(): per micro-batch
+            return (yield from pipeline_capture(self, self._pipe, reduction, losses, multiplier, loss))
         if loss is not None and reduction is None:
             raise ValueError("lens.capture(loss=...) needs the loss's reduction: capture(reduction='mean', loss=loss)")
         multiplier = check_multiplier(reduction, multiplier, loss)
