@@ -654,3 +654,18 @@ def test_fsdp_params_unsharded_param_and_slots(group):
     _check("fsdp_param_slots", slots == [(model[0], "weight")], f"gave {slots}")
     _check("fsdp_param_slots", model[0]._parameters["weight"] is names["0.weight"], "slot not the sharded parameter outside forward")
     del model, fps, fp, names, full, again, seen
+
+
+def test_dtensor_local(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(2, 3)
+    with _entry("dtensor_local"):
+        d = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        loc = compat.dtensor_local(d)
+        again = compat.dtensor_local(d)
+    _check("dtensor_local", isinstance(loc, torch.Tensor) and not isinstance(loc, DTensor), "not a plain tensor")
+    _check("dtensor_local", loc is again, "not the same object each time")
+    _check("dtensor_local", loc.data_ptr() == x.data_ptr() and torch.equal(loc, x), "not the local data")

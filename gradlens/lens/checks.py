@@ -14,13 +14,15 @@ from gradlens.compat import compiled_original
 from gradlens.distributed.merge import check_not_sharded
 from gradlens.distributed.fsdp import ShardedView
 from gradlens.distributed.deepspeed import ZeroView
+from gradlens.distributed.tensor_parallel import TPLayout
+from gradlens.distributed.tensor_parallel import check_instruments as check_tp_instruments
 from gradlens.distributed.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.lens.record import RESERVED_KEYS
 from gradlens.measure.undefined import MODES
 from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
-__all__ = ["began_unseen", "capture_error", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build",
+__all__ = ["began_unseen", "capture_error", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tensor_parallel", "tracked_at_build",
            "watched_model"]
 
 
@@ -68,6 +70,15 @@ def tracked_at_build(model: nn.Module, exclude: tuple[str, ...], instruments: Se
         params = sharded.unsharded(params)
     check_not_meta(params)
     return params, sharded
+
+
+def tensor_parallel(model: nn.Module, params: dict[str, Tensor], instruments: Sequence[Instrument]) -> TPLayout | None:
+    """The :class:`~gradlens.distributed.tensor_parallel.TPLayout` of the tracked ``params``
+    (None without DTensor parameters), the instruments checked against it."""
+    layout = TPLayout.of(model, params)
+    if layout is not None:
+        check_tp_instruments(instruments)
+    return layout
 
 
 def check_instruments(instruments: Sequence[Instrument]) -> list[Instrument]:

@@ -1,0 +1,265 @@
+"""Tensor parallelism (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``,
+gloo, CPU, float64) and the 2-D layout (FSDP2 over the data dim of a ``(dp, tp)`` mesh, TP
+inside): the records equal the float64 torch.func oracle of the *unsharded* model built before
+sharding, on the batch of the data ranks (N not multiplied by the TP degree), for K unequal
+micro-batches; replicated parameters (LayerNorms, the row-wise layer's bias, the head) counted
+once; ``sum_grad_squared`` in the full parameter shapes; the same record on every rank. What
+is refused under tensor parallelism is refused with a message naming the instrument."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import gradlens
+from gradlens import Lens
+from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, NoiseScale, NoiseScaleTwoBatch, NormTest, SumGradSquared
+from oracle import flat, per_sample_grads, two_batch
+from test_distributed import _init, _spawn
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402 - TP support is gradlens' own: no skip
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+
+RTOL = 1e-9
+WINDOWS = ([2, 3, 1], [3, 1, 2])  # K unequal micro-batches per window (per data rank)
+
+
+class MLPBlock(nn.Module):
+    """A replicated LayerNorm -> column-wise ``up`` -> tanh -> row-wise ``down`` (residual) ->
+    a replicated head."""
+
+    def __init__(self, d=6, h=8, c=3):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.head = nn.Linear(d, c)
+
+    def forward(self, x):
+        return self.head(x + self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+class AttentionBlock(nn.Module):
+    """GPT-style: LayerNorm -> column-wise q, k, v (heads split over the TP ranks: the local head
+    count is read from the shapes) -> causal attention -> row-wise output projection (residual)
+    -> LayerNorm -> mean over T -> head."""
+
+    def __init__(self, d=8, heads=2, c=3):
+        super().__init__()
+        self.head_dim = d // heads
+        self.ln = nn.LayerNorm(d)
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.v = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, c)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln(x)
+        q, k, v = (m(h).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        return self.head(self.ln_f(x).mean(1))
+
+
+PLANS = {
+    "mlp": {"up": ColwiseParallel(), "down": RowwiseParallel()},
+    "attn": {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()},
+}
+
+
+def _problem(name: str, n: int):
+    """(unsharded float64 model, x [n, ...], y [n]) with fixed seeds (the same on every rank)."""
+    torch.manual_seed(0)
+    model = (MLPBlock() if name == "mlp" else AttentionBlock()).double()
+    g = torch.Generator().manual_seed(1)
+    shape = (n, 6) if name == "mlp" else (n, 5, 8)
+    return model, torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def _instruments():
+    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), NoiseScaleTwoBatch()]
+
+
+def _windows(x, y, sizes_per_window, start=0):
+    """Micro-batches of consecutive samples from ``start``: one list per window."""
+    out, at = [], start
+    for sizes in sizes_per_window:
+        window = []
+        for b in sizes:
+            window.append((x[at:at + b], y[at:at + b]))
+            at += b
+        out.append(window)
+    return out
+
+
+def _record_values(rec):
+    v = rec.values
+    return {
+        "N": rec.num_samples, "K": rec.micro_steps,
+        "batch_l2": v["batch_l2"].clone(),
+        "sum_grad_squared": {q: t.clone() for q, t in v["sum_grad_squared"].items()},
+        "grad_norm": v["grad_norm"], "norm_test": v["norm_test"], "noise_scale": v["noise_scale"],
+        "two_batch": (v["noise_scale_two_batch"]["grad_sq"], v["noise_scale_two_batch"]["trace_sigma"]),
+    }
+
+
+def _run(model, windows, log):
+    model = gradlens.extend(model)
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    lens = Lens(model, _instruments(), log=log)
+    records = []
+    for window in windows:
+        for x, y in window:
+            loss = loss_fn(model(x), y)
+            with lens.capture():
+                loss.backward()
+        records.append(_record_values(lens.flush()))
+    lens.close()
+    return records
+
+
+def _tp_worker(rank, world, port, out_dir, name):
+    _init(rank, world, port)
+    model, x, y = _problem(name, sum(map(sum, WINDOWS)))
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, PLANS[name])
+    log = os.path.join(out_dir, "log.jsonl")
+    records = _run(model, _windows(x, y, WINDOWS), log)
+    torch.save(records, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _dp_tp_worker(rank, world, port, out_dir, name):
+    _init(rank, world, port)
+    per_rank = sum(map(sum, WINDOWS))
+    model, x, y = _problem(name, 2 * per_rank)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], PLANS[name])
+    fully_shard(model, mesh=mesh["dp"])
+    dp = mesh["dp"].get_local_rank()
+    # data rank r's micro-batches: its own block of each window's samples (rank-major in the oracle)
+    windows = []
+    at = 0
+    for sizes in WINDOWS:
+        n = sum(sizes)
+        xs, ys = x[at + dp * n: at + (dp + 1) * n], y[at + dp * n: at + (dp + 1) * n]
+        windows += _windows(xs, ys, [sizes])
+        at += 2 * n
+    records = _run(model, windows, None)
+    torch.save(records, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _oracle(model, x, y, sizes):
+    """The record values of one window from the unsharded model's float64 per-sample gradients."""
+    gs = per_sample_grads(model, x, y)
+    G = flat(gs)
+    n = G.shape[0]
+    mean = G.mean(0)
+    g2 = float(mean.dot(mean))
+    tr = float((G - mean).square().sum()) / (n - 1)
+    return {
+        "N": n, "K": len(sizes),
+        "batch_l2": G.square().sum(1),
+        "sum_grad_squared": {q: g.square().sum(0) for q, g in gs.items()},
+        "grad_norm": math.sqrt(g2), "norm_test": math.sqrt(tr / n) / math.sqrt(g2), "noise_scale": tr / g2,
+        "two_batch": two_batch(G, sizes),
+    }
+
+
+def _check(got, want):
+    assert (got["N"], got["K"]) == (want["N"], want["K"])
+    torch.testing.assert_close(got["batch_l2"], want["batch_l2"], rtol=RTOL, atol=1e-12)
+    assert got["sum_grad_squared"].keys() == want["sum_grad_squared"].keys()
+    for q, t in want["sum_grad_squared"].items():
+        assert got["sum_grad_squared"][q].shape == t.shape, q  # the full parameter shape
+        torch.testing.assert_close(got["sum_grad_squared"][q], t, rtol=RTOL, atol=1e-12, msg=q)
+    for key in ("grad_norm", "norm_test", "noise_scale"):
+        assert got[key] == pytest.approx(want[key], rel=RTOL), key
+    assert got["two_batch"] == pytest.approx(want["two_batch"], rel=1e-8)
+
+
+def _same_on_every_rank(results):
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert (a["N"], a["K"]) == (b["N"], b["K"])
+            torch.testing.assert_close(a["batch_l2"], b["batch_l2"], rtol=0, atol=0)
+            for q in a["sum_grad_squared"]:
+                torch.testing.assert_close(a["sum_grad_squared"][q], b["sum_grad_squared"][q], rtol=0, atol=0)
+            assert a["grad_norm"] == b["grad_norm"] and a["two_batch"] == b["two_batch"]
+
+
+@pytest.mark.parametrize("name", ["mlp", "attn"])
+def test_tensor_parallel_two_ranks_equal_unsharded_oracle(name):
+    model, x, y = _problem(name, sum(map(sum, WINDOWS)))
+    with tempfile.TemporaryDirectory() as tmp:
+        _spawn(_tp_worker, 2, tmp, name)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+        with open(os.path.join(tmp, "log.jsonl")) as f:
+            logged = [line for line in f if line.strip()]
+    assert len(logged) >= len(WINDOWS)  # one writer (TP rank 0): each window's record once
+    _same_on_every_rank(results)
+    at = 0
+    for rec, sizes in zip(results[0], WINDOWS):
+        n = sum(sizes)
+        _check(rec, _oracle(model, x[at:at + n], y[at:at + n], sizes))
+        at += n
+
+
+@pytest.mark.parametrize("name", ["mlp", "attn"])
+def test_fsdp_over_data_with_tensor_parallel_inside_four_ranks_equal_oracle(name):
+    per_rank = sum(map(sum, WINDOWS))
+    model, x, y = _problem(name, 2 * per_rank)
+    with tempfile.TemporaryDirectory() as tmp:
+        _spawn(_dp_tp_worker, 4, tmp, name)
+        results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(4)]
+    _same_on_every_rank(results)
+    at = 0
+    for rec, sizes in zip(results[0], WINDOWS):
+        n = 2 * sum(sizes)  # the data ranks' samples, rank-major: N sums over data ranks only
+        _check(rec, _oracle(model, x[at:at + n], y[at:at + n], sizes + sizes))
+        at += n
+
+
+def _refusal_worker(rank, world, port, out_dir):
+    _init(rank, world, port)
+    out = {}
+    model, _, _ = _problem("mlp", 2)
+    parallelize_module(model, init_device_mesh("cpu", (world,)), PLANS["mlp"])
+    model = gradlens.extend(model)
+    for inst in (GradHist1d(bins=5, range=(-1, 1)), BatchDot()):
+        try:
+            Lens(model, [GradNorm(), inst]).close()
+            out[type(inst).__name__] = "no error"
+        except ValueError as err:
+            out[type(inst).__name__] = str(err)
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_instruments_without_a_tensor_parallel_rule_are_refused_by_name():
+    with tempfile.TemporaryDirectory() as tmp:
+        _spawn(_refusal_worker, 2, tmp)
+        out = torch.load(os.path.join(tmp, "0.pt"))
+    for name in ("GradHist1d", "BatchDot"):
+        assert f"instruments {name} are not supported under tensor parallelism" in out[name], out[name]
+        assert "drop them from the Lens's instruments" in out[name]
+
+
+def test_unsharded_copy_is_untouched():
+    """(The oracle's model is built before sharding: sharding a deep copy leaves it plain.)"""
+    model, _, _ = _problem("mlp", 2)
+    clone = copy.deepcopy(model)
+    assert all(type(p) is nn.Parameter for p in clone.parameters())
