@@ -35,7 +35,7 @@ from torch import Tensor
 
 from gradlens import compat
 from gradlens.core.param_shapes import full_shape
-from gradlens.core.stats import Accumulators, DistParts, WindowStats
+from gradlens.core.stats import Accumulators, DistParts
 from gradlens.core.window import Window
 
 __all__ = ["TPLayout", "check_instruments", "TP_QUANTITIES"]
@@ -117,8 +117,11 @@ class TPLayout:
         dts = {q: p for q, p in params.items() if _is_dtensor(p)}
         if not dts:
             return None
-        meshes = {id(p.device_mesh): p.device_mesh for p in dts.values()}
-        mesh = next(iter(meshes.values()))
+        meshes: list = []  # (DeviceMesh objects of one mesh compare equal, not always identical)
+        for p in dts.values():
+            if not any(p.device_mesh == m for m in meshes):
+                meshes.append(p.device_mesh)
+        mesh = meshes[0]
         if len(meshes) > 1 or mesh.ndim != 1:
             raise RuntimeError(
                 "the model's DTensor parameters lie on "
