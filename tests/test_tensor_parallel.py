@@ -21,7 +21,8 @@ from torch import nn
 import gradlens
 from gradlens import Lens
 from gradlens.instruments import BatchDot, BatchL2, GradHist1d, GradNorm, NoiseScale, NoiseScaleTwoBatch, NormTest, SumGradSquared
-from oracle import flat, per_sample_grads, two_batch
+from oracle import flat, hist_oracle, per_sample_grads, two_batch
+import test_distributed
 from test_distributed import _init, _spawn
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402 - TP support is gradlens' own: no skip
@@ -87,8 +88,13 @@ def _problem(name: str, n: int):
     return model, torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
+HIST = (9, 0.05)  # GradHist1d's bins (odd: 0 inside a bin) and range (-r, r)
+
+
 def _instruments():
-    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), NoiseScaleTwoBatch()]
+    bins, r = HIST
+    return [BatchL2(), SumGradSquared(), GradNorm(), NormTest(), NoiseScale(), NoiseScaleTwoBatch(),
+            GradHist1d(bins=bins, range=(-r, r))]
 
 
 def _windows(x, y, sizes_per_window, start=0):
@@ -111,6 +117,7 @@ def _record_values(rec):
         "sum_grad_squared": {q: t.clone() for q, t in v["sum_grad_squared"].items()},
         "grad_norm": v["grad_norm"], "norm_test": v["norm_test"], "noise_scale": v["noise_scale"],
         "two_batch": (v["noise_scale_two_batch"]["grad_sq"], v["noise_scale_two_batch"]["trace_sigma"]),
+        "hist": (v["grad_hist_1d"].counts.tolist(), v["grad_hist_1d"].clamped_low, v["grad_hist_1d"].clamped_high),
     }
 
 
@@ -135,7 +142,7 @@ def _run(model, windows, log=None, light=False):
 
 def _refusals(model):
     out = {}
-    for inst in (GradHist1d(bins=5, range=(-1, 1)), BatchDot()):
+    for inst in (GradHist1d(bins=5, range=(-1, 1), sample=0.5), BatchDot()):
         try:
             Lens(model, [GradNorm(), inst]).close()
             out[type(inst).__name__] = "no error"
@@ -199,7 +206,13 @@ def _oracle(model, x, y, sizes):
         "sum_grad_squared": {q: g.square().sum(0) for q, g in gs.items()},
         "grad_norm": math.sqrt(g2), "norm_test": math.sqrt(tr / n) / math.sqrt(g2), "noise_scale": tr / g2,
         "two_batch": two_batch(G, sizes),
+        "hist": _hist(G),
     }
+
+
+def _hist(G):
+    counts, low, high = hist_oracle(G, -HIST[1], HIST[1], HIST[0])
+    return counts.tolist(), low, high
 
 
 def _check(got, want):
@@ -215,6 +228,7 @@ def _check(got, want):
         torch.testing.assert_close(got["sum_grad_squared"][q], t, rtol=RTOL, atol=1e-12, msg=q)
     for key in ("norm_test", "noise_scale"):
         assert got[key] == pytest.approx(want[key], rel=RTOL), key
+    assert got["hist"] == want["hist"]
 
 
 def _same_on_every_rank(results):
@@ -225,6 +239,7 @@ def _same_on_every_rank(results):
             if "batch_l2" not in a:
                 continue
             torch.testing.assert_close(a["batch_l2"], b["batch_l2"], rtol=0, atol=0)
+            assert a["hist"] == b["hist"]
             for q in a["sum_grad_squared"]:
                 torch.testing.assert_close(a["sum_grad_squared"][q], b["sum_grad_squared"][q], rtol=0, atol=0)
 
@@ -232,8 +247,8 @@ def _same_on_every_rank(results):
 def test_tensor_parallel_two_ranks_equal_unsharded_oracle():
     """An MLP block (replicated LayerNorm and head, column-wise up, row-wise down) and a GPT-style
     attention block (column-wise q, k, v, row-wise o) on 2 TP ranks: the full capture and the light
-    one (GradNorm, NoiseScaleTwoBatch alone) equal the oracle; instruments without a TP rule are
-    refused by name."""
+    one (GradNorm, NoiseScaleTwoBatch alone) equal the oracle (GradHist1d's counts exactly);
+    instruments without a TP rule (BatchDot, sampled GradHist1d) are refused by name."""
     with tempfile.TemporaryDirectory() as tmp:
         _spawn(_tp_worker, 2, tmp)
         results = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
@@ -256,8 +271,9 @@ def test_tensor_parallel_two_ranks_equal_unsharded_oracle():
         assert "drop them from the Lens's instruments" in msg, msg
 
 
-def test_fsdp_over_data_with_tensor_parallel_inside_four_ranks_equal_oracle():
+def test_fsdp_over_data_with_tensor_parallel_inside_four_ranks_equal_oracle(monkeypatch):
     """(dp, tp) = (2, 2): N sums over the data ranks only, rank-major; both blocks."""
+    monkeypatch.setattr(test_distributed, "DEADLINE_S", 300.0)  # 4 processes on a shared 2-core machine
     per_rank = sum(map(sum, WINDOWS))
     with tempfile.TemporaryDirectory() as tmp:
         _spawn(_dp_tp_worker, 4, tmp)

@@ -22,7 +22,7 @@ the TP group (one flat buffer; see :func:`gradlens.distributed.merge.exchange`).
 2-D layout, the data-parallel merge runs over the data ranks only (the Lens's process group:
 the data dim of the FSDP2 mesh), so N sums over data ranks only. Instruments that keep
 per-sample vectors, factors, histogram or parameter-value states of their own are refused under
-tensor parallelism (:func:`check_instruments`), naming each.
+tensor parallelism (:func:`gradlens.lens.checks.check_tp_instruments`), naming each.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from gradlens.core.param_shapes import full_shape
 from gradlens.core.stats import Accumulators, DistParts
 from gradlens.core.window import Window
 
-__all__ = ["TPLayout", "check_instruments", "TP_QUANTITIES"]
+__all__ = ["TPLayout", "TP_QUANTITIES"]
 
 #: what a window carries that the TP fold combines exactly
 TP_QUANTITIES = frozenset({"batch_l2", "sum_grad_squared", "grad_sum", "micro_grad_sq"})
@@ -50,30 +50,6 @@ def _is_dtensor(p: Any) -> bool:
     except ImportError:  # pragma: no cover - torch without DTensor
         return False
     return isinstance(p, DTensor)
-
-
-def check_instruments(instruments: Sequence[Any]) -> None:
-    """Refuse, under tensor parallelism, the instruments that read more than the window's
-    shared sums (per-sample vectors of their own, layer factors, histograms, parameter values,
-    curvature graphs, the optimizer's gradients): their states would need their own TP rule."""
-    from gradlens.instruments.base import Instrument
-
-    bad = []
-    for inst in instruments:
-        own_state = type(inst).to_buffers is not Instrument.to_buffers
-        extra = set(inst.needs) - TP_QUANTITIES
-        if (own_state or extra or inst.bins_param_values or inst.reads_update_values
-                or inst.reads_optimizer_grads):
-            bad.append(type(inst).__name__)
-    if bad:
-        raise ValueError(
-            f"instruments {', '.join(bad)} are not supported under tensor parallelism (a model with "
-            "ColwiseParallel / RowwiseParallel DTensor parameters): their per-sample or per-layer "
-            "states have no exact rule across tensor-parallel ranks yet; drop them from the Lens's "
-            "instruments (BatchL2, GradNorm, SumGradSquared, NormTest, NoiseScale and "
-            "NoiseScaleTwoBatch work under tensor parallelism), or measure them on a run without "
-            "tensor parallelism"
-        )
 
 
 @dataclasses.dataclass
@@ -107,7 +83,6 @@ class TPLayout:
         self.slots = slots
         self.silent = frozenset(q for q, s in slots.items() if s.dim is None) if self.rank else frozenset()
         self.data_group = data_group
-        self.done = False  # the current window was folded
 
     @classmethod
     def of(cls, model: Any, params: dict[str, Any]) -> "TPLayout | None":
@@ -157,10 +132,12 @@ class TPLayout:
 
     # ---- the window ---------------------------------------------------------------------
     def fold(self, whole: Window, needs: frozenset, params: dict[str, Any], groups: tuple,
-             timeout: float | None) -> Window:
+             timeout: float | None, instruments: Sequence[Any] = ()) -> Window:
         """The window of the full model on this TP group's samples: one all_reduce over the TP
-        group (module docstring). Every TP rank calls it for the same windows."""
-        from gradlens.distributed.merge import exchange
+        group (module docstring), which also carries the states of the ``instruments`` whose
+        rank merge adds sums over disjoint parameter blocks (``tp_merges_by_sums``: GradHist1d's
+        counts and extremes). Every TP rank calls it for the same windows."""
+        from gradlens.distributed.merge import MergeContext, exchange
 
         stats = whole.stats
         f64 = torch.float64
@@ -177,7 +154,14 @@ class TPLayout:
             for q, p in params.items():
                 sums.append(self._full(q, p, acc.get(q)))
         what = "the tensor-parallel fold of a window"
-        got = exchange([DistParts(sums=sums)], self.group, timeout=timeout, what=what)[0][0]
+        ctx = MergeContext(params, [], needs, world=self.world, rank=self.rank, timeout=timeout, groups=groups)
+        by_sums = [i for i in instruments if getattr(i, "tp_merges_by_sums", False)]
+        parts = [DistParts(sums=sums)] + [i.to_buffers(whole.states[id(i)], ctx) for i in by_sums]
+        merged_parts = exchange(parts, self.group, timeout=timeout, what=what)
+        got = merged_parts[0][0]
+        states = dict(whole.states)
+        for inst, g in zip(by_sums, merged_parts[1:]):
+            states[id(inst)] = inst.from_buffers(whole.states[id(inst)], ctx, *g)
         out = dataclasses.replace(stats, micro_grad_sq=got[0].reshape(()))
         i = 1
         if has_l2:
@@ -194,8 +178,7 @@ class TPLayout:
                 i += 1
             setattr(out, key, merged)
         out.__dict__.pop("_memo", None)
-        self.done = True
-        return whole.merged(out, whole.states)
+        return whole.merged(out, states)
 
     def _full(self, q: str, p: Any, local: Tensor | None) -> Tensor:
         """``[*full shape]`` zeros with this rank's block of ``q`` written in (nothing for a

@@ -42,8 +42,8 @@ from gradlens.instruments.base import Instrument
 from gradlens.core.window import Window
 from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import CHUNK_ELEMENTS
-from gradlens.lens.checks import (began_unseen, capture_error, check_instruments, check_options, check_sinks, tensor_parallel,
-                                  tracked_at_build, watched_model)
+from gradlens.lens.checks import (began_unseen, capture_error, check_instruments, check_options, check_sinks, data_group,
+                                  meter_layout, tp_fold, tp_writer, tracked_at_build, watched_model)
 from gradlens.measure.meter import Meter, Plan
 from gradlens.lens.rank_merge import RankMerge
 from gradlens.core.records import Record
@@ -209,17 +209,13 @@ class Lens:
 
         self._exclude = model_exclusions(model) + tuple(exclude)
         # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/distributed/fsdp.py;
-        # DeepSpeed ZeRO: the ZeroView, gradlens/distributed/deepspeed.py)
+        # DeepSpeed ZeRO: the ZeroView, gradlens/distributed/deepspeed.py; tensor parallelism: self._tp, tensor_parallel.py)
         params, self._sharded = tracked_at_build(model, self._exclude, instruments, zero)
-        # tensor parallelism (DTensor shards, alone or inside FSDP2): gradlens/distributed/tensor_parallel.py
-        self._tp = tensor_parallel(model, params, instruments)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
         with presenting(self._sharded):
             self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
-                                undefined=undefined, partitioned=self._tp is not None or (
-                                    self._sharded is not None and self._sharded.partitioned),
-                                silent=self._tp.silent if self._tp is not None else frozenset())
+                                undefined=undefined, **meter_layout(self, model, params, instruments))
         self._tap = self._meter.tap
         view = self._sharded  # Instrument.attach (once): the optimizer, the tracked parameters (sharded: gathered)
         tracked = (lambda: self._tap.params) if view is None else (lambda: view.full_values(self._tap.params))
@@ -227,17 +223,14 @@ class Lens:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
-        if self._tp is not None and process_group is None:  # the data ranks only (None: TP alone)
-            process_group = self._tp.data_group if self._tp.data_group is not None else False
-        self._group = resolve_group(process_group)
+        self._group = resolve_group(data_group(process_group, self._tp))  # (TP: the data ranks only)
         self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
         self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 
         # under torch.distributed: rank 0 writes; a sink that fails is reported and retried,
         # never raised here; a new segment of the log starts at the first record (a fresh Lens
         # starts a new run, a Lens loaded from a checkpoint replaces the records after it)
-        writer = is_writer(self._group) and (self._tp is None or self._tp.rank == 0)
-        self._sinks = _open_sinks(log, log_mode, tensorboard, writer)
+        self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group) and tp_writer(self._tp))
         try:  # once, under torch.distributed: every rank has the same instruments and schedule
             self._ranks.check_agree(instruments, every, self.step, params, groups)
         except BaseException:
@@ -299,8 +292,6 @@ class Lens:
             if self._ddp_route is not None:
                 self._ddp_route.reset()
             self._amp.window_opened()
-            if self._tp is not None:
-                self._tp.done = False
         else:
             self._meter.remove()
             self._probes.remove()  # and the params probe
@@ -322,9 +313,7 @@ class Lens:
         window = self._window
         if window is not None:  # small uses measured at the window's end
             self._meter.settle(window)
-            if self._tp is not None and not self._tp.done:  # tensor parallelism: one all_reduce over the TP group
-                window = self._window = self._tp.fold(window, self._meter.plan.needs, dict(self._tap.params),
-                                                      tuple(self._meter.groups), self._ranks.timeout)
+            window = self._window = tp_fold(self._tp, window, self._meter, self._ranks.timeout, self.instruments)  # (TP: once)
         ranks = self._ranks
         if not ranks.due(window):
             return
