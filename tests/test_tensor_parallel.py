@@ -123,16 +123,23 @@ def _record_values(rec):
 
 def _run(model, windows, log=None, light=False):
     """Records of ``windows`` under a Lens of :func:`_instruments` (``light``: GradNorm and
-    NoiseScaleTwoBatch alone, the parameter-hook capture)."""
+    NoiseScaleTwoBatch alone, the parameter-hook capture, windows closed by ``flush()``; else
+    by the update of an SGD with lr=0, which leaves the oracle's parameters as they are)."""
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
-    lens = Lens(model, [GradNorm(), NoiseScaleTwoBatch()] if light else _instruments(), log=log)
+    opt = None if light else torch.optim.SGD(model.parameters(), lr=0.0)
+    lens = Lens(model, [GradNorm(), NoiseScaleTwoBatch()] if light else _instruments(), log=log, optimizer=opt)
     records = []
     for window in windows:
         for x, y in window:
             loss = loss_fn(model(x), y)
             with lens.capture():
                 loss.backward()
-        rec = lens.flush()
+        if opt is None:
+            rec = lens.flush()
+        else:
+            opt.step()
+            opt.zero_grad()
+            rec = lens.records[-1]
         two = rec.values["noise_scale_two_batch"]
         records.append({"N": rec.num_samples, "K": rec.micro_steps, "grad_norm": rec.values["grad_norm"],
                         "two_batch": (two["grad_sq"], two["trace_sigma"])} if light else _record_values(rec))

@@ -104,11 +104,13 @@ def tp_writer(tp: TPLayout | None) -> bool:
     return tp is None or tp.rank == 0
 
 
-def tp_fold(tp: TPLayout | None, window: Any, meter: Any, timeout: Any, instruments: Sequence[Instrument]) -> Any:
-    """``window`` folded over the TP group (:meth:`TPLayout.fold`), once; unchanged otherwise."""
-    if tp is None or getattr(window, "tp_folded", False):
+def tp_fold(tp: TPLayout | None, window: Any, meter: Any, ranks: Any, instruments: Sequence[Instrument]) -> Any:
+    """``window`` folded over the TP group (:meth:`TPLayout.fold`), once (not again after it was
+    folded, or merged over the data ranks: ``ranks.done``); unchanged otherwise."""
+    if tp is None or ranks.done or getattr(window, "tp_folded", False):
         return window
-    folded = tp.fold(window, meter.plan.needs, dict(meter.tap.params), tuple(meter.groups), timeout, instruments)
+    folded = tp.fold(window, meter.plan.needs, dict(meter.tap.params), tuple(meter.groups), ranks.timeout,
+                     instruments)
     folded.tp_folded = True
     return folded
 

@@ -313,7 +313,7 @@ class Lens:
         window = self._window
         if window is not None:  # small uses measured at the window's end
             self._meter.settle(window)
-            window = self._window = tp_fold(self._tp, window, self._meter, self._ranks.timeout, self.instruments)  # (TP: once)
+            window = self._window = tp_fold(self._tp, window, self._meter, self._ranks, self.instruments)  # (TP: once)
         ranks = self._ranks
         if not ranks.due(window):
             return
