@@ -172,6 +172,11 @@ def _tp_worker(rank, world, port, out_dir):
         out[name + "_light"] = _run(model, windows, light=True)
         if name == "mlp":
             out["refusals"] = _refusals(model)
+            try:  # a data-parallel group that holds TP peers
+                Lens(model, [GradNorm()], process_group=dist.group.WORLD).close()
+                out["group"] = "no error"
+            except ValueError as err:
+                out["group"] = str(err)
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -273,6 +278,8 @@ def test_tensor_parallel_two_ranks_equal_unsharded_oracle():
                 n = sum(sizes)
                 _check(rec, _oracle(model, x[at:at + n], y[at:at + n], sizes))
                 at += n
+    msg = results[0]["group"]
+    assert "holds several ranks of one tensor-parallel group" in msg and "mesh_2d['dp'].get_group()" in msg, msg
     for name, msg in results[0]["refusals"].items():
         assert f"instruments {name} are not supported under tensor parallelism" in msg, msg
         assert "drop them from the Lens's instruments" in msg, msg

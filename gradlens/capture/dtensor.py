@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from gradlens import compat
 from gradlens.capture.events import Site
 
-__all__ = ["DTensor", "is_dtensor", "local_site", "local_grad"]
+__all__ = ["is_dtensor", "local_site", "local_input", "local_grad"]
 
 try:
     from torch.distributed.tensor import DTensor

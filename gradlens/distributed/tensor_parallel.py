@@ -20,9 +20,11 @@ full gradient, so
 When a tracked window closes, :meth:`TPLayout.fold` makes all of this one ``all_reduce`` over
 the TP group (one flat buffer; see :func:`gradlens.distributed.merge.exchange`). Then, in the
 2-D layout, the data-parallel merge runs over the data ranks only (the Lens's process group:
-the data dim of the FSDP2 mesh), so N sums over data ranks only. Instruments that keep
-per-sample vectors, factors, histogram or parameter-value states of their own are refused under
-tensor parallelism (:func:`gradlens.lens.checks.check_tp_instruments`), naming each.
+the data dim of the FSDP2 mesh), so N sums over data ranks only. An instrument whose rank merge
+adds sums of disjoint entries (``tp_merges_by_sums``: GradHist1d's exact counts, its extremes
+shared) rides in the same all_reduce; the others that keep per-sample vectors, factors or
+parameter-value states of their own are refused under tensor parallelism
+(:func:`gradlens.lens.checks.check_tp_instruments`), naming each.
 """
 
 from __future__ import annotations

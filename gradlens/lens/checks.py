@@ -94,9 +94,22 @@ def data_group(process_group: Any, tp: TPLayout | None) -> Any:
     """``Lens(process_group=...)`` as :func:`~gradlens.distributed.merge.resolve_group` takes it:
     under tensor parallelism the default is the data ranks only (the FSDP2 mesh's data dim;
     False, no merge, for tensor parallelism alone)."""
-    if tp is None or process_group is not None:
+    if tp is None or process_group is False:
         return process_group
-    return tp.data_group if tp.data_group is not None else False
+    if process_group is None:
+        return tp.data_group if tp.data_group is not None else False
+    import torch.distributed as dist
+
+    peers = set(dist.get_process_group_ranks(tp.group))
+    if isinstance(process_group, dist.ProcessGroup) and len(
+            peers & set(dist.get_process_group_ranks(process_group))) > 1:
+        raise ValueError(
+            "Lens(process_group=...) holds several ranks of one tensor-parallel group, which see "
+            "the same samples: their windows would be counted as different data; pass the "
+            "data-parallel group only (e.g. mesh_2d['dp'].get_group()), or leave process_group "
+            "out (the default under tensor parallelism: the FSDP2 mesh's data dim)"
+        )
+    return process_group
 
 
 def tp_writer(tp: TPLayout | None) -> bool:
