@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - guarded by tests/test_compat.py
     ) from err
 
 __all__ = [
-    "BatchNormBase", "LossBase", "ConvTransposeBase", "InstanceNormBase", "run_pre_hooks_added",
+    "dtensor_local", "BatchNormBase", "LossBase", "ConvTransposeBase", "InstanceNormBase", "run_pre_hooks_added",
     "pre_hook_ids", "register_load_state_dict_pre_hook", "batchnorm_check_input_dim", "set_module_parameter", "sparse_values", "fsdp_module_params", "named_parameters", "conv_forward", "mha_packed_in_proj", "compiled_original",
     "in_functorch_transform", "no_torch_function", "top_function_mode", "add_tensor_hook", "storage_use_count", "queue_backward_callback", "tensor_version",
     "is_view", "view_base", "foreach_mul_", "foreach_add_", "node_name", "node_saved", "is_builtin_node", "embedding_saved", "view_input_sizes", "slice_dim", "is_compiled_node", "compile_stance", "set_compile_stance", "compiled_in_place",
@@ -470,6 +470,14 @@ def optimizer_grad_scale(optimizer: Any) -> Tensor | None:
 
 
 # ---------------------------------------------------------------------------- FSDP2 (fully_shard)
+
+
+def dtensor_local(t: Any) -> Tensor:
+    """The local tensor of a ``DTensor`` ``t`` (``t._local_tensor``: the same object each time,
+    the one the DTensor's own ops read and its ``to_local()`` views), without an autograd call
+    (``to_local()`` makes a new view each call). Tensor parallelism's activations are DTensors
+    built with ``DTensor.from_local`` from tensors the capture has marked. Checked on torch 2.13."""
+    return t._local_tensor
 
 
 def fsdp_params(model: nn.Module) -> dict[int, Any]:

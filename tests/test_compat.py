@@ -733,3 +733,18 @@ def test_context_parallel_active_and_is_dtensor(group):
             inside = compat.context_parallel_active()
         after = compat.context_parallel_active()
     _check("context_parallel_active", (before, inside, after) == (False, True, False), f"gave {(before, inside, after)}")
+
+
+def test_dtensor_local(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(2, 3)
+    with _entry("dtensor_local"):
+        d = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        loc = compat.dtensor_local(d)
+        again = compat.dtensor_local(d)
+    _check("dtensor_local", isinstance(loc, torch.Tensor) and not isinstance(loc, DTensor), "not a plain tensor")
+    _check("dtensor_local", loc is again, "not the same object each time")
+    _check("dtensor_local", loc.data_ptr() == x.data_ptr() and torch.equal(loc, x), "not the local data")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_shape", "full_numel"]
+__all__ = ["full_shape", "full_numel", "local_numel"]
 
 
 def full_shape(p: Any) -> torch.Size:
@@ -29,3 +29,15 @@ def full_numel(p: Any) -> int:
     ``p.numel()``."""
     n = getattr(p, "ds_numel", None)
     return int(n) if n is not None else p.numel()
+
+
+def local_numel(p: Any) -> int:
+    """Elements of this rank's block of ``p``: a tensor-parallel ``DTensor``'s local shard,
+    else :func:`full_numel`."""
+    from gradlens import compat
+
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return full_numel(p)
+    return compat.dtensor_local(p).numel() if isinstance(p, DTensor) else full_numel(p)

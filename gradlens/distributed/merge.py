@@ -208,20 +208,30 @@ def is_writer(group: Any) -> bool:
 
 
 def check_not_sharded(model: torch.nn.Module, who: str = "Lens") -> None:
-    """Refuse models with ``DTensor`` parameters that FSDP2 (``fully_shard``) does not manage
-    (tensor parallelism, a hand-made ``distribute_tensor``): the per-sample capture needs each
-    use's full-shaped parameter, which FSDP2 provides during a module's forward and backward
-    (gradlens/distributed/fsdp.py) and tensor parallelism never does."""
+    """Refuse ``DTensor`` parameters that neither FSDP2 (``fully_shard``) manages nor tensor
+    parallelism made: a module whose parameters are partly DTensors and partly plain tensors
+    (a hand-made ``distribute_tensor``; ``parallelize_module`` makes every parameter of a
+    parallelized layer a DTensor, gradlens/distributed/tensor_parallel.py)."""
     from gradlens.distributed.fsdp import unmanaged_dtensors
 
-    sharded = unmanaged_dtensors(model)
+    sharded = set(unmanaged_dtensors(model))
+    mixed: list[str] = []
     if sharded:
-        shown = ", ".join(sharded[:3]) + (", ..." if len(sharded) > 3 else "")
+        for mname, mod in model.named_modules():
+            own = [f"{mname}.{n}" if mname else n for n, _ in mod.named_parameters(recurse=False)]
+            dts = [q for q in own if q in sharded]
+            if dts and len(dts) != len(own):
+                mixed += dts
+    if mixed:
+        shown = ", ".join(mixed[:3]) + (", ..." if len(mixed) > 3 else "")
         raise RuntimeError(
-            f"{who}: parameters {shown} are DTensors that FSDP2 does not manage (tensor "
-            "parallelism or distribute_tensor); gradlens needs each parameter whole during its "
-            "module's forward and backward: shard the model with FSDP2 "
-            "(torch.distributed.fsdp.fully_shard) or wrap it in DistributedDataParallel"
+            f"{who}: parameters {shown} are DTensors beside plain parameters of the same module, "
+            "which neither FSDP2 nor tensor parallelism makes (a hand-made distribute_tensor); "
+            "gradlens needs each parameter whole during its module's forward and backward, or "
+            "sharded as parallelize_module(model, mesh, {name: ColwiseParallel() / "
+            "RowwiseParallel()}) shards it: shard the model with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), parallelize it with parallelize_module, or "
+            "wrap it in DistributedDataParallel"
         )
 
 

@@ -42,7 +42,7 @@ from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate
 from gradlens.core.records import Hist1d
 from gradlens.core.state_checks import COUNT, RANGE, check_state
 from gradlens.core.sync import device_paths
-from gradlens.core.param_shapes import full_numel
+from gradlens.core.param_shapes import local_numel
 from gradlens.core.limits import MAX_BINS  # read here: raise it with gradlens.instruments.hist.MAX_BINS = ...
 
 
@@ -262,6 +262,10 @@ class GradHist1d(_GroupedHist):
 
     key = "grad_hist_1d"
     needs = frozenset({"per_sample"})
+    #: under tensor parallelism (gradlens/distributed/tensor_parallel.py) each rank bins the
+    #: entries of its own parameter blocks, so the exact counts add over the TP group like over
+    #: data ranks, and the extremes are shared the same way: its rank merge serves as is
+    tp_merges_by_sums = True
     _counters = ("counts", "low", "high", "var")
 
     def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None,
@@ -349,7 +353,7 @@ class GradHist1d(_GroupedHist):
 
     def update_zeros(self, state: _Hist1dState, name, param, count):
         """``count`` samples whose gradient of ``param`` is exactly zero (a skipped layer)."""
-        n = count * full_numel(param)
+        n = count * local_numel(param)  # (tensor parallelism: this rank's block)
         dst = self._dst(state, name)
         dst.to(param.device)
         zero = torch.zeros(1, dtype=torch.float32, device=dst.counts.device)

@@ -56,6 +56,8 @@ from gradlens import compat
 from gradlens.training.accumulate import GradientAccumulateOptimizer
 from gradlens.distributed.fsdp import check_monitor as check_fsdp_monitor
 from gradlens.instruments.base import Instrument
+from gradlens.capture.dtensor import is_dtensor
+from gradlens.compat import dtensor_local
 from gradlens.core.side import in_side_backward
 from gradlens.core.stats import WindowStats
 from gradlens.core.sq_norms import sq_norm, sum_sq as _sum_sq
@@ -189,7 +191,8 @@ class ParamGradSquares:
 
     def _hook(self, grad: Tensor) -> None:
         if not in_side_backward():  # (a per-sample gradient formed inside the capture: not this backward's)
-            self.on_sq(sq_norm(grad))
+            # (tensor parallelism: this rank's block; the TP fold sums the blocks)
+            self.on_sq(sq_norm(dtensor_local(grad) if is_dtensor(grad) else grad))
 
 
 class NoiseScaleMonitor:

@@ -14,13 +14,14 @@ from gradlens.compat import compiled_original
 from gradlens.distributed.merge import check_not_sharded
 from gradlens.distributed.fsdp import ShardedView
 from gradlens.distributed.deepspeed import ZeroView
+from gradlens.distributed.tensor_parallel import TP_QUANTITIES, TPLayout
 from gradlens.distributed.fsdp import check_instruments as check_sharded_instruments
 from gradlens.instruments.base import Instrument, check_instrument
 from gradlens.lens.record import RESERVED_KEYS
 from gradlens.measure.undefined import MODES
 from gradlens.training.accum_optimizer import GradientAccumulateOptimizer
 
-__all__ = ["began_unseen", "capture_error", "check_instruments", "check_not_meta", "check_options", "check_sinks", "tracked_at_build",
+__all__ = ["began_unseen", "capture_error", "check_instruments", "check_not_meta", "check_options", "check_sinks", "check_tp_instruments", "data_group", "meter_layout", "tensor_parallel", "tp_fold", "tp_writer", "tracked_at_build",
            "watched_model"]
 
 
@@ -68,6 +69,87 @@ def tracked_at_build(model: nn.Module, exclude: tuple[str, ...], instruments: Se
         params = sharded.unsharded(params)
     check_not_meta(params)
     return params, sharded
+
+
+def tensor_parallel(model: nn.Module, params: dict[str, Tensor], instruments: Sequence[Instrument]) -> TPLayout | None:
+    """The :class:`~gradlens.distributed.tensor_parallel.TPLayout` of the tracked ``params``
+    (None without DTensor parameters), the instruments checked against it."""
+    layout = TPLayout.of(model, params)
+    if layout is not None:
+        check_tp_instruments(instruments)
+    return layout
+
+
+def meter_layout(lens: Any, model: nn.Module, params: dict[str, Tensor], instruments: Sequence[Instrument]) -> dict:
+    """Sets ``lens._tp`` (:func:`tensor_parallel`) and returns the Meter's ``partitioned`` and
+    ``silent`` arguments for the Lens's sharding: no stacked uses under ZeRO-3 or tensor
+    parallelism; the replicated parameters a TP rank leaves out."""
+    sharded = lens._sharded
+    tp = lens._tp = tensor_parallel(model, params, instruments)
+    return {"partitioned": tp is not None or (sharded is not None and sharded.partitioned),
+            "silent": tp.silent if tp is not None else frozenset()}
+
+
+def data_group(process_group: Any, tp: TPLayout | None) -> Any:
+    """``Lens(process_group=...)`` as :func:`~gradlens.distributed.merge.resolve_group` takes it:
+    under tensor parallelism the default is the data ranks only (the FSDP2 mesh's data dim;
+    False, no merge, for tensor parallelism alone)."""
+    if tp is None or process_group is False:
+        return process_group
+    if process_group is None:
+        return tp.data_group if tp.data_group is not None else False
+    import torch.distributed as dist
+
+    peers = set(dist.get_process_group_ranks(tp.group))
+    if isinstance(process_group, dist.ProcessGroup) and len(
+            peers & set(dist.get_process_group_ranks(process_group))) > 1:
+        raise ValueError(
+            "Lens(process_group=...) holds several ranks of one tensor-parallel group, which see "
+            "the same samples: their windows would be counted as different data; pass the "
+            "data-parallel group only (e.g. mesh_2d['dp'].get_group()), or leave process_group "
+            "out (the default under tensor parallelism: the FSDP2 mesh's data dim)"
+        )
+    return process_group
+
+
+def tp_writer(tp: TPLayout | None) -> bool:
+    """Under tensor parallelism only TP rank 0 writes (every TP rank holds the same records)."""
+    return tp is None or tp.rank == 0
+
+
+def tp_fold(tp: TPLayout | None, window: Any, meter: Any, ranks: Any, instruments: Sequence[Instrument]) -> Any:
+    """``window`` folded over the TP group (:meth:`TPLayout.fold`), once (not again after it was
+    folded, or merged over the data ranks: ``ranks.done``); unchanged otherwise."""
+    if tp is None or ranks.done or getattr(window, "tp_folded", False):
+        return window
+    folded = tp.fold(window, meter.plan.needs, dict(meter.tap.params), tuple(meter.groups), ranks.timeout,
+                     instruments)
+    folded.tp_folded = True
+    return folded
+
+
+def check_tp_instruments(instruments: Sequence[Any]) -> None:
+    """Refuse, under tensor parallelism, the instruments that read more than the window's
+    shared sums (per-sample vectors of their own, layer factors, histograms, parameter values,
+    curvature graphs, the optimizer's gradients): their states would need their own TP rule."""
+    bad = []
+    for inst in instruments:
+        if getattr(inst, "tp_merges_by_sums", False) and getattr(inst, "sample", None) is None:
+            continue  # its rank merge (sums add, extremes shared) holds over TP blocks (GradHist1d)
+        own_state = type(inst).to_buffers is not Instrument.to_buffers
+        extra = set(inst.needs) - TP_QUANTITIES
+        if (own_state or extra or inst.bins_param_values or inst.reads_update_values
+                or inst.reads_optimizer_grads):
+            bad.append(type(inst).__name__)
+    if bad:
+        raise ValueError(
+            f"instruments {', '.join(bad)} are not supported under tensor parallelism (a model with "
+            "ColwiseParallel / RowwiseParallel DTensor parameters): their per-sample or per-layer "
+            "states have no exact rule across tensor-parallel ranks yet; drop them from the Lens's "
+            "instruments (BatchL2, GradNorm, SumGradSquared, NormTest, NoiseScale, "
+            "NoiseScaleTwoBatch and GradHist1d without sample= work under tensor parallelism), "
+            "or measure them on a run without tensor parallelism"
+        )
 
 
 def check_instruments(instruments: Sequence[Instrument]) -> list[Instrument]:

@@ -44,7 +44,8 @@ from gradlens.core.param_shapes import full_numel
 from gradlens.core.limits import CHUNK_ELEMENTS
 from gradlens.distributed.pipeline import resolve_pipeline
 from gradlens.lens.pipeline import pipeline_capture, rank_merge
-from gradlens.lens.checks import began_unseen, capture_error, check_instruments, check_options, check_sinks, tracked_at_build, watched_model
+from gradlens.lens.checks import (began_unseen, capture_error, check_instruments, check_options, check_sinks, data_group,
+                                  meter_layout, tp_fold, tp_writer, tracked_at_build, watched_model)
 from gradlens.measure.meter import Meter, Plan
 from gradlens.core.records import Record
 from gradlens.output.sinks import JsonlSink, SinkSet
@@ -208,13 +209,13 @@ class Lens:
 
         self._exclude = model_exclusions(model) + tuple(exclude)
         # FSDP2 (fully_shard): the Lens tracks the unsharded parameters (self._sharded, gradlens/distributed/fsdp.py;
-        # DeepSpeed ZeRO: the ZeroView, gradlens/distributed/deepspeed.py)
+        # DeepSpeed ZeRO: the ZeroView, gradlens/distributed/deepspeed.py; tensor parallelism: self._tp, tensor_parallel.py)
         params, self._sharded = tracked_at_build(model, self._exclude, instruments, zero)
         # what the instruments need, compiled once; the Meter measures each use for them and
         # builds the Tap (or, for instruments of the window gradient only, the ParamTap)
         with presenting(self._sharded):
             self._meter = Meter(model, params, Plan.compile(instruments, groups), chunk_elements=chunk_elements,
-                                undefined=undefined, partitioned=self._sharded is not None and self._sharded.partitioned)
+                                undefined=undefined, **meter_layout(self, model, params, instruments))
         self._tap = self._meter.tap
         view = self._sharded  # Instrument.attach (once): the optimizer, the tracked parameters (sharded: gathered)
         tracked = (lambda: self._tap.params) if view is None else (lambda: view.full_values(self._tap.params))
@@ -222,14 +223,14 @@ class Lens:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
         plan = self._meter.plan
-        self._group, self._ranks = rank_merge(self._pipe, process_group, merge, timeout, instruments,
-                                              plan, groups)  # sync / deferred; a pipeline stage: across its stages
+        self._group, self._ranks = rank_merge(self._pipe, data_group(process_group, self._tp), merge, timeout,
+                                              instruments, plan, groups)  # a pipeline: across its stages; TP: data ranks
         self._ddp_route = self._ranks.route  # under DDP: the global grad_sum from p.grad when exact
 
         # under torch.distributed: rank 0 writes; a sink that fails is reported and retried,
         # never raised here; a new segment of the log starts at the first record (a fresh Lens
         # starts a new run, a Lens loaded from a checkpoint replaces the records after it)
-        self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group))
+        self._sinks = _open_sinks(log, log_mode, tensorboard, is_writer(self._group) and tp_writer(self._tp))
         try:  # once, under torch.distributed: every rank has the same instruments and schedule
             self._ranks.check_agree(instruments, every, self.step, params, groups)
         except BaseException:
@@ -312,6 +313,7 @@ class Lens:
         window = self._window
         if window is not None:  # small uses measured at the window's end
             self._meter.settle(window)
+            window = self._window = tp_fold(self._tp, window, self._meter, self._ranks, self.instruments)  # (TP: once)
         ranks = self._ranks
         if not ranks.due(window):
             return

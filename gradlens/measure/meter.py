@@ -135,8 +135,12 @@ class Meter(WindowGradient):
     """
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], plan: Plan, *,
-                 chunk_elements: int = CHUNK_ELEMENTS, undefined: str = "error", partitioned: bool = False):
+                 chunk_elements: int = CHUNK_ELEMENTS, undefined: str = "error", partitioned: bool = False,
+                 silent: frozenset = frozenset()):
         self.model = model
+        #: tracked parameters this rank leaves out of every sum (tensor parallelism: the
+        #: replicated ones on TP ranks other than 0, counted once by rank 0)
+        self.silent = silent
         self.plan = plan
         self.chunk_elements = chunk_elements
         self.undefined = UndefinedParams(undefined)  # Lens(undefined=...) and what it left out
@@ -165,7 +169,8 @@ class Meter(WindowGradient):
         if "micro_grad_sq" in plan.needs and not plan.light:
             from gradlens.instruments.noise import ParamGradSquares
 
-            self.grad_sq_hooks = ParamGradSquares(list(self.tap.params.values()), self.on_grad_sq)
+            self.grad_sq_hooks = ParamGradSquares(
+                [p for q, p in self.tap.params.items() if q not in silent], self.on_grad_sq)
         #: the sums the uses' measurement computes (decided once, not per use)
         self.use_sums = plan.needs & {"batch_l2", "sum_grad_squared", "grad_sum"}
         #: small uses may be stacked (gradlens.measure.deferred): the plan wants only their norms and
@@ -303,7 +308,7 @@ class Meter(WindowGradient):
             deferred.carry(window, micro, index)
             if window.carried_elements > deferred.STACK_BUDGET:
                 deferred.settle(window, self.use_sums)
-        skipped = [q for q in self.tap.params if q not in micro.seen]  # g_n = 0 for these
+        skipped = [q for q in self.tap.params if q not in micro.seen and q not in self.silent]  # g_n = 0 for these
         self.undefined.count(micro.seen, skipped, b)
         if "sum_grad_squared" in self.plan.needs:  # every tracked parameter has an entry, zeros if unreached
             for q in skipped:
@@ -440,7 +445,8 @@ class Meter(WindowGradient):
         if micro is None:
             return None
         tap_params, uses = self.tap.params, self.tap.uses
-        names = {attr: q for attr, q in site.params.items() if q in tap_params}
+        silent = self.silent
+        names = {attr: q for attr, q in site.params.items() if q in tap_params and q not in silent}
         if not names:
             return None
         # the hand-off slot for the fused call's dL/dW: kernels (LinearKernel.reduce) and
@@ -521,7 +527,7 @@ class Meter(WindowGradient):
         delta = (g.detach() if g.requires_grad else g).to(dtype) * micro.scale()
         per_q: dict[str, Tensor] = {}
         for pos, t, names in use.inputs:
-            names = [q for q in names if q in tap.params]
+            names = [q for q in names if q in tap.params and q not in self.silent]
             if not names:
                 continue
             params = [tap.params[q] for q in names]
@@ -589,7 +595,7 @@ class Meter(WindowGradient):
             return
         tap = self.tap
         self._check_axes()
-        missing = sorted(q for q in tap.received if q in tap.params and q not in micro.seen)
+        missing = sorted(q for q in tap.received if q in tap.params and q not in micro.seen and q not in self.silent)
         if missing:
             raise RuntimeError(
                 f"the tracked parameters {missing} received a gradient in this backward, but "

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradlens.capture.dtensor import is_dtensor
 from gradlens.capture.events import Site
+from gradlens.compat import dtensor_local
 from gradlens.core.sq_norms import sq_norm
 from gradlens.capture.units import MicroStep, check_reduction
 from gradlens.core.limits import SMALL_GRAD as _SMALL_GRAD
@@ -45,7 +47,7 @@ class WindowGradient:
         if micro is None or grad is None or self.window is None:
             return
         key = w.params.get(attr)
-        if key is None or key not in self.tap.params or self.tap.uses[key] > 1:
+        if key is None or key not in self.tap.params or self.tap.uses[key] > 1 or key in self.silent:
             return
         if grad.numel() <= _SMALL_GRAD:  # added with the micro-step's others (finish)
             micro.grad_parts.append((key, grad))
@@ -90,6 +92,10 @@ class WindowGradient:
         micro = self._in_backward(q)
         if micro is None:
             return
+        if q in self.silent:  # tensor parallelism: a replicated parameter TP rank 0 counts
+            grad = None
+        elif is_dtensor(grad):  # tensor parallelism: this rank's block (summed over the TP group)
+            grad = dtensor_local(grad)
         if not micro.seen:  # the first gradient of this backward
             micro.resolve()
             if micro.batch_size is None:
@@ -105,7 +111,7 @@ class WindowGradient:
             if micro.batch_size == 0:
                 micro.empty = True
         micro.seen.add(q)
-        if micro.empty:
+        if micro.empty or grad is None:
             return
         g = grad.detach()
         if g.is_sparse:
