@@ -112,6 +112,9 @@ def open_tracked(lens: Any) -> bool:
     route.micro_routes = []
     if route.state != "compiled":
         return False
+    if not route.same_params():  # frozen, unfrozen or added since the judgement
+        route.reconsider()
+        return False
     lens._meter.remove()
     lens._probes.disarm()
     route.install()
@@ -132,8 +135,7 @@ def _first_forward(lens: Any) -> Callable[[], bool]:
         done.append(True)
         owner._window.coverage = owner._refresh_params()
         route = owner._route
-        if owner._tap.params.keys() == route.judged.keys() and all(
-                p is route.judged[q] for q, p in owner._tap.params.items()):
+        if route.same_params():
             return True
         route.reconsider()
         owner._meter.install()  # the Tap, stance force_eager: this forward runs eagerly

@@ -162,6 +162,11 @@ class CompiledRoute:
         self.handles = []
         self.current, self.forwards = None, 0
 
+    def same_params(self) -> bool:
+        """The tracked parameters are those judged."""
+        params = self.meter.tap.params
+        return params.keys() == self.judged.keys() and all(p is self.judged[q] for q, p in params.items())
+
     def reconsider(self) -> None:
         """The tracked parameters changed since the judgement: judge again at the next
         tracked micro-step (which runs eagerly)."""
