@@ -92,10 +92,11 @@ _ROUTE = (
 )
 
 
-def make_route(given: nn.Module, meter: Any, in_place: bool) -> CompiledRoute | None:
+def make_route(given: nn.Module, meter: Any) -> CompiledRoute | None:
     """The compiled route of a Lens given ``given`` (None: the model does not run compiled, or
     capture is light and runs compiled anyway)."""
     wrapper = given if compat.compiled_original(given) is not given else None
+    in_place = compat.compiled_in_place(given)
     if (wrapper is None and not in_place) or meter.plan.light:
         return None
     route = CompiledRoute(meter, wrapper, route_refusal(wrapper, in_place, meter.plan))
@@ -142,6 +143,20 @@ def _first_forward(lens: Any) -> Callable[[], bool]:
         return False
 
     return first
+
+
+def finish_micro(route: CompiledRoute | None, meter: Any, micro: Any) -> tuple[bool, bool]:
+    """A capture's backward is done: on the compiled route the probes' gradients go into
+    ``micro`` first; then the Meter finishes it (or says why nothing was measured), and the
+    first eager micro-step of a compiled model is judged. Returns ``(compiled, judged)``."""
+    compiled = route is not None and route.on
+    if compiled:
+        route.finish(micro)
+    if not micro.seen:
+        meter.check_unmeasured()  # a backward that ran but measured nothing: why
+        return compiled, False
+    meter.finish(micro)
+    return compiled, route is not None and not compiled and route.judge(micro)
 
 
 def end_micro(lens: Any, micro: Any, compiled: bool, judged: bool) -> None:

@@ -30,7 +30,7 @@ from gradlens.lens.amp import ScalerSkips, warn_nonfinite
 from gradlens.capture.tracked import model_exclusions, trainable_split
 from gradlens.capture.losses import take_loss_calls
 from gradlens.compat import compiled_in_place, compiled_original
-from gradlens.lens.compiled import CompileNotice, end_micro, make_route, open_tracked, route_meta
+from gradlens.lens.compiled import CompileNotice, end_micro, finish_micro, make_route, open_tracked, route_meta
 from gradlens.lens.probes import ForwardProbes
 from gradlens.lens.curvature_graph import CurvatureGraph
 from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer, resolve_group
@@ -189,8 +189,7 @@ class Lens:
         model, optimizer, zero = resolve_deepspeed(model, optimizer)
         # torch.compile(model) or model.compile(): tracked windows run the model eagerly
         compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
-        given, in_place = model, compiled_in_place(model)
-        model = watched_model(model)
+        model, given = watched_model(model), model
         instruments = check_instruments(instruments)
         if grad_scaler is None:
             grad_scaler = wrapped_scaler
@@ -222,8 +221,7 @@ class Lens:
         for inst in instruments:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
-        # ... or, once judged (the first tracked micro-step), compiled with probes (gradlens/measure/compiled_route.py)
-        self._route = make_route(given, self._meter, in_place) if compiled_wrapper else None
+        self._route = make_route(given, self._meter) if compiled_wrapper else None  # ... or with probes
         plan = self._meter.plan
         self._group = resolve_group(process_group)
         self._ranks = RankMerge(self._group, merge, timeout, instruments, plan)  # sync / deferred
@@ -297,9 +295,7 @@ class Lens:
             self._amp.window_opened()
         else:
             self._meter.remove()
-            self._probes.remove()  # and the params probe
-            if self._route is not None:
-                self._route.remove()
+            self._probes.remove(self._route)  # and the params probe, the compiled route
         self._ranks.done = False
 
     def _use_window(self, window: Window) -> None:
@@ -555,17 +551,9 @@ class Lens:
         if self._capturing is None or self._capturing[0] is not micro:
             return
         self._capturing = None
-        meter, route = self._meter, self._route
-        compiled = judged = False
-        try:
-            if route is not None and route.on:  # the probes' gradients into the micro-step
-                compiled = True
-                route.finish(micro)
-            if micro.seen:
-                meter.finish(micro)
-                judged = route is not None and not compiled and route.judge(micro)
-            else:
-                meter.check_unmeasured()  # a backward that ran but measured nothing: why
+        meter = self._meter
+        try:  # (the compiled route: the probes' gradients first; the eager one judged once)
+            compiled, judged = finish_micro(self._route, meter, micro)
         except BaseException:
             self._drop_capture(micro, undefined, stacklevel=5)
             raise
@@ -664,9 +652,7 @@ class Lens:
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
         self._meter.remove()
-        self._probes.remove()  # and the params probe
-        if self._route is not None:
-            self._route.remove()
+        self._probes.remove(self._route)  # and the params probe, the compiled route
         self._curvature.release(self._meter)
         for h in self._hooks:
             h.remove()
