@@ -141,13 +141,15 @@ def route_rows(n: int) -> None:
         got = {}
         for mode in ("plain", "tracked", "eager"):
             torch._dynamo.reset()
-            before = sum(counters["graph_break"].values())
+            before, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
             t = _route_windows(name, mode, n, unit)
             got[mode] = median(t[n // 2:])
             got[mode + "_breaks"] = sum(counters["graph_break"].values()) - before
+            got[mode + "_graphs"] = counters["stats"]["unique_graphs"] - graphs
         print(f"{name}: compiled untracked {1e3 * got['plain']:.1f} ms, compiled tracked {1e3 * got['tracked']:.1f} ms "
               f"({got['tracked'] / got['plain']:.2f}x), eager tracked {1e3 * got['eager']:.1f} ms "
-              f"({got['eager'] / got['plain']:.2f}x); graph breaks {got['plain_breaks']} / {got['tracked_breaks']}")
+              f"({got['eager'] / got['plain']:.2f}x); graph breaks {got['plain_breaks']} / {got['tracked_breaks']}, "
+              f"graphs {got['plain_graphs']} / {got['tracked_graphs']}")
 
 
 def main() -> None:

@@ -185,6 +185,12 @@ class CompiledRoute:
                 "route: gradlens measures one forward per captured micro-step (run a forward, then its "
                 "capture)")
         if got is None or not any(p.grad is not None for _, p, _ in got):
+            if micro.seen:  # the backward reached tracked parameters, but no probe of a forward
+                raise RuntimeError(
+                    "this backward on the compiled route reached tracked parameters but no probed layer "
+                    "of a forward run since the last lens.capture() (a graph backpropagated twice, "
+                    "retain_graph=True, or a forward run before the window opened): run a new forward "
+                    "for each captured micro-step")
             return
         meter = self.meter
         if micro.batch_size is None:
