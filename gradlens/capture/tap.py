@@ -162,6 +162,9 @@ class Tap(SampleFlow):
         self.uses: Counter = Counter()
         self.received: set[str] = set()
         self.tainted: dict[str, str] = {}  # qualified name -> the mixing layer it reaches
+        #: site name -> whether each of its uses had the samples on dim 0, one row each (the
+        #: compiled route's judgement, :mod:`gradlens.measure.compiled_route`)
+        self.layouts: dict[str, bool] = {}
         self.axis_errors = []
         self._axis_names = {}
         self._axis_origin = {}
@@ -445,6 +448,7 @@ class Tap(SampleFlow):
             uses = self.uses
             for q in site.params.values():
                 uses[q] = uses.get(q, 0) + 1
+            self.layouts[site.name] = self.layouts.get(site.name, True) and not rows and tuple(ax) == (0, 1)
             via: frozenset = _NOTHING  # attributes whose dL/dp of this call autograd reports
             if routed and self.on_weight_grad is not None and not (
                     stacks and self.sums_here is not None and self.sums_here(site, a, output)):

@@ -30,7 +30,7 @@ from gradlens.lens.amp import ScalerSkips, warn_nonfinite
 from gradlens.capture.tracked import model_exclusions, trainable_split
 from gradlens.capture.losses import take_loss_calls
 from gradlens.compat import compiled_in_place, compiled_original
-from gradlens.lens.compiled import CompileNotice
+from gradlens.lens.compiled import CompileNotice, end_micro, finish_micro, make_route, open_tracked, route_meta
 from gradlens.lens.probes import ForwardProbes
 from gradlens.lens.curvature_graph import CurvatureGraph
 from gradlens.distributed.merge import DEFAULT_TIMEOUT_S, is_writer
@@ -190,7 +190,7 @@ class Lens:
         model, optimizer, zero = resolve_deepspeed(model, optimizer)  # DeepSpeed: the engine's module, ..., a ZeroView
         # torch.compile(model) or model.compile(): tracked windows run the model eagerly
         compiled_wrapper = compiled_original(model) is not model or compiled_in_place(model)
-        model = watched_model(model)
+        model, given = watched_model(model), model
         instruments = check_instruments(instruments)
         if grad_scaler is None:
             grad_scaler = wrapped_scaler
@@ -222,6 +222,7 @@ class Lens:
         for inst in instruments:
             inst.attach(tracked, optimizer)
         self._tap.run_eager = compiled_wrapper  # tracked forwards of torch.compile(model) run eagerly
+        self._route = make_route(given, self._meter) if compiled_wrapper else None  # ... or with probes
         plan = self._meter.plan
         self._group, self._ranks = rank_merge(self._pipe, data_group(process_group, self._tp), merge, timeout,
                                               instruments, plan, groups)  # a pipeline: across its stages; TP: data ranks
@@ -286,15 +287,16 @@ class Lens:
             window = Window.open(self._pools, {id(i): i.start_window() for i in self.instruments}, coverage)
             self._curvature.open(self._tap.params, self._group, self.model, self._meter)
             self._use_window(window)
-            with presenting(self._sharded):
-                self._meter.install()
+            if not open_tracked(self):  # the compiled route, or the Tap
+                with presenting(self._sharded):
+                    self._meter.install()
             self._probes.install()
             if self._ddp_route is not None:
                 self._ddp_route.reset()
             self._amp.window_opened()
         else:
             self._meter.remove()
-            self._probes.remove()  # and the params probe
+            self._probes.remove(self._route)  # and the params probe, the compiled route
         self._ranks.done = False
 
     def _use_window(self, window: Window) -> None:
@@ -420,6 +422,7 @@ class Lens:
             record = window_record(step, window, self.instruments, self._meter.groups)
             if self._meter.undefined_params:  # Lens(undefined="exclude") left these out: why
                 record.meta["undefined"] = dict(self._meter.undefined_params)
+            route_meta(self._route, record.meta)  # torch.compile: the route the window took
             warn_nonfinite(record, self.optimizer, self.grad_scaler, self._tap.params.values())
             deferring = end_window(window.states, self.instruments)
             keep_record(self.records, record, self.keep_records)
@@ -507,7 +510,7 @@ class Lens:
             self._open_window()  # the GradScaler skipped the step that should have closed it
         if not self._window.micro_steps and not self._partial:
             self._partial = began_unseen(self.optimizer, self.step)  # not recorded: warned
-        self._compiled.warn_once(self._tap, meter.plan.light)
+        self._compiled.warn_once(self._tap, meter.plan.light, self._route)
         undefined = len(meter.undefined_params)
         try:
             micro = meter.begin(reduction, loss, multiplier, losses, calls, self._window)
@@ -553,11 +556,8 @@ class Lens:
             return
         self._capturing = None
         meter = self._meter
-        try:
-            if micro.seen:
-                meter.finish(micro)
-            else:
-                meter.check_unmeasured()  # a backward that ran but measured nothing: why
+        try:  # (the compiled route: the probes' gradients first; the eager one judged once)
+            compiled, judged = finish_micro(self._route, meter, micro)
         except BaseException:
             self._drop_capture(micro, undefined, stacklevel=5)
             raise
@@ -583,6 +583,7 @@ class Lens:
             self.optimizer.note_micro_batch(micro.batch_size)  # its step(num_samples=...) must agree
         if self._ddp_route is not None:
             self._ddp_route.end_micro(self._tap.params, micro.scale())
+        end_micro(self, micro, compiled, judged)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -655,7 +656,7 @@ class Lens:
         if getattr(self.model, "_gradlens_lens", None) is not None and self.model._gradlens_lens() is self:
             del self.model.__dict__["_gradlens_lens"]
         self._meter.remove()
-        self._probes.remove()  # and the params probe
+        self._probes.remove(self._route)  # and the params probe, the compiled route
         self._curvature.release(self._meter)
         for h in self._hooks:
             h.remove()

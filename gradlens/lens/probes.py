@@ -49,7 +49,10 @@ class ForwardProbes:
             self.refresh.remove()
             self.refresh = None
 
-    def remove(self) -> None:
+    def remove(self, route: Any = None) -> None:
+        """Remove the hooks (and, given one, the compiled route's: ``route.remove()``)."""
+        if route is not None:
+            route.remove()
         for h in self.handles:
             h.remove()
         self.handles = []

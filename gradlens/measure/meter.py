@@ -151,6 +151,8 @@ class Meter(WindowGradient):
         self.consumed: set[int] = set()  # forward passes measured by earlier captures
         self.micro: MicroStep | None = None
         self.window: Window | None = None
+        #: the Lens' :class:`~gradlens.measure.compiled_route.CompiledRoute` (torch.compile), or None
+        self.route = None
         if plan.light:
             self.tap = ParamTap(model, params, self.on_param_grad)
         else:
@@ -230,7 +232,9 @@ class Meter(WindowGradient):
         its measured uses noted in ``window.sites``; each instrument's micro-step state starts
         from its window state in ``window.states``), held until :meth:`end`."""
         calls, reduction, expected = loss_calls_for(reduction, loss, multiplier, calls)
-        settle_flattened(calls, self.tap.batch, getattr(self.tap, "output_nodes", {}))
+        route = self.route  # the compiled route: the batch of its last forward
+        batch = route.batch if route is not None and route.on else self.tap.batch
+        settle_flattened(calls, batch, getattr(self.tap, "output_nodes", {}))
         states = window.states
         if expected is not None:
             check_reduction(window.stats, expected)
