@@ -20,8 +20,11 @@ from torch import Tensor, nn
 
 from gradlens import compat
 from gradlens.capture.events import Site
+from gradlens.capture.marks import _batch_first
 
-__all__ = ["is_dtensor", "local_site", "local_input", "local_grad"]
+__all__ = ["is_dtensor", "local_site", "local_input", "local_grad", "tp_use"]
+
+_NOTHING: frozenset = frozenset()
 
 try:
     from torch.distributed.tensor import DTensor
@@ -90,3 +93,36 @@ def local_grad(g: Any, name: str, axis: int) -> Tensor:
         return g
     _check_placements(g, f"the output gradient of {name!r}", axis)
     return compat.dtensor_local(g)
+
+
+def tp_use(tap: Any, site: Site | None, module: nn.Module, a: Tensor, output: Tensor) -> None:
+    """The Tap (``tap``) at a tensor-parallel layer call (its input a ``DTensor``): measured
+    as a Linear on this rank's shards, its output and the output's local tensor marked with
+    the input's sample axis; no routed or fused weight gradient, no stacking."""
+    name = site.name if site is not None else type(module).__name__
+    local, ax = local_input(a, name, tap.axis_of)
+    out_local = compat.dtensor_local(output) if is_dtensor(output) else output
+    keep = ax if type(ax) is tuple and output.dim() >= a.dim() else None
+    tap._data[output] = keep
+    tap._data[out_local] = keep
+    if site is None or not output.requires_grad:
+        return None
+    what = f"the input of {name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
+    if type(ax) is not tuple or ax[1] != 1:
+        tap._refuse_axis(output, what, site.params.values(), tap._lost.get(local),
+                          detail=tap._why_unknown(local) if ax is None else " (not one row per sample)")
+        return None
+    psite = local_site(site)
+    for q in site.params.values():
+        tap.uses[q] = tap.uses.get(q, 0) + 1
+    on_use, fid, batch, axis = tap.on_use, tap.forward_id, tap._batch, ax[0]
+    last = site.kernel.rows_last
+    a_b = _batch_first(local, axis, 1, batch, last) if axis else local
+
+    def hook(g):
+        g = local_grad(g, name, axis)
+        return on_use(psite, a_b, _batch_first(g, axis, 1, batch, last) if axis else g, _NOTHING, batch, fid)
+
+    with compat.no_torch_function():
+        output.register_hook(hook)
+    return None

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from gradlens import compat
 from gradlens.capture.composed import LossChain
-from gradlens.capture.dtensor import is_dtensor, local_grad, local_input, local_site
+from gradlens.capture.dtensor import is_dtensor, tp_use
 from gradlens.capture.events import OnUse, OpUse, Site
 from gradlens.capture.fused import _elementwise_forward, _TrackedForward, fused_forward_for
 from gradlens.capture.marks import (
@@ -401,7 +401,7 @@ class Tap(SampleFlow):
                 site = Site(site.name, module, kernel, site.params)
             a = args[0]
             if is_dtensor(a):  # tensor parallelism: measured on the local shards (capture/dtensor.py)
-                return self._tp_use(site, module, a, output)
+                return tp_use(self, site, module, a, output)
             e = data._d.get(id(a))
             if e is not None and e[0]() is a and e[1] is not None:
                 ax = e[1]  # data, with the axis carried to it
@@ -491,38 +491,6 @@ class Tap(SampleFlow):
             return None
 
         return use
-
-    def _tp_use(self, site: Site | None, module: nn.Module, a: Tensor, output: Tensor) -> None:
-        """A tensor-parallel layer call (its input a ``DTensor``): measured as a Linear on this
-        rank's shards (:mod:`gradlens.capture.dtensor`), its output and output's local tensor
-        marked with the input's sample axis; no routed or fused weight gradient, no stacking."""
-        name = site.name if site is not None else type(module).__name__
-        local, ax = local_input(a, name, self.axis_of)
-        out_local = compat.dtensor_local(output) if is_dtensor(output) else output
-        keep = ax if type(ax) is tuple and output.dim() >= a.dim() else None
-        self._data[output] = keep
-        self._data[out_local] = keep
-        if site is None or not output.requires_grad:
-            return None
-        what = f"the input of {name!r} ({type(module).__name__}, shape {tuple(a.shape)})"
-        if type(ax) is not tuple or ax[1] != 1:
-            self._refuse_axis(output, what, site.params.values(), self._lost.get(local),
-                              detail=self._why_unknown(local) if ax is None else " (not one row per sample)")
-            return None
-        psite = local_site(site)
-        for q in site.params.values():
-            self.uses[q] = self.uses.get(q, 0) + 1
-        on_use, fid, batch, axis = self.on_use, self.forward_id, self._batch, ax[0]
-        last = site.kernel.rows_last
-        a_b = _batch_first(local, axis, 1, batch, last) if axis else local
-
-        def hook(g):
-            g = local_grad(g, name, axis)
-            return on_use(psite, a_b, _batch_first(g, axis, 1, batch, last) if axis else g, _NOTHING, batch, fid)
-
-        with compat.no_torch_function():
-            output.register_hook(hook)
-        return None
 
     def _multi_use(self, module: nn.Module, site: Site | None, args: tuple, output: Tensor, n_in: int) -> None:
         """A call of a layer whose kernel reads ``n_in`` tensor inputs (:attr:`Kernel.inputs`,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_shape", "full_numel", "local_numel"]
+__all__ = ["full_shape", "full_numel", "local_numel", "tracked_fraction"]
 
 
 def full_shape(p: Any) -> torch.Size:
@@ -41,3 +41,9 @@ def local_numel(p: Any) -> int:
     except ImportError:  # pragma: no cover - torch without DTensor
         return full_numel(p)
     return compat.dtensor_local(p).numel() if isinstance(p, DTensor) else full_numel(p)
+
+
+def tracked_fraction(params: dict, model: Any) -> float:
+    """The fraction of ``model``'s trainable elements (full shapes) that ``params`` hold."""
+    total = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    return sum(full_numel(p) for p in params.values()) / max(total, 1)

@@ -40,7 +40,7 @@ from gradlens.distributed.fsdp import presenting
 from gradlens.distributed.deepspeed import ZeroView, resolve as resolve_deepspeed
 from gradlens.instruments.base import Instrument
 from gradlens.core.window import Window
-from gradlens.core.param_shapes import full_numel
+from gradlens.core.param_shapes import full_numel, tracked_fraction
 from gradlens.core.limits import CHUNK_ELEMENTS
 from gradlens.distributed.pipeline import resolve_pipeline
 from gradlens.lens.pipeline import pipeline_capture, rank_merge
@@ -337,15 +337,13 @@ class Lens:
 
     @property
     def groups(self) -> dict[str, tuple[str, ...]]:
-        """``Lens(groups=...)``: group name -> its tracked parameters (the keys of
-        ``record.groups``, in order); ``{}`` without groups."""
+        """``Lens(groups=...)``: group name -> its tracked parameters, in order (``{}`` without)."""
         return dict(self._meter.groups)
 
     @property
     def coverage(self) -> float:
         """Fraction of the model's trainable elements whose per-sample gradients are tracked."""
-        total = sum(full_numel(p) for p in self.model.parameters() if p.requires_grad)
-        return sum(full_numel(p) for p in self._tap.params.values()) / max(total, 1)
+        return tracked_fraction(self._tap.params, self.model)
 
     def _refresh_params(self) -> float:
         """Follow parameters frozen, unfrozen or added since the last tracked window; returns

@@ -340,9 +340,8 @@ class Meter(WindowGradient):
 
     def check_undefined(self, window: Window | None = None) -> None:
         """Parameters whose output reached a layer or operation that mixes samples (found in the
-        forward): an error naming them all, or (``undefined="exclude"``) left out of the Tap and
-        noted in :attr:`undefined_params`, or (``"contribution"``) measured on, noted in the
-        window (:class:`gradlens.measure.undefined.UndefinedParams`)."""
+        forward): an error naming them all, left out of the Tap (``undefined="exclude"``), or
+        measured on (``"contribution"``): :class:`gradlens.measure.undefined.UndefinedParams`."""
         bad = {q: why for q, why in self.tap.tainted.items() if q in self.tap.params}
         if bad:
             rest = self.undefined.apply(bad, self.tap.params, self.model, window if window is not None else self.window,
