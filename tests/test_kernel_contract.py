@@ -598,11 +598,12 @@ def check_case_materialised(rep: Report, m, kernel, want: Tensor) -> None:
 
 def test_every_kernel_class_is_exercised():
     """Every public kernel class of gradlens.kernels is handed out by some case of CASES (or
-    is one of the two the Lens builds itself, checked above)."""
+    is one of those the Lens builds itself: the two checked above, and SummedUsesKernel, the
+    sum of a shared parameter's uses, checked against the oracle in tests/test_memory_paths.py)."""
     public = {c for c in vars(K).values()
               if isinstance(c, type) and issubclass(c, K.Kernel) and c is not K.Kernel
               and not c.__name__.startswith("_")}
-    seen = {K.LinearKernel, K.MaterialisedKernel}
+    seen = {K.LinearKernel, K.MaterialisedKernel, K.SummedUsesKernel}
     for key, cases in CASES.items():
         for case in cases:
             seen.add(type(_kernel_of(key, case.make().to(DT))))

@@ -42,7 +42,12 @@ def test_tied_parameter_one_sample_per_slice_matches_oracle(monkeypatch):
     g = torch.Generator().manual_seed(3)
     x, y = torch.randint(0, 11, (6, 5), generator=g), torch.randint(0, 11, (6,), generator=g)
     parts = [(x[:2], y[:2]), (x[2:5], y[2:5]), (x[5:], y[5:])]
+    calls = []
+    summed = materialised.SummedUsesKernel.per_sample
+    monkeypatch.setattr(materialised.SummedUsesKernel, "per_sample",
+                        lambda self, *a, **k: calls.append(1) or summed(self, *a, **k))
     rec = _run(model, parts, 1)[-1]
+    assert calls  # the tied table's uses were summed slice by slice (SummedUsesKernel)
     gs = per_sample_grads(oracle_model, x, y)
     want_l2 = sum(v.reshape(6, -1).square().sum(1) for v in gs.values())
     torch.testing.assert_close(rec["batch_l2"], want_l2, rtol=1e-10, atol=1e-12)
