@@ -17,7 +17,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import gradlens
