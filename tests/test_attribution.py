@@ -17,12 +17,13 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import gradlens
 from gradlens import Lens, load_log, top_samples
 from gradlens.core.records import Record, TensorSummary
-from gradlens.instruments import BatchDot, BatchL2, GradNorm, SampleOrigin, sample_origins
+from gradlens.instruments import Alpha, BatchDot, BatchL2, GradNorm, SampleOrigin, sample_origins
 from gradlens.output.jsonl import JsonlSink
 from oracle import MODELS, flat, make_problem, per_sample_grads
 from test_distributed import _init, _spawn
@@ -122,40 +123,54 @@ def test_top_samples_refusals_name_the_fix():
 
 
 def test_origin_survives_a_checkpoint_saved_mid_window():
-    """A window saved after 2 of its 3 micro-steps and finished by another Lens: the origin of
-    all its samples, and the top samples against the oracle."""
+    """Window 0 (micro-batches 2, 4) closed, its record pending for Alpha's next window; window 1
+    saved after 2 of its 3 micro-steps (3, 5, 1) and finished by another Lens: both records'
+    origins, and the top samples of window 1 against the oracle."""
     model0, x, y = make_problem(MODELS["mlp"], seed=0)
-    gs = flat(per_sample_grads(model0, x[:9], y[:9]))
-    parts = micro_batches(x[:9], y[:9], [3, 5, 1])
+    x1, y1 = make_problem(MODELS["mlp"], seed=1)[1:]
+    windows = [micro_batches(x[:6], y[:6], [2, 4]), micro_batches(x1[:9], y1[:9], [3, 5, 1])]
 
-    def setup():
+    def setup(**kw):
         model = gradlens.extend(copy.deepcopy(model0))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        return model, opt, Lens(model, [BatchL2(), SampleOrigin()], optimizer=opt)
+        return model, opt, Lens(model, [BatchL2(), SampleOrigin(), Alpha()], optimizer=opt, **kw)
+
+    def micro_step(model, lens, xb, yb):
+        out = model(xb)
+        loss = loss_fn(out, yb)
+        with lens.capture(losses=F.cross_entropy(out, yb, reduction="none").detach()):
+            loss.backward()
 
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     model, opt, lens = setup()
-    for xb, yb in parts[:2]:
-        loss = loss_fn(model(xb), yb)
-        with lens.capture():
-            loss.backward()
+    for xb, yb in windows[0]:
+        micro_step(model, lens, xb, yb)
+    opt.step()
+    opt.zero_grad()
+    theta = copy.deepcopy(model0)
+    theta.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for xb, yb in windows[1][:2]:
+        micro_step(model, lens, xb, yb)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "lens": lens.state_dict()}, buf)
+    assert lens.state_dict()["pending"] == 0  # record 0 waits for window 1 (Alpha)
     lens.close(write_pending=False)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
-    model, opt, lens = setup()
-    model.load_state_dict(ckpt["model"])
-    lens.load_state_dict(ckpt["lens"])
-    xb, yb = parts[2]
-    loss = loss_fn(model(xb), yb)
-    with lens.capture():
-        loss.backward()
-    opt.step()
-    rec = lens.records[0]
+    with tempfile.TemporaryDirectory() as d:  # the resumed Lens writes both records
+        model, opt, lens = setup(log=os.path.join(d, "log.jsonl"))
+        model.load_state_dict(ckpt["model"])
+        lens.load_state_dict(ckpt["lens"])
+        micro_step(model, lens, *windows[1][2])
+        opt.step()
+        lens.close()
+        recs = {r.step: r for r in load_log(os.path.join(d, "log.jsonl"))}
+    assert torch.equal(recs[0]["sample_origin"], _expected_origin([[2, 4]])[0])
+    assert recs[0]["alpha"] is not None  # the pending record, completed after the restart
     rows, per_sample = _expected_origin([[3, 5, 1]])
-    assert torch.equal(rec["sample_origin"], rows)
-    _check_top(top_samples(rec, 4), gs.square().sum(1), per_sample, 4)
+    assert torch.equal(recs[1]["sample_origin"], rows)
+    gs = flat(per_sample_grads(theta, x1[:9], y1[:9]))
+    _check_top(top_samples(recs[1], 4), gs.square().sum(1), per_sample, 4)
 
 
 # --------------------------------------------------------------------------- DDP, 2 ranks
