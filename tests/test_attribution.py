@@ -213,6 +213,16 @@ def _ddp_worker(rank, world, port, out_dir):
         lens.close()
         recs = [(r.num_samples, r.micro_steps, dict(r.values), {g: dict(v) for g, v in r.groups.items()})
                 for r in lens.records]
+        # records kept per rank (process_group=False): the rows name this process's rank
+        own = Lens(model, [BatchL2(), SampleOrigin()], optimizer=opt, process_group=False)
+        for k, (xb, yb) in enumerate(micro):
+            with ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext():
+                loss = loss_fn(ddp(xb), yb)
+                with own.capture():
+                    loss.backward()
+        opt.step()
+        own.close()
+        recs.append(own.records[0]["sample_origin"])
         torch.save({"records": recs, "thetas": thetas, "gathers": gathers}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -226,8 +236,9 @@ def test_ddp_two_ranks_unequal_micro_batches_origin_and_top_samples():
     model0, _, _ = make_problem(MODELS["mlp"], seed=0)
     data = [make_problem(MODELS["mlp"], seed=s)[1:] for s in (1, 2, 3)]
     assert len(logged) == 3  # rank 0 writes each record once
-    for out in outs:  # window 1's vectors came inside the all_reduce, windows 0 and 2 gathered
+    for r, out in enumerate(outs):  # window 1's vectors came inside the all_reduce, windows 0 and 2 gathered
         assert out["gathers"] == [1, 3], out["gathers"]
+        assert out["records"][3].tolist() == [[r, k, b] for k, b in enumerate(LAYOUTS[2][r])]
     for w, ((x, y), layout) in enumerate(zip(data, LAYOUTS)):
         theta = copy.deepcopy(model0)
         theta.load_state_dict(outs[0]["thetas"][w])
