@@ -22,7 +22,8 @@ from gradlens.core.param_shapes import full_shape
 __all__ = ["Accumulators", "DistParts", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES"]
 
 QUANTITIES = frozenset(
-    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq", "graph_grad"}
+    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq", "graph_grad",
+     "sample_origin"}
 )
 #: what parameter hooks alone provide (no per-sample capture): a Lens whose instruments need
 #: nothing else runs in light mode (:class:`gradlens.capture.light.ParamTap`), on any model
@@ -229,8 +230,8 @@ class WindowStats:
     def to_buffers(self, ctx):
         """This rank's sums in a layout fixed by ``ctx`` (every tracked parameter, zeros where
         this rank has no entry, and a presence count), and to gather: ``batch_l2`` ``[N_r]``,
-        its micro-step sizes ``[K_r]`` (so that the merged window keeps one ``[B_k]`` vector
-        per micro-step: the samples' origin) and, with groups, their parts ``[G, N_r]``."""
+        with ``"sample_origin"`` needed its micro-step sizes ``[K_r]`` (so that the merged window
+        keeps one ``[B_k]`` vector per micro-step: the samples' origin) and, with groups, their parts ``[G, N_r]``."""
         f64 = torch.float64
         sums = [
             torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq), self.loss_unknown],
@@ -246,10 +247,10 @@ class WindowStats:
                 present.append(1.0 if q in acc else 0.0)
                 sums.append(acc[q] if q in acc else p.new_zeros(full_shape(p), dtype=torch.promote_types(p.dtype, torch.float32)))
             sums.append(torch.tensor(present, dtype=f64))
-        pieces = []
-        if "batch_l2" in ctx.needs:
+        pieces = [self.batch_l2_all().double()] if "batch_l2" in ctx.needs else []
+        if pieces and "sample_origin" in ctx.needs:  # the micro-step sizes [K_r] (SampleOrigin)
             sizes = [t.numel() for t in self.batch_l2]
-            pieces = [self.batch_l2_all().double(), torch.tensor(sizes, dtype=f64).reshape(len(sizes))]
+            pieces.append(torch.tensor(sizes, dtype=f64).reshape(len(sizes)))
         groups = getattr(ctx, "groups", ())
         if groups and "batch_l2" in ctx.needs:  # [G, N_r]: one more gathered piece
             n = sum(t.numel() for t in self.batch_l2)
@@ -284,15 +285,17 @@ class WindowStats:
             for (q, _), v, seen in zip(ctx.params.items(), values, present.tolist()):
                 if seen > 0:
                     acc[q] = v
-        if pieces:  # each rank's [N_r] split into its micro-steps (their sizes came along)
-            sizes = [[int(b) for b in k.tolist()] for k in pieces[1]]
+        if pieces:  # with the micro-step sizes: each rank's [N_r] split into its micro-steps
+            origin = "sample_origin" in ctx.needs
+            sizes = ([[int(b) for b in k.tolist()] for k in pieces[1]] if origin
+                     else [[t.numel()] for t in pieces[0]])
             for r, (t, ks) in enumerate(zip(pieces[0], sizes)):
                 parts = [v for v in t.split(ks) if v.numel()]
                 out.batch_l2 += parts
                 out.micro_ranks += [r] * len(parts)
-            if len(pieces) > 2:
+            if len(pieces) > 1 + origin:
                 out.group_l2 = {g: [] for g in ctx.groups}
-                for t, ks in zip(pieces[2], sizes):
+                for t, ks in zip(pieces[1 + origin], sizes):
                     keep = [b for b in ks if b]
                     for i, g in enumerate(ctx.groups):
                         out.group_l2[g] += list(t[i].split(keep)) if keep else []

@@ -34,12 +34,12 @@ class SampleOrigin(Instrument):
     ``Lens(process_group=False)``, this process's rank (0 without ``torch.distributed``).
     ``micro_step`` counts that rank's captured micro-steps of the window from 0 (a capture
     whose backward reached no sample is not one). It reads the window's per-sample norms
-    (``needs`` ``batch_l2``), whose per-micro-step ``[B_k]`` vectors give the sizes; nothing
-    more travels across ranks than the ``K_r`` sizes of each rank.
+    (``needs`` ``batch_l2``), whose per-micro-step ``[B_k]`` vectors give the sizes; across
+    ranks (``needs`` ``sample_origin``) each rank's ``K_r`` sizes travel with them.
     """
 
     key = "sample_origin"
-    needs = frozenset({"batch_l2"})
+    needs = frozenset({"batch_l2", "sample_origin"})
 
     def finalize(self, stats: WindowStats, state: Any) -> Tensor:
         sizes = [t.numel() for t in stats.batch_l2]
