@@ -26,6 +26,7 @@ _LAZY = {
     "Hist1d": "gradlens.core.records",
     "Hist2d": "gradlens.core.records",
     "load_log": "gradlens.output.sinks",
+    "top_samples": "gradlens.instruments.origin",
     "save_checkpoint": "gradlens.training.checkpoint",
     "load_checkpoint": "gradlens.training.checkpoint",
     "register_kernel": "gradlens.capture.registry",

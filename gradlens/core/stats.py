@@ -22,7 +22,8 @@ from gradlens.core.param_shapes import full_shape
 __all__ = ["Accumulators", "DistParts", "WindowStats", "QUANTITIES", "LIGHT_QUANTITIES"]
 
 QUANTITIES = frozenset(
-    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq", "graph_grad"}
+    {"batch_l2", "sum_grad_squared", "grad_sum", "per_sample", "layer", "micro_grad_sq", "graph_grad",
+     "sample_origin"}
 )
 #: what parameter hooks alone provide (no per-sample capture): a Lens whose instruments need
 #: nothing else runs in light mode (:class:`gradlens.capture.light.ParamTap`), on any model
@@ -126,6 +127,10 @@ class WindowStats:
     #: per parameter group (``Lens(groups=...)``): group name -> per micro-step ``[B_k]``
     #: vectors of ||g_n||^2 over that group's parameters (like ``batch_l2``; groups add up to it)
     group_l2: dict[str, list[Tensor]] = field(default_factory=dict)
+    #: after a merge across ranks: the rank (within the merge's process group) of each entry of
+    #: ``batch_l2`` (one per micro-step, rank-major); empty before (every entry is this
+    #: process's own). Not in a Lens checkpoint (a window is saved before it is merged)
+    micro_ranks: list[int] = field(default_factory=list)
 
     def merge(self, other: "WindowStats") -> "WindowStats":
         """Combine two disjoint sets of samples (associative; order of samples kept a, b)."""
@@ -146,6 +151,7 @@ class WindowStats:
             micro_size_sq=self.micro_size_sq + other.micro_size_sq,
             loss_unknown=self.loss_unknown + other.loss_unknown,
             group_l2=_cat_groups(self, other),
+            micro_ranks=self.micro_ranks + other.micro_ranks,
         )
 
     def restrict(self, group: str, names) -> "WindowStats":
@@ -162,6 +168,7 @@ class WindowStats:
             sum_grad_squared={q: v for q, v in self.sum_grad_squared.items() if q in keep},
             grad_sum={q: v for q, v in self.grad_sum.items() if q in keep},
             loss_unknown=self.loss_unknown,
+            micro_ranks=list(self.micro_ranks),
         )
         # the layer instruments' memo of pure functions of their factors (per-layer Grams,
         # keyed by layer and tensors) is shared with the groups; the sums' memo is not
@@ -222,7 +229,9 @@ class WindowStats:
     # ---- across ranks (gradlens.distributed.merge) ---------------------------------------------
     def to_buffers(self, ctx):
         """This rank's sums in a layout fixed by ``ctx`` (every tracked parameter, zeros where
-        this rank has no entry, and a presence count), and ``batch_l2`` ``[N_r]`` to gather."""
+        this rank has no entry, and a presence count), and to gather: ``batch_l2`` ``[N_r]``,
+        with ``"sample_origin"`` needed its micro-step sizes ``[K_r]`` (so that the merged window
+        keeps one ``[B_k]`` vector per micro-step: the samples' origin) and, with groups, their parts ``[G, N_r]``."""
         f64 = torch.float64
         sums = [
             torch.tensor([self.num_samples, self.micro_steps, int(self.micro_size_sq), self.loss_unknown],
@@ -239,6 +248,9 @@ class WindowStats:
                 sums.append(acc[q] if q in acc else p.new_zeros(full_shape(p), dtype=torch.promote_types(p.dtype, torch.float32)))
             sums.append(torch.tensor(present, dtype=f64))
         pieces = [self.batch_l2_all().double()] if "batch_l2" in ctx.needs else []
+        if pieces and "sample_origin" in ctx.needs:  # the micro-step sizes [K_r] (SampleOrigin)
+            sizes = [t.numel() for t in self.batch_l2]
+            pieces.append(torch.tensor(sizes, dtype=f64).reshape(len(sizes)))
         groups = getattr(ctx, "groups", ())
         if groups and "batch_l2" in ctx.needs:  # [G, N_r]: one more gathered piece
             n = sum(t.numel() for t in self.batch_l2)
@@ -249,7 +261,8 @@ class WindowStats:
         return DistParts(sums=sums, pieces=pieces)
 
     def from_buffers(self, ctx, sums, per_rank, pieces) -> "WindowStats":
-        """The window of all ranks from :meth:`to_buffers`' merged buffers (rank-major)."""
+        """The window of all ranks from :meth:`to_buffers`' merged buffers (rank-major): one
+        ``batch_l2`` vector per micro-step of every rank, :attr:`micro_ranks` their ranks."""
         counts, loss_sum, micro_sq = sums[0], sums[1], sums[2]
         out = WindowStats(
             reduction=self.reduction,
@@ -272,11 +285,20 @@ class WindowStats:
             for (q, _), v, seen in zip(ctx.params.items(), values, present.tolist()):
                 if seen > 0:
                     acc[q] = v
-        if pieces:
-            out.batch_l2 = [t for t in pieces[0] if t.numel()]
-        if len(pieces) > 1:
-            ranks = [t for t in pieces[1] if t.numel()]
-            out.group_l2 = {g: [t[i] for t in ranks] for i, g in enumerate(ctx.groups)}
+        if pieces:  # with the micro-step sizes: each rank's [N_r] split into its micro-steps
+            origin = "sample_origin" in ctx.needs
+            sizes = ([[int(b) for b in k.tolist()] for k in pieces[1]] if origin
+                     else [[t.numel()] for t in pieces[0]])
+            for r, (t, ks) in enumerate(zip(pieces[0], sizes)):
+                parts = [v for v in t.split(ks) if v.numel()]
+                out.batch_l2 += parts
+                out.micro_ranks += [r] * len(parts)
+            if len(pieces) > 1 + origin:
+                out.group_l2 = {g: [] for g in ctx.groups}
+                for t, ks in zip(pieces[1 + origin], sizes):
+                    keep = [b for b in ks if b]
+                    for i, g in enumerate(ctx.groups):
+                        out.group_l2[g] += list(t[i].split(keep)) if keep else []
         return out
 
 

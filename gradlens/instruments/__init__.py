@@ -13,6 +13,7 @@ from gradlens.instruments.hist2d import GradHist2d
 from gradlens.instruments.mean_tests import InnerTest, OrthoTest
 from gradlens.instruments.noise import NoiseScaleDDP, NoiseScaleMonitor, NoiseScaleTwoBatch
 from gradlens.instruments.norms import BatchL2, GradNorm, SumGradSquared
+from gradlens.instruments.origin import SampleOrigin, sample_origins, top_samples
 from gradlens.instruments.tests import MeanGSNR, NoiseScale, NormTest
 from gradlens.instruments.trajectory import Distance, UpdateSize
 
@@ -44,4 +45,7 @@ __all__ = [
     "TICDiag",
     "TICTrace",
     "configuration",
+    "SampleOrigin",
+    "sample_origins",
+    "top_samples",
 ]

@@ -17,6 +17,9 @@ Quantities a capture can provide (all in per-sample units g_n, see docs/design.m
 - ``"micro_grad_sq"``: ||s_k||^2 of each micro-step's gradient sum s_k = sum_{n in k} g_n, from
   hooks on the tracked parameters (no per-sample kernel), summed into
   :attr:`WindowStats.micro_grad_sq` with sum_k B_k^2 in :attr:`WindowStats.micro_size_sq`.
+- ``"sample_origin"``: under ``torch.distributed``, each rank's micro-step sizes travel with
+  ``batch_l2``, so that the merged :attr:`WindowStats.batch_l2` keeps one ``[B_k]`` vector per
+  micro-step (:class:`~gradlens.instruments.origin.SampleOrigin`).
 - ``"graph_grad"``: each micro-step's gradient with its autograd graph (the micro-step's
   backward ran with ``create_graph=lens.create_graph``), times its per-sample scale, summed
   over the window (:class:`gradlens.instruments.curvature.WindowGraph`, bound to the

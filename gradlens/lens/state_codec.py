@@ -196,7 +196,7 @@ def _build_accumulators(f: dict) -> Accumulators:
 
 #: every class a Lens state may hold, by the name it is written under
 REGISTRY: dict[str, StateClass] = {
-    "WindowStats": _dataclass(WindowStats, skip=("_memo", "_gradlens_cross_memo")),
+    "WindowStats": _dataclass(WindowStats, skip=("_memo", "_gradlens_cross_memo", "micro_ranks")),
     "Accumulators": StateClass(Accumulators, ("pool", "sums"), read=lambda a, enc: {"pool": a.pool, "sums": dict(a)},
                                build=_build_accumulators),
     "Record": _dataclass(Record),
