@@ -327,6 +327,42 @@ def test_untracked_windows_run_the_same_compiled_graph_and_a_changed_parameter_s
     torch._dynamo.reset()
 
 
+def test_compiled_route_refuses_two_forwards_per_capture_and_a_graph_backpropagated_twice():
+    """On the compiled route each captured micro-step is one probed forward: two forwards
+    before one capture, or a second backward through the same graph (``retain_graph=True``),
+    are refused with the fix, never measured with the wrong probes."""
+    torch._dynamo.reset()
+    model = gradlens.extend(mlp().double())
+    run = torch.compile(model, backend="aot_eager")
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss())
+    ((x, y), (x2, y2), _), = _data("mlp", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lens = Lens(run, _norms())
+        loss = loss_fn(run(x), y)  # the first micro-step: eager, judged for the compiled route
+        with lens.capture():
+            loss.backward()
+        run(x2)
+        loss = loss_fn(run(x2), y2)
+        with pytest.raises(RuntimeError, match=r"2 forward passes with gradients ran before this lens.capture\(\) "
+                                               r"on the compiled route: .*run a forward, then its capture"):
+            with lens.capture():
+                loss.backward()
+        lens.discard_window()
+        from torch._functorch import config  # (aot_autograd donates buffers, refusing retain_graph itself)
+
+        with config.patch(donated_buffer=False):
+            loss = loss_fn(run(x), y)
+            with lens.capture():
+                loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match=r"reached tracked parameters but no probed layer of a forward "
+                                                   r"run since the last lens.capture\(\) .*retain_graph=True"):
+                with lens.capture(reduction="mean", loss=loss):  # (the loss call was counted once)
+                    loss.backward()
+    lens.close()
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_inductor_float32_equals_eager_within_1e_4(model):
