@@ -329,8 +329,9 @@ def test_untracked_windows_run_the_same_compiled_graph_and_a_changed_parameter_s
 
 def test_compiled_route_refuses_two_forwards_per_capture_and_a_graph_backpropagated_twice():
     """On the compiled route each captured micro-step is one probed forward: two forwards
-    before one capture, or a second backward through the same graph (``retain_graph=True``),
-    are refused with the fix, never measured with the wrong probes."""
+    before one capture, a second backward through the same graph (``retain_graph=True``), or a
+    forward of the module inside the compiled one are refused with the fix, never measured
+    with the wrong probes."""
     torch._dynamo.reset()
     model = gradlens.extend(mlp().double())
     run = torch.compile(model, backend="aot_eager")
@@ -359,6 +360,11 @@ def test_compiled_route_refuses_two_forwards_per_capture_and_a_graph_backpropaga
                                                    r"run since the last lens.capture\(\) .*retain_graph=True"):
                 with lens.capture(reduction="mean", loss=loss):  # (the loss call was counted once)
                     loss.backward()
+        loss = loss_fn(model(x2), y2)  # the module inside the compiled one: its layers' own ops, no probe
+        with pytest.raises(RuntimeError, match=r"no probed layer .*the module inside torch.compile\(model\) "
+                                               r"called instead of the compiled model"):
+            with lens.capture():
+                loss.backward()
     lens.close()
     torch._dynamo.reset()
 

@@ -150,6 +150,8 @@ class _ProbedEmbedding(torch.autograd.Function):
 
 def _linear_forward(mod: nn.Linear) -> Callable[[Tensor], Tensor]:
     def forward(x: Tensor) -> Tensor:
+        if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
+            return type(mod).forward(mod, x)
         sq = mod._gradlens_sq or (None, None)
         return _ProbedLinear.apply(x, mod.weight, mod.bias, mod._gradlens_probe, sq[0], sq[-1])
 
@@ -158,6 +160,8 @@ def _linear_forward(mod: nn.Linear) -> Callable[[Tensor], Tensor]:
 
 def _layer_norm_forward(mod: nn.LayerNorm) -> Callable[[Tensor], Tensor]:
     def forward(x: Tensor) -> Tensor:
+        if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
+            return type(mod).forward(mod, x)
         sq = mod._gradlens_sq or (None, None)
         xhat = F.layer_norm(x, mod.normalized_shape, None, None, mod.eps)
         return _ProbedAffine.apply(xhat, mod.weight, mod.bias, mod._gradlens_probe, sq[0], sq[-1])
@@ -167,6 +171,8 @@ def _layer_norm_forward(mod: nn.LayerNorm) -> Callable[[Tensor], Tensor]:
 
 def _embedding_forward(mod: nn.Embedding) -> Callable[[Tensor], Tensor]:
     def forward(ids: Tensor) -> Tensor:
+        if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
+            return type(mod).forward(mod, ids)
         sq = mod._gradlens_sq or (None,)
         return _ProbedEmbedding.apply(ids, mod.weight, mod.padding_idx, mod._gradlens_probe, sq[0])
 

@@ -179,6 +179,8 @@ class CompiledRoute:
         per-sample norms, the window's sums of squares), in per-sample units."""
         got, forwards = self.current, self.forwards
         self.current, self.forwards = None, 0
+        for mod, _ in (self.sites if self.handles else ()):  # read once: a layer called outside a
+            mod._gradlens_probe, mod._gradlens_sq = None, None  # forward of the wrapper runs its own op
         if forwards > 1:
             raise RuntimeError(
                 f"{forwards} forward passes with gradients ran before this lens.capture() on the compiled "
@@ -189,8 +191,9 @@ class CompiledRoute:
                 raise RuntimeError(
                     "this backward on the compiled route reached tracked parameters but no probed layer "
                     "of a forward run since the last lens.capture() (a graph backpropagated twice, "
-                    "retain_graph=True, or a forward run before the window opened): run a new forward "
-                    "for each captured micro-step")
+                    "retain_graph=True, a forward run before the window opened, or the module inside "
+                    "torch.compile(model) called instead of the compiled model): run a new forward of "
+                    "the compiled model for each captured micro-step")
             return
         meter = self.meter
         if micro.batch_size is None:
