@@ -36,7 +36,7 @@ __all__ = [
     "process_group_timeout",
     "grad_scaler_scale", "optimizer_grad_scale",
     "fsdp_params", "fsdp_unsharded_param", "fsdp_param_slots",
-    "pipeline_kind", "pipeline_schedule_parts", "PIPELINE_SETUP", "context_parallel_active", "is_dtensor",
+    "pipeline_kind", "pipeline_schedule_parts", "PIPELINE_SETUP", "context_parallel_active", "context_parallel_wrapped", "is_dtensor",
 ]
 
 # ---------------------------------------------------------------------------- modules
@@ -573,6 +573,26 @@ def context_parallel_active() -> bool:
         return False
     replaced = getattr(module, "_replaced_functions", {})
     return torch.nn.functional.scaled_dot_product_attention in replaced
+
+
+def context_parallel_wrapped(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was parallelised with context parallelism's module-wrapper style
+    (``parallelize_module(attn, mesh, _ContextParallel(seq_dim, attention_type))``, the mode of
+    ``_context_parallel_shard``): its forward pre-hooks hold a ``functools.partial`` of a
+    ``_ContextParallel`` method (which turns q / k / v into sequence-sharded DTensors, or
+    all-gathers k / v along the sequence). False when that module was never imported. Checked
+    on torch 2.13."""
+    import sys
+
+    cp = sys.modules.get(_CP_MODULE)
+    style = getattr(cp, "_ContextParallel", None) if cp is not None else None
+    if style is None:
+        return False
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(getattr(hook, "func", None), "__self__", None)
+        if isinstance(owner, style):
+            return True
+    return False
 
 
 def is_dtensor(t: Any) -> bool:

@@ -733,6 +733,15 @@ def test_context_parallel_active_and_is_dtensor(group):
             inside = compat.context_parallel_active()
         after = compat.context_parallel_active()
     _check("context_parallel_active", (before, inside, after) == (False, True, False), f"gave {(before, inside, after)}")
+    from torch.distributed.tensor.experimental._attention import _ContextParallel
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    wrapped, plain = torch.nn.Identity(), torch.nn.Identity()
+    plain.register_forward_pre_hook(lambda m, a: None)
+    with _entry("context_parallel_wrapped"):
+        parallelize_module(wrapped, mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
+        flags = [compat.context_parallel_wrapped(wrapped), compat.context_parallel_wrapped(plain)]
+    _check("context_parallel_wrapped", flags == [True, False], f"gave {flags}")
 
 
 def test_dtensor_local(group):

@@ -19,6 +19,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -308,9 +309,99 @@ def test_context_parallel_is_refused(mesh):
     lens = Lens(model, [BatchL2()], every=2)
     x = torch.randn(2, 6, 3)
     with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
-        with pytest.raises(RuntimeError, match=r"runs under context_parallel\(\.\.\.\).*not supported \(yet\)"):
+        with pytest.raises(RuntimeError, match=r"runs under context parallelism \(context_parallel\(\.\.\.\).*not supported \(yet\)"):
             model(x)
     lens.flush()  # window 1 is untracked: nothing is checked, nothing refused
     with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
         model(x).sum().backward()
+    lens.close()
+
+
+class _Sdpa(nn.Module):
+    """The attention call on its own (what _ContextParallel wraps)."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_context_parallel_module_wrapper_is_refused(mesh):
+    """The module-wrapper style of context parallelism (``_ContextParallel`` applied with
+    ``parallelize_module``, the mode of ``_context_parallel_shard``)."""
+    from torch.distributed.tensor.experimental._attention import _ContextParallel
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    class Block(nn.Module):
+        """q, k, v projections -> attention (its own module) -> an output projection."""
+
+        def __init__(self, d=4, heads=2):
+            super().__init__()
+            self.heads, self.qkv, self.sdpa, self.out = heads, nn.Linear(d, 3 * d), _Sdpa(), nn.Linear(d, d)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            return self.out(self.sdpa(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+    torch.manual_seed(0)
+    model = gradlens.extend(Block())
+    parallelize_module(model.sdpa, mesh, _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA))
+    lens = Lens(model, [BatchL2()])
+    with pytest.raises(RuntimeError, match=r"sdpa is wrapped with _ContextParallel\) runs under context "
+                                           r"parallelism .*not supported \(yet\)"):
+        model(torch.randn(2, 6, 4))
+    lens.close()
+
+
+# ------------------------------------------------------------------ expert parallel
+
+
+def _exchange(kind: str):
+    """One of the ways a model's forward moves tokens between ranks with all_to_all."""
+    def run(h):
+        if kind == "c10d":  # the in-place collective (no autograd)
+            out = torch.empty_like(h)
+            dist.all_to_all_single(out, h.detach())
+            return out + 0 * h
+        if kind == "list":
+            outs = [torch.empty_like(h)]
+            dist.all_to_all(outs, [h.detach()])
+            return outs[0] + 0 * h
+        if kind == "autograd":  # torch.distributed.nn.functional
+            import torch.distributed.nn.functional as dnf
+
+            return dnf.all_to_all_single(torch.empty_like(h), h)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        return all_to_all_single_autograd(h, None, None, dist.group.WORLD)  # torchtitan's dispatch
+    return run
+
+
+class _ExpertParallel(nn.Module):
+    """Linear -> (tokens sent to the rank holding their expert) -> this rank's expert -> back."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.exchange = _exchange(kind)
+        self.a, self.expert, self.b = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.exchange(torch.tanh(self.expert(self.exchange(self.a(x))))))
+
+
+@pytest.mark.parametrize("kind", ["c10d", "list", "autograd", "functional"])
+def test_expert_parallel_all_to_all_is_refused(mesh, kind):
+    model = gradlens.extend(_ExpertParallel(kind))
+    lens = Lens(model, [BatchL2()], every=2)
+    x, loss_fn = torch.randn(4, 3), gradlens.extend(nn.MSELoss())
+    with pytest.raises(RuntimeError, match=r"calls torch\..*all_to_all.*expert parallelism .*not supported \(yet\)"
+                                           r".*Supported across ranks: data parallelism .*keep every expert on each rank"):
+        model(x)
+    lens.flush()  # window 1 is untracked: the exchange runs, nothing is refused
+    loss = loss_fn(model(x), torch.zeros(4, 2))
+    with lens.capture():
+        loss.backward()
+    lens.close()
+    # an exchange outside the model's forward (a data loader's) is not the model's
+    lens = Lens(gradlens.extend(nn.Linear(3, 2)), [BatchL2()])
+    _exchange(kind)(x)
     lens.close()

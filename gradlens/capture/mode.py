@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from gradlens.capture import axes, ops, samples
 from gradlens.capture.losses import _LOSS_FUNCTIONS, _note_functional_loss
 from gradlens.capture.marks import _outputs, _ref
+from gradlens.capture.parallel import is_exchange, refuse_exchange
 from gradlens.capture.rows import EVENTS, Rows
 
 #: torch calls that only read a tensor's metadata (they return no tensor): the mode passes
@@ -253,6 +254,8 @@ _NO_KWARGS: dict = {}  # (never written)
 def _kind(func) -> int:
     """:data:`_KINDS` of ``func``, computed on its first call."""
     name = getattr(func, "__name__", "")
+    if is_exchange(func):  # expert parallelism: refused on every call (never kept in _KINDS)
+        refuse_exchange(func, "the model")
     kind = ((_IS_RULED if name in _RULED else 0)
             | (_IS_LOSS if func in _LOSS_FUNCTIONS else 0)
             | (_IS_BATCH_NORM if func is F.batch_norm else 0) | (_IS_LINEAR if func is F.linear else 0)

@@ -24,7 +24,7 @@ from gradlens.capture.marks import (
 from gradlens.capture.rows import Rows, packed_owner, rows_axis
 from gradlens.capture.replay import DERIVED, Replay
 from gradlens.capture.mode import _UseMode
-from gradlens.capture.parallel import check_batch_layout
+from gradlens.capture.parallel import check_batch_layout, refuse_context_parallel
 from gradlens.capture.param_grads import _hook_param_grads
 from gradlens.capture.registry import elementwise, forward_for, kernel_for, qualname
 from gradlens.capture.tracked import declared_batch_dim
@@ -63,6 +63,7 @@ class Tap(SampleFlow):
         self.on_use, self.on_op_use, self.on_weight_grad = on_use, on_op_use, on_weight_grad
         self._handles: list = []
         self._replaced: list[nn.Module] = []
+        self._cp_wrapped: str | None = None  # a module wrapped with _ContextParallel (install)
         self._hint = _hints(model)
         self._mode = _UseMode(self)
         self._mode_depth = 0
@@ -210,6 +211,8 @@ class Tap(SampleFlow):
                     and (fused := fused_forward_for(mod, entry[1].kernel, self.fuse_weight_grad)) is not None:
                 mod.forward = _TrackedForward(fused, mod, self)  # (the class its kernel declares)
                 self._replaced.append(mod)
+        # context parallelism's module-wrapper style (refused at the model's forward)
+        self._cp_wrapped = next((n for n, m in root.named_modules() if compat.context_parallel_wrapped(m)), None)
         # last, so that the module hooks of the root (a model that is one layer) run before it
         self._handles.append(root.register_forward_hook(lambda m, a, o: tap._root_post(m, a, o), always_call=True))
         for q, p in self.params.items():
@@ -269,6 +272,8 @@ class Tap(SampleFlow):
                 for p in packed:
                     owner = packed_owner(p.batch_sizes, p.sorted_indices, p.data.device)
                     self._data[p.data] = rows_axis(0, owner, self._batch)
+            if self._cp_wrapped is not None:
+                refuse_context_parallel(f"the model; {self._cp_wrapped or 'the model'} is wrapped with _ContextParallel")
             check_batch_layout([x for _, x in _tensors(inputs)], "the model")  # sequence / context parallel
             hint = self._batch_dim if self._batch_dim is not None else self._hint.get(id(module), 0)
             found = _input_batch(inputs, hint)
