@@ -65,18 +65,16 @@ class _Unknown(Exception):
 
 class Plan:
     """What the mode found in one tracked forward of one micro-batch size: ``entries``, the
-    site calls in order as ``(module, signature of its input, its axis)``; ``axes``, signature -> the
+    site calls in order as ``(module, signature of its input)``; ``axes``, signature -> the
     sample axis ``(dim, 1)`` (or :data:`DERIVED`) of every site input and returned tensor;
-    ``gaps``: the stretches of the forward where the mode measured something itself (a
-    per-operation use, a loss, a pooled value), stretch k running before entry k (k =
-    ``len(entries)``: after the last site); a replayed forward runs these under the mode."""
+    ``uses``: the parameter uses it counted."""
 
-    __slots__ = ("entries", "axes", "gaps")
+    __slots__ = ("entries", "axes", "uses")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[nn.Module, tuple, Any]] = []
+        self.entries: list[tuple[nn.Module, tuple]] = []
         self.axes: dict[tuple, Any] = {}
-        self.gaps: set[int] = set()
+        self.uses = 0
 
 
 class Replay:
@@ -114,8 +112,6 @@ class Replay:
         self.front_t: dict[int, tuple] = {}  # id -> (tensor, leaf, version): tensors without a node
         self.front_n: dict = {}  # node -> leaf (output 0) or {output_nr: leaf}
         self.pos = 0
-        self.mode_on = False  # a replayed forward: the mode is on in the stretch that runs now (Plan.gaps)
-        self.mark: tuple = ()  # a recorded forward: the mode's measuring work counted at the last site (_work)
         self.rec: Plan | None = None
         self.plan: Plan | None = None
         self.key: tuple | None = None  # (micro-batch size, input shapes and dtypes)
@@ -137,12 +133,11 @@ class Replay:
         plan = self.plans.get(key)
         if plan is not None and self.count % self.verify_every:
             self.state, self.plan = "replay", plan
-            self.mode_on = 0 in plan.gaps
             self.replayed += 1
         elif self.next_try.get(key, 0) <= self.count:
             self.state, self.rec = "record", Plan()
-            self.base = (len(tap.tainted), len(tap.axis_errors), _live(tap._coupled))
-            self.mark = _work(tap)
+            self.base = (sum(tap.uses.values()), tap._ops, len(tap.tainted), len(tap.axis_errors),
+                         _live(tap._pooled), _live(tap._coupled))
         else:
             return False
         self.key = key
@@ -154,9 +149,9 @@ class Replay:
             elif type(ax) is tuple and ax[1] == 1:
                 self._front(x, ("in", ax, tuple(x.shape), x.dtype))
             else:  # (rows of a sample moved: not planned)
-                self.state, self.rec, self.plan, self.mode_on = None, None, None, False
+                self.state, self.rec, self.plan = None, None, None
                 return False
-        return self.state == "replay" and not self.mode_on
+        return self.state == "replay"
 
     def end(self, tap: Any, outs: list) -> None:
         """The forward returns ``outs``: a recorded plan is kept if every use was a plain site
@@ -167,22 +162,20 @@ class Replay:
             if state == "record":
                 self._keep(tap, outs)
             elif state in ("replay", "general"):
-                tail = state == "replay" and self.pos == len(self.plan.entries)
-                if state == "replay" and not tail:
+                if state == "replay" and self.pos != len(self.plan.entries):
                     self.plans.pop(self.key, None)  # fewer uses than planned: recorded again next time
-                self._returned(tap, outs, tail and self.mode_on)
+                self._returned(tap, outs)
         finally:
             self._forward_clear()
 
     def _keep(self, tap: Any, outs: list) -> None:
         rec, base = self.rec, self.base
-        ok = rec is not None and (len(tap.tainted) == base[0] and len(tap.axis_errors) == base[1]
-                                  and _live(tap._coupled) <= base[2])
+        ok = rec is not None and (sum(tap.uses.values()) - base[0] == rec.uses and tap._ops == base[1]
+              and len(tap.tainted) == base[2] and len(tap.axis_errors) == base[3]
+              and not tap.chain.calls and _live(tap._pooled) <= base[4] and _live(tap._coupled) <= base[5])
         if ok:
-            if _work(tap) != self.mark:  # the mode measured something after the last site (a loss)
-                rec.gaps.add(len(rec.entries))
             for o in outs:
-                if isinstance(o, Tensor) and o.requires_grad and o not in tap._pooled:
+                if isinstance(o, Tensor) and o.requires_grad:
                     ax = tap._data.get(o, DERIVED)
                     if not (ax is DERIVED or (type(ax) is tuple and ax[1] == 1)) or not self._note_axis(rec, o, ax):
                         ok = False
@@ -195,17 +188,15 @@ class Replay:
             self.plans.pop(self.key, None)
             self.next_try[self.key] = self.count + self.retry
 
-    def _returned(self, tap: Any, outs: list, planned_tail: bool = False) -> None:
-        """``planned_tail``: the code after the last site ran under the mode as planned (a loss
-        computed in the forward is then followed as on the general route)."""
-        if tap.chain.calls and not planned_tail:
+    def _returned(self, tap: Any, outs: list) -> None:
+        if tap.chain.calls:
             tap._refuse_axis(None, "a loss computed inside a forward replayed from its plan (a branch the first "
                              "tracked forward of this micro-batch size did not take); set "
                              "gradlens.capture.replay.Replay.enabled = False to follow every forward",
                              tuple(tap.params))
         data = tap._data
         for o in outs:
-            if not (isinstance(o, Tensor) and o.requires_grad) or o in data or o in tap._derived or o in tap._pooled:
+            if not (isinstance(o, Tensor) and o.requires_grad) or o in data or o in tap._derived:
                 continue
             ax = self._lookup(o)
             if ax is _MISSING:
@@ -228,7 +219,7 @@ class Replay:
         rec = self.rec
         if rec is None:
             return
-        if not (ax is DERIVED or (type(ax) is tuple and ax[1] == 1)):
+        if tap._ops != self.base[1] or not (ax is DERIVED or (type(ax) is tuple and ax[1] == 1)):
             self.rec = None  # rows moved or the samples as a factor: no plan
             return
         with compat.no_torch_function():
@@ -236,11 +227,8 @@ class Replay:
             if s is None or not self._note_axis(rec, a, ax, s):
                 self.rec = None
                 return
-            work = _work(tap)
-            if work != self.mark:  # the mode measured something since the last site: it runs there
-                rec.gaps.add(len(rec.entries))
-            self.mark = (work[0] + uses,) + work[1:]  # (this site's own uses, counted after this call)
-            rec.entries.append((module, s, ax))
+            rec.entries.append((module, s))
+            rec.uses += uses
             self._after(a, ax, output)
 
     def _note_axis(self, rec: Plan, x: Tensor, ax: Any, s: tuple | None = None) -> bool:
@@ -262,21 +250,15 @@ class Replay:
                 if known is not None or a in tap._derived:
                     self._after(a, DERIVED if known is None else known, output)
                     return
-            ax = _MISSING
+            s = self.signature(a, tap)
             if self.state == "replay":
                 entries = self.plan.entries
                 e = entries[self.pos] if self.pos < len(entries) else None
-                if e is not None and e[0] is module and self._same(a, e[1]):
+                if e is not None and e[0] is module and e[1] == s:
                     self.pos += 1
-                    ax = e[2]
-                    if not tap._skip:  # the outermost site: the mode on up to the next site where planned
-                        self.mode_on = self.pos in self.plan.gaps
-                        tap._mode_out = self.mode_on  # (the site's post-hook puts it on)
                 else:
                     self.leave(tap)
-            if ax is _MISSING:
-                s = self.signature(a, tap)
-                ax = self.plan.axes.get(s, _MISSING) if s is not None else _MISSING
+            ax = self.plan.axes.get(s, _MISSING) if s is not None else _MISSING
             if ax is _MISSING:
                 ax = self._pointwise(a)
             if ax is _MISSING:
@@ -305,10 +287,10 @@ class Replay:
         if self.state == "replay":
             self.state = "general"
             self.plans.pop(self.key, None)
-            if tap._skip or tap._mode_out:
-                tap._mode_out = True
-            elif not self.mode_on:  # (on already in a stretch the plan runs under the mode)
+            if not tap._skip and not tap._mode_out:
                 tap._mode.__enter__()
+            else:
+                tap._mode_out = True
 
     def _after(self, a: Tensor, ax: Any, output: Tensor) -> None:
         """The input and output of a site call join the frontier."""
@@ -370,77 +352,6 @@ class Replay:
         return found.pop() if len(found) == 1 else _MISSING
 
     # ------------------------------------------------------------------ signatures
-    def _same(self, x: Tensor, s: tuple) -> bool:
-        """Whether ``x`` has the signature ``s``: :meth:`signature`'s walk, compared with ``s``
-        node by node as it goes (no tuples built, left at the first difference)."""
-        try:
-            e = self.front_t.get(id(x))
-            if e is not None and e[0] is x:
-                return s == ("F", e[1], compat.tensor_version(x) - e[2])
-            node = x.grad_fn
-            if node is None:
-                return self.signature(x, None) == s
-            return s[0] == "G" and s[1] == tuple(x.shape) and s[2] == x.dtype and self._same_node(node, x.output_nr, s[3], {})
-        except (_Unknown, RecursionError):
-            return False
-
-    def _same_node(self, node: Any, nr: int, s: tuple, seen: dict) -> bool:
-        leaf = self.front_n.get(node)
-        if leaf is not None:
-            leaf = _at(leaf, nr)
-            if leaf is not None:
-                return len(s) == 2 and s[0] == "F" and s[1] == leaf
-        k = seen.get(node)
-        if k is not None:
-            return s == ("R", k, nr)
-        seen[node] = len(seen)
-        cls = type(node)
-        kind = _KIND.get(cls)
-        if kind is None:
-            kind = _kind(node)
-        if kind is _UNKNOWN:
-            return False
-        if kind is _ACCUMULATE:
-            v = node.variable
-            e = self.front_t.get(id(v))
-            if e is not None and e[0] is v:
-                return s == ("F", e[1], compat.tensor_version(v) - e[2])
-            return s == ("L", id(v), tuple(v.shape))
-        if s[0] is not cls or s[1] != nr:
-            return False
-        if kind is not _POINTWISE_KIND:
-            names = _NAMES.get(cls)
-            if names is None:
-                names = _names(node)
-            want = s[2]
-            got = compat.node_saved(node, names)
-            if len(got) != len(want):
-                return False
-            for (_, v), (_, w) in zip(got, want):
-                t = type(v)
-                if not (v == w if t is int or t is bool or v is None else _value(v) == w):
-                    return False
-        kids = s[3]
-        nexts = node.next_functions
-        if len(nexts) != len(kids):
-            return False
-        front = self.front_n
-        for (n, i), ks in zip(nexts, kids):
-            if n is None or ks is None:
-                if n is not ks:
-                    return False
-                continue
-            leaf = front.get(n)
-            if leaf is not None and (i == 0 or type(leaf) is dict) and (leaf := _at(leaf, i)) is not None:
-                if not (len(ks) == 2 and ks[0] == "F" and ks[1] == leaf):
-                    return False
-            elif n in seen:
-                if ks != ("R", seen[n], i):
-                    return False
-            elif not self._same_node(n, i, ks, seen):
-                return False
-        return True
-
     def signature(self, x: Tensor, tap: Any) -> tuple | None:
         """The signature of ``x`` (see the module's docstring), or None where the plan cannot
         describe it."""
@@ -459,9 +370,6 @@ class Replay:
             e = self.front_t.get(id(base)) if base is not None else None
             if e is not None and e[0] is base:  # a view of a frontier tensor without gradient (x.flatten(1))
                 return ("V", e[1], compat.tensor_version(base) - e[2], tuple(x.shape), x.stride(), x.storage_offset())
-            if not x.requires_grad and x.device.type == "cpu" and not (x.is_floating_point() or x.is_complex()) \
-                    and x.numel() <= _CONST_MAX:  # integers made without the batch (positions): by value
-                return ("K", tuple(x.shape), x.dtype, tuple(x.reshape(-1).tolist()))
             raise _Unknown  # made without gradient by code the plan cannot see
         return ("G", tuple(x.shape), x.dtype, self._sig_node(node, x.output_nr, seen))
 
@@ -587,16 +495,6 @@ def _at(leaf: Any, nr: int) -> Any:
 
 def _leaf(x: Tensor, ax: Any) -> tuple:
     return ("site", ax, tuple(x.shape), x.dtype)
-
-
-#: the most elements of an integer tensor without gradient that a signature describes by value
-_CONST_MAX = 4096
-
-
-def _work(tap: Any) -> tuple:
-    """What the mode measured so far in a forward: parameter uses, per-operation uses, losses,
-    pooled values (a change between two sites: the mode runs there, :attr:`Plan.gaps`)."""
-    return (sum(tap.uses.values()), tap._ops, len(tap.chain.calls), _live(tap._pooled))
 
 
 def _live(marks: Any) -> int:

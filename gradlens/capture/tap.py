@@ -246,7 +246,7 @@ class Tap(SampleFlow):
         if self._mode_depth:  # removed inside a tracked forward: the mode is on the stack once
             self._mode_depth = 0
             self.chain.end(None)
-            if not self._mode_out and (self._replay.state != "replay" or self._replay.mode_on):
+            if not self._mode_out and self._replay.state != "replay":
                 self._mode.__exit__(None, None, None)
             self._replay.state = None
         self._mode_out = False
@@ -297,7 +297,7 @@ class Tap(SampleFlow):
             if self._mode_depth == 0:
                 if self._mode_out:  # (not reached: a site's post-hook always puts it back)
                     self._mode_out = False
-                elif self._replay.state != "replay" or self._replay.mode_on:
+                elif self._replay.state != "replay":
                     self._mode.__exit__(None, None, None)
                 outs = list(output.values()) if isinstance(output, dict) else _outputs(output)
                 if self._replay.state is not None:
