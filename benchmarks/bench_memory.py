@@ -11,7 +11,8 @@ one SGD update and ``zero_grad``. Every configuration runs ``--windows`` windows
 Python process (``subprocess``), which prints the process's peak resident set size
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: what the OS saw, tensors, allocator caches and
 Python together) and the median window time. Rows: plain, BatchL2, BatchL2 + SumGradSquared +
-GradNorm ("norm set"), GradHist1d; ``--against REV`` adds each tracked row again for gradlens as of
+GradNorm ("norm set"), the same with ``GradNorm(source="p.grad")`` (the window gradient read from
+``p.grad``, no window sum of its own), GradHist1d; ``--against REV`` adds each tracked row again for gradlens as of
 git revision REV (a renamed copy, :func:`_common.reference_package`). ``--small`` uses a 2-layer,
 d_model 128 GPT-2 (a quick check of the script).
 
@@ -31,6 +32,7 @@ CONFIGS = {
     "plain": [],
     "BatchL2": ["BatchL2()"],
     "norm set": ["BatchL2()", "SumGradSquared()", "GradNorm()"],
+    "norm set (p.grad)": ["BatchL2()", "SumGradSquared()", "GradNorm(source='p.grad')"],
     "GradHist1d": ["GradHist1d(bins=64, range=(-1.0, 1.0))"],
 }
 
@@ -66,7 +68,8 @@ def child(args) -> None:
             from _common import reference_package
 
             pkg = reference_package(args.package)
-        else:
+        else:  # this checkout's gradlens, not an installed one (the script's folder is on sys.path)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             import gradlens as pkg
         ins = importlib.import_module(pkg.__name__ + ".instruments")
         model = pkg.extend(model)
