@@ -67,8 +67,9 @@ class GradNorm(Instrument):
             one of these gets ``record["grad_norm"] = None`` and ``record.meta["grad_norm"]``
             names what broke (gradlens cannot see them early enough to keep its own sum). The
             value is the gradient of what was backpropagated: a regulariser added to the loss
-            outside the model's forward is in it (``"sums"`` leaves it out,
-            docs/design.md "Units"). Not with a GradientAccumulateOptimizer (it replaces
+            outside the model's forward is in it (as in ``"sums"``' light capture, GradNorm
+            without a per-sample instrument; ``"sums"`` beside one leaves it out, docs/design.md
+            "Units"). Not with a GradientAccumulateOptimizer (it replaces
             ``p.grad`` each micro-step) nor under torch.distributed (DDP averages ``p.grad``
             over ranks; ``"sums"`` already reads DDP's ``p.grad`` where exact).
     """
