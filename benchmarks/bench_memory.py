@@ -2,7 +2,7 @@
 fresh process.
 
 Run:  python benchmarks/bench_memory.py [--windows 3] [--sizes 2,2] [--t 128] [--threads 2]
-      [--configs "BatchL2,norm set"] [--against REV] [--small]
+      [--configs "BatchL2,norm set"] [--against REV] [--small] [--keep-records 1]
 (needs ``transformers``: the ``models`` extra, in the environment of the ``frameworks`` tests)
 
 A window is K micro-batches of ``--sizes`` sequences of ``--t`` tokens of ``GPT2LMHeadModel``
@@ -11,7 +11,8 @@ one SGD update and ``zero_grad``. Every configuration runs ``--windows`` windows
 Python process (``subprocess``), which prints the process's peak resident set size
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``: what the OS saw, tensors, allocator caches and
 Python together) and the median window time. Rows: plain, BatchL2, BatchL2 + SumGradSquared +
-GradNorm ("norm set"), GradHist1d; ``--against REV`` adds each tracked row again for gradlens as of
+GradNorm ("norm set"), the same with ``GradNorm(source="p.grad")`` (the window gradient read from
+``p.grad``, no window sum of its own), GradHist1d; ``--against REV`` adds each tracked row again for gradlens as of
 git revision REV (a renamed copy, :func:`_common.reference_package`). ``--small`` uses a 2-layer,
 d_model 128 GPT-2 (a quick check of the script).
 
@@ -31,6 +32,7 @@ CONFIGS = {
     "plain": [],
     "BatchL2": ["BatchL2()"],
     "norm set": ["BatchL2()", "SumGradSquared()", "GradNorm()"],
+    "norm set (p.grad)": ["BatchL2()", "SumGradSquared()", "GradNorm(source='p.grad')"],
     "GradHist1d": ["GradHist1d(bins=64, range=(-1.0, 1.0))"],
 }
 
@@ -66,12 +68,13 @@ def child(args) -> None:
             from _common import reference_package
 
             pkg = reference_package(args.package)
-        else:
+        else:  # this checkout's gradlens, not an installed one (the script's folder is on sys.path)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             import gradlens as pkg
         ins = importlib.import_module(pkg.__name__ + ".instruments")
         model = pkg.extend(model)
         insts = [eval(src, vars(ins)) for src in CONFIGS[args.child]]  # noqa: S307 - our own table
-        lens = pkg.Lens(model, insts, optimizer=opt, keep_records=1)
+        lens = pkg.Lens(model, insts, optimizer=opt, keep_records=args.keep_records)
     times = []
     for _ in range(args.windows):
         t0 = time.perf_counter()
@@ -101,6 +104,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", default=None,
                     help="also run each tracked row with gradlens as of this git revision")
     ap.add_argument("--small", action="store_true", help="a 2-layer d_model 128 GPT-2 (quick check)")
+    ap.add_argument("--keep-records", type=int, default=1,
+                    help="Lens(keep_records=...): 1 holds the last record (and the sums it refers to), 0 none")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--package", default="gradlens", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -112,7 +117,8 @@ def main() -> None:
         name = name.strip()
         for pkg in ["gradlens"] + ([args.against] if args.against and name != "plain" else []):
             cmd = [sys.executable, __file__, "--child", name, "--package", pkg, "--windows", str(args.windows),
-                   "--sizes", args.sizes, "--t", str(args.t), "--threads", str(args.threads)]
+                   "--sizes", args.sizes, "--t", str(args.t), "--threads", str(args.threads),
+                   "--keep-records", str(args.keep_records)]
             cmd += ["--small"] if args.small else []
             done = subprocess.run(cmd, capture_output=True, text=True)
             label = name + ("" if pkg == "gradlens" else f" @{pkg}")
@@ -126,7 +132,7 @@ def main() -> None:
     params = rows[0][1]["params"] if rows else 0
     print(f"GPT2LMHeadModel{' (small check)' if args.small else ''}, {params / 1e6:.1f}M parameters, windows of "
           f"micro-batches {args.sizes} x {args.t} tokens, {args.windows} windows per fresh process, "
-          f"{args.threads} threads; peak RSS (ru_maxrss) and median window time after the first")
+          f"{args.threads} threads, keep_records={args.keep_records}; peak RSS (ru_maxrss) and median window time after the first")
     print("\n| configuration | peak RSS MB | x plain | window ms | x plain |")
     print("|---|---|---|---|---|")
     for label, r in rows:

@@ -72,3 +72,38 @@ def test_emitted_record_never_changes():
     assert any(not torch.equal(kept[k], records[2]["sum_grad_squared"][k]) for k in kept)
     for k, v in first.items():
         assert torch.equal(v, kept[k])
+
+
+def _window_sum_elements(source: str) -> tuple[int, int]:
+    """(elements of the window sums held right before the update, of the tracked parameters):
+    window 2 of a tied LM with BatchL2 + SumGradSquared + GradNorm(source), the first window's
+    record still held."""
+    torch.manual_seed(2)
+    model = gradlens.extend(TiedLM().double())
+    loss_fn = gradlens.extend(nn.CrossEntropyLoss(reduction="sum"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lens = gradlens.Lens(model, [BatchL2(), SumGradSquared(), GradNorm(source=source)], optimizer=opt)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 11, (5, 5), generator=g), torch.randint(0, 11, (5,), generator=g)
+    held = 0
+    for _ in range(2):
+        for xb, yb in ((x[:3], y[:3]), (x[3:], y[3:])):
+            loss = loss_fn(model(xb), yb)
+            with lens.capture():
+                loss.backward()
+        lens._meter.settle(lens._window)  # the small uses' sums, as the update would settle them
+        stats = lens._window.stats
+        held = sum(t.numel() for d in (stats.sum_grad_squared, stats.grad_sum) for t in d.values())
+        opt.step()
+        opt.zero_grad()
+    assert lens.records[-1]["grad_norm"] is not None
+    return held, sum(p.numel() for p in model.parameters())
+
+
+def test_grad_norm_from_p_grad_holds_no_window_gradient():
+    """Issue 35's memory floor: GradNorm() holds sum_n g_n (one parameter-sized tensor) beside
+    SumGradSquared's running sum; GradNorm(source="p.grad") holds none of its own."""
+    sums, params = _window_sum_elements("sums")
+    assert sums == 2 * params
+    from_grads, params = _window_sum_elements("p.grad")
+    assert from_grads == params
