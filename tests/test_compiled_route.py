@@ -381,14 +381,17 @@ def test_compiled_route_refuses_two_forwards_per_capture_and_a_graph_backpropaga
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "cnn", "gpt"])
 def test_inductor_float32_equals_eager_within_1e_4(model):
-    """The default (inductor) backend, float32: the MLP's and the small GPT's records equal the
-    eager copy's within 1e-4 (slow: inductor compiles each graph in seconds, minutes on a busy
-    CPU)."""
+    """The default (inductor) backend, float32: the MLP's, the CNN's and the small GPT's records
+    equal the eager copy's within 1e-4 (slow: inductor compiles each graph in seconds, minutes
+    on a busy CPU)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    base, data = (mlp(), _data("mlp", 2, dtype=torch.float32)) if model == "mlp" else (GPT(), _data("gpt", 2))
+    if model == "gpt":
+        base, data = GPT(), _data("gpt", 2)
+    else:
+        base, data = {"mlp": mlp, "cnn": cnn}[model](), _data(model, 2, dtype=torch.float32)
     kw = {"exclude": ["wpe"]} if model == "gpt" else {}
     eager, _, _ = _run(base, data, False, _norms, **kw)
     compiled, _, _ = _run(base, data, True, _norms, backend="inductor", **kw)
