@@ -5,17 +5,19 @@ Run:  python benchmarks/bench_compile.py [--batch 32] [--windows 6] [--route]
 
 Prints, in seconds of wall time: the first window of the compiled model (compilation included),
 an untracked compiled window, the first tracked window (eager: gradlens sets the compiler stance
-"force_eager" while a tracked window's hooks are installed), a later tracked window, and the same
-eager model's plain and tracked windows; plus the graph breaks counted by dynamo.
+"force_eager" while its first micro-step runs), a later tracked window (the CNN's Conv2d and Linear
+layers take the compiled route: it runs compiled), and the same eager model's plain and tracked
+windows; plus the graph breaks counted by dynamo.
 
-``--route`` (issue 35, the compiled route): an MLP, a small GPT (nanoGPT's blocks, untied head,
-the loss outside) and, where transformers is installed, Hugging Face GPT-2 (``GPT2ForSequenceClassification``,
-n_embd 128, 2 layers, T 32, vocab 50257: its ``Conv1D`` layers; the LM head's tie to the token table
-would be a shared weight, so the classification head; the position table, whose ids ``[1, T]`` are
-broadcast over the samples, left out of tracking), inductor, windows of K = 3 micro-batches (sizes 2:3:1), BatchL2 + SumGradSquared
-+ GradNorm on the odd windows: in one run, the median tracked window of the compiled model (after
-its first, eager micro-step and the compilations) / its median untracked window, and the same for
-the eager model; plus graph breaks and graphs compiled.
+``--route`` (issue 35, the compiled route): an MLP, a small GPT (nanoGPT's blocks, untied head, the
+loss outside) and, where transformers is installed, Hugging Face GPT-2
+(``GPT2ForSequenceClassification``, n_embd 128, 2 layers, T 32, vocab 50257: its ``Conv1D`` layers;
+the LM head's tie to the token table would be a shared weight, so the classification head; the
+position table, whose ids ``[1, T]`` are broadcast over the samples, left out of tracking),
+inductor, windows of K = 3 micro-batches (sizes 2:3:1), BatchL2 + SumGradSquared + GradNorm on the
+odd windows: in one run, the median tracked window of the compiled model (after its first, eager
+micro-step and the compilations) / its median untracked window, and the same for the eager model;
+plus graph breaks and graphs compiled.
 """
 
 from __future__ import annotations

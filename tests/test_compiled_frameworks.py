@@ -197,10 +197,10 @@ COMPILED = {
 @pytest.mark.parametrize("name", sorted(COMPILED))
 def test_compiled_route_runs_compiled_and_equals_the_eager_records(name):
     """GPT-2 (Conv1D attention and MLP, its sequence-classification head), BERT (padding masks,
-    token types, the pooler), a timm ViT built with torch's LayerNorm (its Conv2d patch
-    embedding) and a plain CNN (Conv2d with padding, with stride and no bias): the first tracked micro-step runs eagerly, the
-    later ones run the compiled graph (compiled regions in the profile, the route in the
-    record's meta), no graph break, and both tracked windows equal the eager copy's records,
+    token types, the pooler), a timm ViT built with torch's LayerNorm (its Conv2d patch embedding)
+    and a plain CNN (Conv2d with padding, with stride and no bias): the first tracked micro-step
+    runs eagerly, the later ones run the compiled graph (compiled regions in the profile, the route
+    in the record's meta), no graph break, and both tracked windows equal the eager copy's records,
     float64; the trained parameters equal too."""
     exclude, layers = COMPILED[name]
     base, data = _base(name), _data(name)

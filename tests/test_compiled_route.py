@@ -142,12 +142,13 @@ def _assert_records_equal(got, want, rtol: float, scaled: bool = False) -> None:
 
 @pytest.mark.parametrize("model", ["mlp", "bag", "cnn", pytest.param("gpt", marks=pytest.mark.slow)])
 def test_compiled_tracked_windows_equal_eager_ones_and_the_oracle(model):
-    """An MLP (Linear, LayerNorm), an embedding bag (Embedding with repeated ids and a padding
-    id, Linear), a CNN (Conv2d with padding and dilation, with stride and no bias; a Linear
-    without bias: its one sum-of-squares tensor) and a small GPT (Embedding, LayerNorm, Linear, causal attention; the position
-    table excluded; slow: 80 s of compilation), float64, K = 2, 3, 1 micro-batches, 3 windows:
-    the compiled model's records equal the eager copy's and a per-sample float64 oracle; the
-    first micro-step runs eagerly, the rest compiled (record.meta["route"]); no graph break."""
+    """An MLP (Linear, LayerNorm), an embedding bag (Embedding with repeated ids and a padding id,
+    Linear), a CNN (Conv2d with padding and dilation, with stride and no bias; a Linear without
+    bias: its one sum-of-squares tensor) and a small GPT (Embedding, LayerNorm, Linear, causal
+    attention; the position table excluded; slow: 80 s of compilation), float64, K = 2, 3, 1
+    micro-batches, 3 windows: the compiled model's records equal the eager copy's and a per-sample
+    float64 oracle; the first micro-step runs eagerly, the rest compiled (record.meta["route"]); no
+    graph break."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     base = {"mlp": mlp, "bag": Bag, "cnn": cnn, "gpt": GPT}[model]().double()

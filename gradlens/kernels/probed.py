@@ -10,12 +10,12 @@ gradient ``sum_n (dL_n/dp)^2``; all in the units of the loss that was backpropag
 caller rescales). Everything is tensor algebra that ``torch.compile`` traces into the forward and
 backward graphs: no hook, no mutation, no graph break.
 
-Samples are on dim 0 of the layer input, one row each (``[B, d]``, ``[B, *, d]``, a Conv2d's
-``[B, C, H, W]``): the caller checks that before choosing this route. The layers: torch's
-``Linear``, ``Conv2d`` (groups 1, zero padding), ``LayerNorm`` (affine), ``Embedding`` and
-transformers' ``Conv1D`` (matched by its dotted name, :data:`CONV1D`: no import). ``forward_for`` gives the replacement forward of a
-module whose probes are its attributes ``_gradlens_probe`` (the probe) and ``_gradlens_sq``
-(a tuple of ``sq`` tensors, or ``None``).
+Samples are on dim 0 of the layer input, one row each (``[B, d]``, ``[B, *, d]``, a Conv2d's ``[B,
+C, H, W]``): the caller checks that before choosing this route. The layers: torch's ``Linear``,
+``Conv2d`` (groups 1, zero padding), ``LayerNorm`` (affine), ``Embedding`` and transformers'
+``Conv1D`` (matched by its dotted name, :data:`CONV1D`: no import). ``forward_for`` gives the
+replacement forward of a module whose probes are its attributes ``_gradlens_probe`` (the probe) and
+``_gradlens_sq`` (a tuple of ``sq`` tensors, or ``None``).
 """
 
 from __future__ import annotations
