@@ -5,14 +5,19 @@ Run:  python benchmarks/bench_compile.py [--batch 32] [--windows 6] [--route]
 
 Prints, in seconds of wall time: the first window of the compiled model (compilation included),
 an untracked compiled window, the first tracked window (eager: gradlens sets the compiler stance
-"force_eager" while a tracked window's hooks are installed), a later tracked window, and the same
-eager model's plain and tracked windows; plus the graph breaks counted by dynamo.
+"force_eager" while its first micro-step runs), a later tracked window (the CNN's Conv2d and Linear
+layers take the compiled route: it runs compiled), and the same eager model's plain and tracked
+windows; plus the graph breaks counted by dynamo.
 
-``--route`` (issue 35, the compiled route): an MLP and a small GPT (nanoGPT's blocks, untied head,
-the loss outside), inductor, windows of K = 3 micro-batches (sizes 2:3:1), BatchL2 + SumGradSquared
-+ GradNorm on the odd windows: in one run, the median tracked window of the compiled model (after
-its first, eager micro-step and the compilations) / its median untracked window, and the same for
-the eager model; plus graph breaks and graphs compiled.
+``--route`` (issue 35, the compiled route): an MLP, a small GPT (nanoGPT's blocks, untied head, the
+loss outside) and, where transformers is installed, Hugging Face GPT-2
+(``GPT2ForSequenceClassification``, n_embd 128, 2 layers, T 32, vocab 50257: its ``Conv1D`` layers;
+the LM head's tie to the token table would be a shared weight, so the classification head; the
+position table, whose ids ``[1, T]`` are broadcast over the samples, left out of tracking),
+inductor, windows of K = 3 micro-batches (sizes 2:3:1), BatchL2 + SumGradSquared + GradNorm on the
+odd windows: in one run, the median tracked window of the compiled model (after its first, eager
+micro-step and the compilations) / its median untracked window, and the same for the eager model;
+plus graph breaks and graphs compiled.
 """
 
 from __future__ import annotations
@@ -99,14 +104,19 @@ def _route_windows(name: str, mode: str, n: int, unit: int) -> list[float]:
     from gradlens.instruments import SumGradSquared
 
     torch.manual_seed(0)
-    model = gradlens.extend(nn.Sequential(nn.Linear(1024, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(),
-                                          nn.Linear(768, 10)) if name == "mlp" else _GPT())
+    if name == "hf_gpt2":
+        model = gradlens.extend(_hf_gpt2())
+    else:
+        model = gradlens.extend(nn.Sequential(nn.Linear(1024, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(),
+                                              nn.Linear(768, 10)) if name == "mlp" else _GPT())
     run = model if mode == "eager" else torch.compile(model)
     loss_fn = gradlens.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     sizes = [2 * unit, 3 * unit, unit]
     if name == "mlp":
         data = [(torch.randn(b, 1024), torch.randint(0, 10, (b,))) for b in sizes]
+    elif name == "hf_gpt2":
+        data = [(torch.randint(1, 50257, (b, 32)), torch.randint(0, 4, (b,))) for b in sizes]
     else:
         data = [(torch.randint(0, 256, (b, 32)), torch.randint(0, 256, (b, 32))) for b in sizes]
     # alternate: tracked odd windows, untracked even ones, in one run (a busy machine's drift
@@ -116,11 +126,11 @@ def _route_windows(name: str, mode: str, n: int, unit: int) -> list[float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         lens = Lens(run, [BatchL2(), SumGradSquared(), GradNorm()], optimizer=opt, every=every,
-                    exclude=["wpe"] if name == "gpt" else ())
+                    exclude={"gpt": ["wpe"], "hf_gpt2": ["transformer.wpe"]}.get(name, ()))
         for _ in range(n):
             t0 = time.perf_counter()
             for x, y in data:
-                out = run(x)
+                out = run(input_ids=x).logits if name == "hf_gpt2" else run(x)
                 loss = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)) / len(data)
                 with lens.capture():
                     loss.backward()
@@ -134,12 +144,29 @@ def _route_windows(name: str, mode: str, n: int, unit: int) -> list[float]:
     return times
 
 
-def route_rows(n: int) -> None:
+def _hf_gpt2() -> nn.Module:
+    """Hugging Face GPT-2, n_embd 128, 2 layers, 4 heads, T 32, GPT-2's vocabulary, a 4-way
+    sequence-classification head (untied), no dropout."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    cfg = GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, num_labels=4, pad_token_id=0)
+    return GPT2ForSequenceClassification(cfg)
+
+
+def route_rows(n: int, only: list[str] | None = None) -> None:
     from statistics import median
     from torch._dynamo.utils import counters
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; median window after {n // 2} warm-up windows")
-    for name, unit in (("gpt", 2), ("mlp", 32)):
+    rows = [("hf_gpt2", 1), ("gpt", 2), ("mlp", 32)]
+    for name, unit in [r for r in rows if only is None or r[0] in only]:
+        if name == "hf_gpt2":
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:
+                print("hf_gpt2: transformers is not installed (pip install transformers): row not run")
+                continue
         got = {}
         for mode in ("tracked", "eager"):
             torch._dynamo.reset()
@@ -161,9 +188,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--windows", type=int, default=6)
     p.add_argument("--route", action="store_true", help="the compiled route's ratios (issue 35)")
+    p.add_argument("--only", nargs="+", choices=["hf_gpt2", "gpt", "mlp"], help="--route: these rows only")
     a = p.parse_args()
     if a.route:
-        route_rows(max(a.windows, 8))
+        route_rows(max(a.windows, 8), a.only)
         return
     from torch._dynamo.utils import counters
 

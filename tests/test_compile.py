@@ -56,7 +56,8 @@ def test_untracked_windows_compile_without_graph_breaks_tracked_warn_once():
 def test_compiled_tracked_windows_equal_the_eager_records_and_keep_the_stance():
     """A compiled CNN and the same CNN eager, K = 3 unequal micro-steps: equal records; the
     compiler's stance is back to default after each tracked window; untracked windows run the
-    compiled graph."""
+    compiled graph. (Its Conv2d pads "same", which has no probed form: the eager route, whose
+    stance this checks; tests/test_compiled_route.py has the compiled route.)"""
     from torch._dynamo.utils import counters
 
     from gradlens import compat
@@ -66,7 +67,7 @@ def test_compiled_tracked_windows_equal_the_eager_records_and_keep_the_stance():
 
     def cnn():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 4)).double()
+        return nn.Sequential(nn.Conv2d(2, 3, 3, padding="same"), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 4)).double()
 
     x, y = torch.randn(8, 2, 4, 4, dtype=torch.float64), torch.randint(0, 4, (8,))
     recs = []

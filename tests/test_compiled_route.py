@@ -57,6 +57,13 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.LayerNorm(7), nn.Linear(7, 3))
 
 
+def cnn() -> nn.Module:
+    """Conv2d with padding and dilation, Conv2d with stride and no bias, a Linear with no bias."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=2, dilation=2), nn.Tanh(), nn.Conv2d(3, 4, 3, stride=2, bias=False),
+                         nn.Tanh(), nn.Flatten(), nn.Linear(16, 3, bias=False))
+
+
 class Bag(nn.Module):
     """Token ids [B, 4] -> an embedding, averaged over the tokens -> a Linear."""
 
@@ -74,6 +81,9 @@ def _data(model: str, windows: int, dtype=torch.float64):
     for _ in range(windows):
         if model == "bag":
             out.append([(torch.randint(0, 6, (b, 4), generator=g), torch.randint(0, 3, (b,), generator=g))
+                        for b in SIZES])
+        elif model == "cnn":
+            out.append([(torch.randn(b, 2, 6, 6, generator=g, dtype=dtype), torch.randint(0, 3, (b,), generator=g))
                         for b in SIZES])
         elif model == "gpt":
             out.append([(torch.randint(0, VOCAB, (b, T), generator=g), torch.randint(0, VOCAB, (b, T), generator=g))
@@ -130,16 +140,18 @@ def _assert_records_equal(got, want, rtol: float, scaled: bool = False) -> None:
             torch.testing.assert_close(c["sum_grad_squared"][q], want_q, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("model", ["mlp", "bag", pytest.param("gpt", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["mlp", "bag", "cnn", pytest.param("gpt", marks=pytest.mark.slow)])
 def test_compiled_tracked_windows_equal_eager_ones_and_the_oracle(model):
-    """An MLP (Linear, LayerNorm), an embedding bag (Embedding with repeated ids and a padding
-    id, Linear) and a small GPT (Embedding, LayerNorm, Linear, causal attention; the position
-    table excluded; slow: 80 s of compilation), float64, K = 2, 3, 1 micro-batches, 3 windows:
-    the compiled model's records equal the eager copy's and a per-sample float64 oracle; the
-    first micro-step runs eagerly, the rest compiled (record.meta["route"]); no graph break."""
+    """An MLP (Linear, LayerNorm), an embedding bag (Embedding with repeated ids and a padding id,
+    Linear), a CNN (Conv2d with padding and dilation, with stride and no bias; a Linear without
+    bias: its one sum-of-squares tensor) and a small GPT (Embedding, LayerNorm, Linear, causal
+    attention; the position table excluded; slow: 80 s of compilation), float64, K = 2, 3, 1
+    micro-batches, 3 windows: the compiled model's records equal the eager copy's and a per-sample
+    float64 oracle; the first micro-step runs eagerly, the rest compiled (record.meta["route"]); no
+    graph break."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    base = {"mlp": mlp, "bag": Bag, "gpt": GPT}[model]().double()
+    base = {"mlp": mlp, "bag": Bag, "cnn": cnn, "gpt": GPT}[model]().double()
     kw = {"exclude": ["wpe"]} if model == "gpt" else {}
     data = _data(model, 3)
     eager, said_eager, states = _run(base, data, False, _norms, **kw)
@@ -370,14 +382,17 @@ def test_compiled_route_refuses_two_forwards_per_capture_and_a_graph_backpropaga
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "cnn", "gpt"])
 def test_inductor_float32_equals_eager_within_1e_4(model):
-    """The default (inductor) backend, float32: the MLP's and the small GPT's records equal the
-    eager copy's within 1e-4 (slow: inductor compiles each graph in seconds, minutes on a busy
-    CPU)."""
+    """The default (inductor) backend, float32: the MLP's, the CNN's and the small GPT's records
+    equal the eager copy's within 1e-4 (slow: inductor compiles each graph in seconds, minutes
+    on a busy CPU)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    base, data = (mlp(), _data("mlp", 2, dtype=torch.float32)) if model == "mlp" else (GPT(), _data("gpt", 2))
+    if model == "gpt":
+        base, data = GPT(), _data("gpt", 2)
+    else:
+        base, data = {"mlp": mlp, "cnn": cnn}[model](), _data(model, 2, dtype=torch.float32)
     kw = {"exclude": ["wpe"]} if model == "gpt" else {}
     eager, _, _ = _run(base, data, False, _norms, **kw)
     compiled, _, _ = _run(base, data, True, _norms, backend="inductor", **kw)

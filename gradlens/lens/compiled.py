@@ -85,7 +85,8 @@ class CompileNotice:
 _ROUTE = (
     "the model runs under torch.compile: the first tracked micro-step runs eagerly (torch.compiler "
     "stance 'force_eager': no graph break) while gradlens checks that every tracked layer has a probed "
-    "closed form (nn.Linear, nn.LayerNorm, nn.Embedding), used once per forward with the samples on "
+    "closed form (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.Embedding, transformers' Conv1D), used once per "
+    "forward with the samples on "
     "dim 0; then tracked micro-steps run the compiled graph, their statistics the gradients of probe "
     "tensors (record.meta['route']). If the model does not qualify, they stay eager and a second "
     "warning says why. (Said once per Lens.)"

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from gradlens.capture.units import MicroStep, check_reduction
-from gradlens.kernels.probed import PROBED, forward_for, probe_width
+from gradlens.kernels.probed import forward_for, probe_width, probed_class
 
 __all__ = ["CompiledRoute", "ROUTE_NEEDS", "route_refusal"]
 
@@ -118,7 +118,7 @@ class CompiledRoute:
             if q not in owner:
                 return f"parameter {q!r} is not used by a layer of its own module (an operation on it)"
             mod, attr, name = owner[q]
-            if type(mod) not in PROBED or forward_for(mod) is None:
+            if not probed_class(mod) or forward_for(mod) is None:
                 return f"parameter {q!r} is in {name!r} ({type(mod).__name__}), which has no probed form"
             if "forward" in mod.__dict__ and not any(m is mod for m in tap._replaced):  # (not the Tap's)
                 return f"{name!r} has a forward of its own (an instance attribute)"
