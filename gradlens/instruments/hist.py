@@ -8,9 +8,10 @@ zero, ``[0, w)``, negative ones left of it, however small (see
 :func:`~gradlens.instruments.binning.bin_of`). Non-finite values count as out of range (-inf
 low; +inf and NaN high).
 
-Cost: one vectorised pass per layer over slices of samples (bin index, then one ``bincount``;
-for 2D over the combined index ``param_bin * grad_bins + grad_bin``); no Python loop over
-samples or bins. The parameter values, and so their bins, are fixed within a window: they are
+Cost: one pass per layer over its per-sample elements, no Python loop over samples or bins: on
+the CPU a compiled loop (:mod:`gradlens.instruments.native_bins`) forms, bins and counts each
+element (2D: at its combined index ``param_bin * grad_bins + grad_bin``); elsewhere, or without
+a C compiler, vectorised torch passes over slices of samples (bin index, then one ``bincount``). The parameter values, and so their bins, are fixed within a window: they are
 binned once per window. On the CPU, rank-one layers (Linear without a sequence axis) take exact
 shortcuts that touch far fewer than B x D elements (:mod:`gradlens.instruments.outer_hist` for
 1D; for 2D the rows of a sample whose products lie in one bin, or on both sides of the zero edge,
@@ -345,8 +346,10 @@ class GradHist1d(_GroupedHist):
 
     def update_outer(self, state: _Hist1dState, name, param, delta, a) -> bool:
         """Rank-one layers (g_n = delta_n a_n^T, ``delta [B, O]``, ``a [B, I]``): exact counts
-        from sorted factors (:mod:`gradlens.instruments.outer_hist`); False if too costly, and
-        on the device paths (its searches have data-dependent sizes)."""
+        from sorted factors (:mod:`gradlens.instruments.outer_hist`) where the rows span few
+        bins, else every product in the compiled loop (:mod:`gradlens.instruments.native_bins`,
+        no ``[B, O, I]`` tensor); False where neither serves (the caller materialises), and on
+        the device paths (the searches have data-dependent sizes)."""
         if device_paths(delta):
             return False
         native = native_bins.usable(delta, a)

@@ -234,10 +234,13 @@ class GradHist2d(_GroupedHist):
         * its products on both sides of the zero edge (bins z - 1 and z, nothing else): the sign
           decides, so per parameter entry (o, i) the number of samples with a negative product is
           ``[delta > 0]^T [a < 0] + [delta < 0]^T [a > 0]`` over those rows (two matmuls);
-        * any other row: its products binned one by one.
+        * any other row: its products binned one by one (in the compiled loop of
+          :mod:`gradlens.instruments.native_bins` where it serves: product, bin and count in
+          one pass).
 
-        Returns False (the caller materialises, as for 1D) when more than
-        ``max_rows_one_by_one`` (a quarter) of the rows would be binned one by one: gathering
+        When more than ``max_rows_one_by_one`` (a quarter) of the rows would be binned one by
+        one, every product goes through the compiled loop instead (no matmuls, no ``[B, O, I]``
+        tensor); without it, returns False (the caller materialises, as for 1D): gathering
         their products costs more than the dense pass.
         """
         if device_paths(delta):

@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +42,14 @@ _SOURCE = r"""
 
 #define BLOCK 256
 
+/* x86-64: the index loop also in an AVX2 version, chosen at load by the CPU (GL_CLONES is set
+   where the compiler supports it; the build retries without it). */
+#ifdef GL_CLONES
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
 /* One block of m elements x = d * xs[i] (d = 1: the elements themselves; 1 * x is x, NaN and
    -0 included): idx[i] = OFF + bin of x by bin_of's rule, in x's dtype T: u = (x - lo_sub) * s
    (lo_sub = 0 where 0 is an edge: x - 0 is x), floor(u) + zz clamped to [0, bins - 1] through
@@ -48,7 +57,7 @@ _SOURCE = r"""
    cl[0] += #{x < lo}, cl[1] += #{not x <= hi} (above hi, or NaN). Branch-free, so that the
    compiler vectorises it. OFF: of[i] (2D: the parameter bin's offset) or 0 (1D). */
 #define INDEX(T, NAME, OFF)                                                                    \
-static void NAME(const T *restrict xs, const T d, const int32_t *restrict of,                   \
+CLONES static void NAME(const T *restrict xs, const T d, const int32_t *restrict of,                   \
                  int32_t *restrict idx, const int64_t m, const T lo, const T hi, const T lo_sub,\
                  const T s, const T lo_u, const T hi_m, const int32_t zz, int64_t *cl) {        \
     int32_t below = 0, above = 0;                                                              \
@@ -136,7 +145,7 @@ def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return None
-    tag = hashlib.sha1((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    tag = hashlib.sha1("\n".join([_SOURCE, *_FLAGS, cc, platform.machine()]).encode()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("GRADLENS_CACHE") or pathlib.Path.home() / ".cache" / "gradlens")
     lib = cache / f"hist2d_{tag}.so"
     if not lib.exists():
@@ -144,8 +153,13 @@ def _build() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved: atomic
             src, out = pathlib.Path(tmp) / "hist2d.c", pathlib.Path(tmp) / "hist2d.so"
             src.write_text(_SOURCE)
-            done = subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)], capture_output=True, timeout=120)
-            if done.returncode != 0 or not out.exists():
+            tries = [["-DGL_CLONES"], []] if platform.machine() in ("x86_64", "AMD64") else [[]]
+            for extra in tries:  # AVX2 clones where the compiler makes them, else plain
+                done = subprocess.run([cc, *_FLAGS, *extra, "-o", str(out), str(src)], capture_output=True,
+                                      timeout=120)
+                if done.returncode == 0 and out.exists():
+                    break
+            else:
                 return None
             os.replace(out, lib)
     dll = ctypes.CDLL(str(lib))
@@ -217,7 +231,7 @@ def count_outer(counts: Tensor, delta: Tensor, a: Tensor, lo: float, hi: float, 
         rows = rows.to(torch.int64).contiguous()
         n = rows.numel()
     cl = torch.zeros(2, dtype=torch.int64)
-    fn = getattr(_lib, f"gl_rows_{_SUFFIX[delta.dtype]}")
+    fn = _fn("gl_rows", delta.dtype)
     fn(delta.data_ptr(), a.data_ptr(), _ptr(off), _ptr(rows), n, o, i, *_args(lo, hi, bins),
        counts.data_ptr(), cl.data_ptr())
     return int(cl[0]), int(cl[1])
@@ -237,9 +251,15 @@ def count_dense(counts: Tensor, x: Tensor, lo: float, hi: float, bins: int,
     if off is not None and x.numel() != b * off.numel():
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, offsets {tuple(off.shape)}")
     cl = torch.zeros(2, dtype=torch.int64)
-    fn = getattr(_lib, f"gl_dense_{_SUFFIX[x.dtype]}")
+    fn = _fn("gl_dense", x.dtype)
     fn(x.data_ptr(), _ptr(off), b, d, *_args(lo, hi, bins), counts.data_ptr(), cl.data_ptr())
     return int(cl[0]), int(cl[1])
+
+
+def _fn(name: str, dtype: torch.dtype):
+    if dtype not in _SUFFIX or not available():
+        raise RuntimeError(f"the compiled histogram loop does not serve {dtype} here (see native_bins.usable)")
+    return getattr(_lib, f"{name}_{_SUFFIX[dtype]}")
 
 
 def _ptr(t: Tensor | None):
