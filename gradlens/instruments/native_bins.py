@@ -39,8 +39,10 @@ __all__ = ["available", "count_dense", "count_outer", "usable"]
 
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 
 #define BLOCK 256
+#define COPIES_MAX_BINS 4096
 
 /* x86-64: the index loop also in an AVX2 version, chosen at load by the CPU (GL_CLONES is set
    where the compiler supports it; the build retries without it). */
@@ -76,13 +78,37 @@ CLONES static void NAME(const T *restrict xs, const T d, const int32_t *restrict
     cl[1] += above;                                                                            \
 }
 
-/* The constants of bin_of's rule in T (as torch's float operations use them). */
+/* The constants of bin_of's rule in T (as torch's float operations use them); 1D (no
+   offsets, few bins): four interleaved copies of the counts, so that a run of elements in one
+   bin does not wait on its own increments (folded into counts at the end). */
 #define SETUP(T)                                                                               \
     const T lo = (T)lo_d, hi = (T)hi_d, s = (T)s_d, lo_sub = zero ? (T)0 : (T)lo_d;            \
     const int32_t zz = zero ? (int32_t)z : 0;                                                  \
     const T lo_u = (T)(-zz), hi_m = (T)(bins - 1 - zz);                                        \
     int32_t idx[BLOCK];                                                                        \
+    int64_t *sub = (!off && bins <= COPIES_MAX_BINS) ? calloc(4 * bins, sizeof(int64_t)) : 0;  \
     cl[0] = cl[1] = 0;
+
+#define TALLY                                                                                  \
+    if (sub) {                                                                                 \
+        int64_t j = 0;                                                                         \
+        for (; j + 4 <= m; j += 4) {                                                           \
+            sub[idx[j]]++;                                                                     \
+            sub[bins + idx[j + 1]]++;                                                          \
+            sub[2 * bins + idx[j + 2]]++;                                                      \
+            sub[3 * bins + idx[j + 3]]++;                                                      \
+        }                                                                                      \
+        for (; j < m; j++) sub[idx[j]]++;                                                      \
+    } else {                                                                                   \
+        for (int64_t j = 0; j < m; j++) counts[idx[j]]++;                                      \
+    }
+
+#define FOLD                                                                                   \
+    if (sub) {                                                                                 \
+        for (int64_t k = 0; k < bins; k++)                                                     \
+            counts[k] += sub[k] + sub[bins + k] + sub[2 * bins + k] + sub[3 * bins + k];       \
+        free(sub);                                                                             \
+    }
 
 /* gl_rows: rows r (all R = B * O, or the R listed in rows) of the products
    delta[r] * a[r / O, :], entry (r % O, i) at offset off[(r % O) * I + i] (off NULL: 0).
@@ -106,9 +132,10 @@ void gl_rows_##SFX(const T *delta, const T *a, const int32_t *off, const int64_t
             else                                                                               \
                 index1_##SFX(a + n * I + i0, d, off, idx, m, lo, hi, lo_sub, s, lo_u, hi_m,     \
                              zz, cl);                                                          \
-            for (int64_t j = 0; j < m; j++) counts[idx[j]]++;                                  \
+            TALLY                                                                              \
         }                                                                                      \
     }                                                                                          \
+    FOLD                                                                                       \
 }                                                                                              \
 void gl_dense_##SFX(const T *x, const int32_t *off, int64_t B, int64_t D, double lo_d,         \
                     double hi_d, double s_d, int64_t zero, int64_t z, int64_t bins,             \
@@ -123,9 +150,10 @@ void gl_dense_##SFX(const T *x, const int32_t *off, int64_t B, int64_t D, double
             else                                                                               \
                 index1_##SFX(x + n * D + i0, (T)1, off, idx, m, lo, hi, lo_sub, s, lo_u, hi_m,  \
                              zz, cl);                                                          \
-            for (int64_t j = 0; j < m; j++) counts[idx[j]]++;                                  \
+            TALLY                                                                              \
         }                                                                                      \
     }                                                                                          \
+    FOLD                                                                                       \
 }
 
 KERNELS(float, f32)
