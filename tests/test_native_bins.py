@@ -251,3 +251,25 @@ def test_loop_refuses_what_it_cannot_count():
         native_bins.count_outer(torch.zeros(4, dtype=torch.int64), torch.zeros(2, 3), torch.zeros(3, 5), -1.0, 1.0, 4)
     assert not native_bins.usable(torch.zeros(2, dtype=torch.float16))
     assert not native_bins.usable(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bins", [4095, 4096, 4097, 9000])
+def test_loop_with_many_bins(bins):
+    """1D counts of up to 4096 bins go through four interleaved copies, more bins straight into
+    the counts: both equal bin_of's counts (and 2D with as many cells)."""
+    g = torch.Generator().manual_seed(bins)
+    delta, a = torch.randn(3, 5, generator=g), torch.randn(3, 701, generator=g)
+    a[0, :3] = torch.tensor([float("nan"), -1.0, 1.0])
+    x = delta[:, :, None] * a[:, None, :]
+    want, clamped = _want(x, -1.0, 1.0, bins)
+    got = torch.zeros(bins, dtype=torch.int64)
+    assert native_bins.count_outer(got, delta, a, -1.0, 1.0, bins) == clamped
+    assert torch.equal(got, want)
+    got = torch.zeros(bins, dtype=torch.int64)
+    assert native_bins.count_dense(got, x, -1.0, 1.0, bins) == clamped
+    assert torch.equal(got, want)
+    off = (torch.randint(0, 2, (5, 701), generator=g) * bins).to(torch.int32)
+    want, clamped = _want(x, -1.0, 1.0, bins, off)
+    got = torch.zeros(2 * bins, dtype=torch.int64)
+    assert native_bins.count_outer(got, delta, a, -1.0, 1.0, bins, off) == clamped
+    assert torch.equal(got, want)
