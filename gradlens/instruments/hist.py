@@ -273,7 +273,7 @@ class GradHist1d(_GroupedHist):
     #: take the sorted-row search only when it has fewer positions to find than this fraction of
     #: their ``B * O * I`` products, else the loop counts them all (measured on the CPU: a
     #: position about 200 ns, the loop 1-1.5 ns a product)
-    max_search_native = 1 / 256
+    max_search_native = 1 / 128
 
     def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None,
                  sample: float | None = None, seed: int = 0):
