@@ -166,11 +166,14 @@ def test_bin_thresholds_are_the_first_value_of_each_bin(bins, lo, width, dtype):
     assert t[0] == -float("inf") and t[bins] == float("inf")
 
 
-def test_edges_below_the_dtype_resolution_fall_back_to_materialising():
+def test_edges_below_the_dtype_resolution_fall_back_to_materialising(monkeypatch):
     """A range whose bins are narrower than float32 can resolve there has no exact thresholds:
-    the sorted-factor path declines (None) and the histogram materialises, still exact."""
-    from gradlens.instruments import GradHist1d
+    the sorted-factor path declines (None) and the histogram materialises, still exact (with
+    torch's counting; the compiled loop counts the products from the factors instead, the same)."""
+    from gradlens.instruments import GradHist1d, native_bins
     from gradlens.instruments.outer_hist import bin_thresholds
+
+    monkeypatch.setattr(native_bins, "_lib", False)  # torch's counting (as without a C compiler)
 
     lo, hi = 1000.0, 1000.0 + 1e-4  # float32 spacing near 1000 is 6e-5
     assert bin_thresholds(lo, hi, 64, torch.float32, torch.device("cpu")) is None
@@ -186,3 +189,8 @@ def test_edges_below_the_dtype_resolution_fall_back_to_materialising():
     h.update(s, "w", torch.zeros(40, 30), g)
     assert torch.equal(s.counts, torch.bincount(bin_of(g.flatten(), lo, hi, 64), minlength=64))
     assert int(s.low) == int((g < lo).sum()) and int(s.high) == int((g > hi).sum())
+    monkeypatch.undo()
+    assert native_bins.available()
+    s2 = h.start_window()
+    assert h.update_outer(s2, "w", torch.zeros(40, 30), delta, a)  # the loop, from the factors
+    assert torch.equal(s2.counts, s.counts) and (int(s2.low), int(s2.high)) == (int(s.low), int(s.high))

@@ -8,9 +8,10 @@ zero, ``[0, w)``, negative ones left of it, however small (see
 :func:`~gradlens.instruments.binning.bin_of`). Non-finite values count as out of range (-inf
 low; +inf and NaN high).
 
-Cost: one vectorised pass per layer over slices of samples (bin index, then one ``bincount``;
-for 2D over the combined index ``param_bin * grad_bins + grad_bin``); no Python loop over
-samples or bins. The parameter values, and so their bins, are fixed within a window: they are
+Cost: one pass per layer over its per-sample elements, no Python loop over samples or bins: on
+the CPU a compiled loop (:mod:`gradlens.instruments.native_bins`) forms, bins and counts each
+element (2D: at its combined index ``param_bin * grad_bins + grad_bin``); elsewhere, or without
+a C compiler, vectorised torch passes over slices of samples (bin index, then one ``bincount``). The parameter values, and so their bins, are fixed within a window: they are
 binned once per window. On the CPU, rank-one layers (Linear without a sequence axis) take exact
 shortcuts that touch far fewer than B x D elements (:mod:`gradlens.instruments.outer_hist` for
 1D; for 2D the rows of a sample whose products lie in one bin, or on both sides of the zero edge,
@@ -36,6 +37,7 @@ from gradlens.instruments.base import Instrument
 
 from gradlens.core.stats import DistParts, WindowStats
 from gradlens.instruments.crosssample import _human
+from gradlens.instruments import native_bins
 from gradlens.instruments.binning import _affine, bin_of, count_1d
 from gradlens.instruments.outer_hist import outer_hist1d
 from gradlens.instruments.sampling import Draws, Stratum, check_sample, estimate, merge_strata
@@ -267,6 +269,11 @@ class GradHist1d(_GroupedHist):
     #: data ranks, and the extremes are shared the same way: its rank merge serves as is
     tp_merges_by_sums = True
     _counters = ("counts", "low", "high", "var")
+    #: where the compiled loop (:mod:`gradlens.instruments.native_bins`) serves, rank-one layers
+    #: take the sorted-row search only when it has fewer positions to find than this fraction of
+    #: their ``B * O * I`` products, else the loop counts them all (measured on the CPU: a
+    #: position about 200 ns, the loop 1-1.5 ns a product)
+    max_search_native = 1 / 128
 
     def __init__(self, bins: int = 100, range=(-2.0, 2.0), adapt: str | None = None,
                  sample: float | None = None, seed: int = 0):
@@ -317,6 +324,13 @@ class GradHist1d(_GroupedHist):
             if self.adapt is not None:
                 self._extremes(state, x)
             return
+        if x.numel() and native_bins.usable(x):  # one compiled pass: bins, counts, clamped
+            low, high = native_bins.count_dense(dst.counts, x, lo, hi, self.bins)
+            dst.low += low
+            dst.high += high
+            if self.adapt is not None:
+                self._extremes(state, x)
+            return
         mn, mx = torch.aminmax(x) if x.numel() else (None, None)
         if mn is None or (bool(mn >= lo) and bool(mx <= hi)):  # nothing clamped, no NaN: the bins alone
             dst.counts += count_1d(x, lo, hi, self.bins, inside=True)
@@ -332,17 +346,24 @@ class GradHist1d(_GroupedHist):
 
     def update_outer(self, state: _Hist1dState, name, param, delta, a) -> bool:
         """Rank-one layers (g_n = delta_n a_n^T, ``delta [B, O]``, ``a [B, I]``): exact counts
-        from sorted factors (:mod:`gradlens.instruments.outer_hist`); False if too costly, and
-        on the device paths (its searches have data-dependent sizes)."""
+        from sorted factors (:mod:`gradlens.instruments.outer_hist`) where the rows span few
+        bins, else every product in the compiled loop (:mod:`gradlens.instruments.native_bins`,
+        no ``[B, O, I]`` tensor); False where neither serves (the caller materialises), and on
+        the device paths (the searches have data-dependent sizes)."""
         if device_paths(delta):
             return False
-        out = outer_hist1d(delta, a, state.lo, state.hi, self.bins)
-        if out is None:
+        native = native_bins.usable(delta, a)
+        out = outer_hist1d(delta, a, state.lo, state.hi, self.bins,
+                           **({"max_cost": self.max_search_native} if native else {}))
+        if out is None and not native:
             return False
         dst = self._dst(state, name)
         dst.to(delta.device)
-        counts, low, high = out
-        dst.counts += counts
+        if out is None:  # every product in one compiled pass (no [B, O, I] tensor)
+            low, high = native_bins.count_outer(dst.counts, delta, a, state.lo, state.hi, self.bins)
+        else:
+            counts, low, high = out
+            dst.counts += counts
         dst.low += low
         dst.high += high
         if self.adapt is not None:

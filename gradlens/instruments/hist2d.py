@@ -16,6 +16,7 @@ from gradlens.core.stats import DistParts, WindowStats
 from gradlens.core.sync import device_paths
 from gradlens.core.param_shapes import full_numel
 from gradlens.kernels.base import sample_chunks
+from gradlens.instruments import native_bins
 from gradlens.instruments.binning import _affine, bin_of, count_2d, tally
 from gradlens.instruments.hist import (
     _GroupedHist, _adapted, _check_adapt, _check_bins, _check_range, _check_size, _edges,
@@ -187,6 +188,11 @@ class GradHist2d(_GroupedHist):
             return
         if not x.numel():
             return
+        if native_bins.usable(x):  # one compiled pass: bins, counts, clamped
+            dst.clamped_grad += sum(native_bins.count_dense(dst.counts, x, lo, hi, self.bins[1], theta.offsets))
+            if self.adapt is not None:
+                self._grad_extremes(state, *torch.aminmax(x))
+            return
         mn, mx = torch.aminmax(x)
         inside = bool(mn >= lo) and bool(mx <= hi)  # nothing clamped, no NaN: the bins alone
         dst.counts += count_2d(x, theta.dense_offsets(x.dtype, self.bins[1]), lo, hi, self.bins[1], self.bins[0],
@@ -228,10 +234,13 @@ class GradHist2d(_GroupedHist):
         * its products on both sides of the zero edge (bins z - 1 and z, nothing else): the sign
           decides, so per parameter entry (o, i) the number of samples with a negative product is
           ``[delta > 0]^T [a < 0] + [delta < 0]^T [a > 0]`` over those rows (two matmuls);
-        * any other row: its products binned one by one.
+        * any other row: its products binned one by one (in the compiled loop of
+          :mod:`gradlens.instruments.native_bins` where it serves: product, bin and count in
+          one pass).
 
-        Returns False (the caller materialises, as for 1D) when more than
-        ``max_rows_one_by_one`` (a quarter) of the rows would be binned one by one: gathering
+        When more than ``max_rows_one_by_one`` (a quarter) of the rows would be binned one by
+        one, every product goes through the compiled loop instead (no matmuls, no ``[B, O, I]``
+        tensor); without it, returns False (the caller materialises, as for 1D): gathering
         their products costs more than the dense pass.
         """
         if device_paths(delta):
@@ -248,12 +257,19 @@ class GradHist2d(_GroupedHist):
         if z is not None and 0 < z < gbins:
             zs = ((first == int(z) - 1) & (last == int(z)) & inside).view_as(delta)
         done = single if zs is None else single | zs.reshape(-1)
-        if int(done.numel() - done.sum()) > self.max_rows_one_by_one * done.numel():
+        native = native_bins.usable(delta, a)
+        many = int(done.numel() - done.sum()) > self.max_rows_one_by_one * done.numel()
+        if many and not native:
             return False
         state.to(delta.device)
         dst = self._dst(state, name)
         dst.to(delta.device)
         theta = self._theta(state, name, param)
+        if many:  # every product in one compiled pass (no [B, O, I] tensor)
+            dst.clamped_grad += sum(native_bins.count_outer(dst.counts, delta, a, lo, hi, gbins, theta.offsets))
+            if self.adapt is not None:
+                self._grad_extremes(state, vmin.min(), vmax.max())
+            return True
         off = theta.offsets  # [O, I] p_bin * G
         row_counts = self._row_counts(theta)  # [O, P]
         rows = torch.arange(delta.numel(), device=delta.device)
@@ -265,6 +281,9 @@ class GradHist2d(_GroupedHist):
         if zs is not None and bool(zs.any()):
             self._zero_split(dst, zs, delta, a, off, row_counts, int(z))
         multi = rows[~done]
+        if native and multi.numel():  # the products of those rows, in one compiled pass
+            dst.clamped_grad += sum(native_bins.count_outer(dst.counts, delta, a, lo, hi, gbins, off, multi))
+            multi = multi[:0]
         for s, e in sample_chunks(width, multi.numel()):  # [R, I] products per block
             c = multi[s:e]
             x = delta.reshape(-1)[c, None] * a[c // o]  # the same products, [R, I]
