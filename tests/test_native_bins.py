@@ -5,6 +5,8 @@ over unequal micro-batches; without a C compiler the loop is off and the counts 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -236,6 +238,39 @@ def test_no_compiler_falls_back(monkeypatch, tmp_path):
     s2 = h.start_window()
     h.update(s2, "w", param, x)
     assert torch.equal(s.counts, s2.counts) and int(s.clamped_grad) == int(s2.clamped_grad)
+
+
+def test_a_cached_library_others_may_write_is_not_loaded(monkeypatch, tmp_path):
+    """Loading a library runs its code: a cached one that others may write (or in a folder they
+    may write) is never loaded; the loop is built afresh in a private folder instead. (Each
+    cache below is a new path: the dynamic loader hands back a library already loaded from the
+    same path without reading the file again.)"""
+    monkeypatch.setattr(native_bins, "_lib", None)
+    monkeypatch.setenv("GRADLENS_CACHE", str(tmp_path / "built"))
+    assert native_bins.available()
+    (built,) = (tmp_path / "built").glob("hist2d_*.so")
+
+    def cache(name, mode_file, mode_dir):
+        """A cache folder whose library is a file that no loader accepts."""
+        folder = tmp_path / name
+        folder.mkdir()
+        lib = folder / built.name
+        lib.write_bytes(b"not a library: loading this fails")  # (what a stranger could leave)
+        lib.chmod(mode_file)
+        folder.chmod(mode_dir)
+        monkeypatch.setenv("GRADLENS_CACHE", str(folder))
+        monkeypatch.setattr(native_bins, "_lib", None)
+
+    for name, mode_file, mode_dir in (("file", 0o666, 0o700), ("folder", 0o700, 0o777)):
+        cache(name, mode_file, mode_dir)
+        assert native_bins.available()  # the fresh build, not the file
+        counts = torch.zeros(4, dtype=torch.int64)
+        native_bins.count_dense(counts, torch.tensor([[-0.9, -0.1, 0.2, 0.9]]), -1.0, 1.0, 4)
+        assert counts.tolist() == [1, 1, 1, 1]
+    cache("own", 0o700, 0o700)  # only our own file: loaded as it is (and it is no library)
+    with pytest.raises(OSError):
+        native_bins._build()
+    monkeypatch.setattr(native_bins, "_lib", None)
 
 
 def test_loop_refuses_what_it_cannot_count():

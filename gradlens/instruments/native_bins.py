@@ -14,7 +14,9 @@ counted in the same pass.
 
 The loop is C source compiled once per machine with the system C compiler (``cc``, or ``$CC``)
 into a shared library cached under ``$GRADLENS_CACHE`` (default ``~/.cache/gradlens``) and loaded
-with ``ctypes``. Where there is no compiler (or ``GRADLENS_NATIVE=0``), :func:`available` is
+with ``ctypes``; a cached library that another user owns or may write (or whose folder they may
+write) is never loaded: the loop is then built afresh in a private temporary folder. Where there
+is no compiler (or ``GRADLENS_NATIVE=0``), :func:`available` is
 False and GradHist2d counts with torch (:func:`~gradlens.instruments.binning.count_2d`): the same
 counts, slower. Float32 and float64 only; contiguous inputs (the callers make them so).
 """
@@ -168,6 +170,18 @@ _lib = None  # the loaded library, False once building or loading failed
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
+def _private(path: pathlib.Path) -> bool:
+    """Whether ``path`` and its folder belong to this user and no one else may write them (a
+    cached library another user could have replaced is not loaded: it would run their code)."""
+    if not hasattr(os, "getuid"):
+        return True  # (no POSIX owners: the user's own profile folder)
+    for p in (path, path.parent):
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
+    return True
+
+
 def _build() -> ctypes.CDLL | None:
     """Compile (once per source and machine, cached) and load the library; None if impossible."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -175,9 +189,12 @@ def _build() -> ctypes.CDLL | None:
         return None
     tag = hashlib.sha1("\n".join([_SOURCE, *_FLAGS, cc, platform.machine()]).encode()).hexdigest()[:16]
     cache = pathlib.Path(os.environ.get("GRADLENS_CACHE") or pathlib.Path.home() / ".cache" / "gradlens")
-    lib = cache / f"hist2d_{tag}.so"
+    lib, aside = cache / f"hist2d_{tag}.so", None
+    if lib.exists() and not _private(lib):  # loading a library runs its code: only our own
+        cache = aside = pathlib.Path(tempfile.mkdtemp(prefix="gradlens-"))  # built afresh, private
+        lib = cache / f"hist2d_{tag}.so"
     if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then moved: atomic
             src, out = pathlib.Path(tmp) / "hist2d.c", pathlib.Path(tmp) / "hist2d.so"
             src.write_text(_SOURCE)
@@ -191,6 +208,8 @@ def _build() -> ctypes.CDLL | None:
                 return None
             os.replace(out, lib)
     dll = ctypes.CDLL(str(lib))
+    if aside is not None:  # (loaded: the file is no longer needed)
+        shutil.rmtree(aside, ignore_errors=True)
     i64, dbl, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
     for sfx in _SUFFIX.values():
         f = getattr(dll, f"gl_rows_{sfx}")
