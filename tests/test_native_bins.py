@@ -5,7 +5,6 @@ over unequal micro-batches; without a C compiler the loop is off and the counts 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
