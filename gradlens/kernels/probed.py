@@ -223,35 +223,26 @@ def _pair(sq: tuple | None) -> tuple:
     return sq[0], (sq[1] if len(sq) > 1 else None)
 
 
-def _linear_forward(mod: nn.Linear) -> Callable[[Tensor], Tensor]:
-    def forward(x: Tensor) -> Tensor:
-        if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
-            return type(mod).forward(mod, x)
-        sq = _pair(mod._gradlens_sq)
-        return _ProbedLinear.apply(x, mod.weight, mod.bias, mod._gradlens_probe, sq[0], sq[1])
+def _weight_bias_forward(function: type, extra: tuple[str, ...] = ()) -> Callable[[nn.Module], Callable]:
+    """The probed forward of a layer with ``weight`` and ``bias`` taken through ``function``
+    (an autograd Function applied to ``(x, weight, bias, probe, sq_weight, sq_bias, *extra)``,
+    ``extra`` named attributes of the layer): a factory of one forward per layer."""
+    def make(mod: nn.Module) -> Callable[[Tensor], Tensor]:
+        def forward(x: Tensor) -> Tensor:
+            if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
+                return type(mod).forward(mod, x)
+            sq = _pair(mod._gradlens_sq)
+            return function.apply(x, mod.weight, mod.bias, mod._gradlens_probe, sq[0], sq[1],
+                                  *(getattr(mod, a) for a in extra))
 
-    return forward
+        return forward
 
-
-def _conv1d_forward(mod: nn.Module) -> Callable[[Tensor], Tensor]:
-    def forward(x: Tensor) -> Tensor:
-        if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
-            return type(mod).forward(mod, x)
-        sq = _pair(mod._gradlens_sq)
-        return _ProbedConv1D.apply(x, mod.weight, mod.bias, mod._gradlens_probe, sq[0], sq[1])
-
-    return forward
+    return make
 
 
-def _conv2d_forward(mod: nn.Conv2d) -> Callable[[Tensor], Tensor]:
-    def forward(x: Tensor) -> Tensor:
-        if mod._gradlens_probe is None:  # a call that is no forward of the compiled model: its own op
-            return type(mod).forward(mod, x)
-        sq = _pair(mod._gradlens_sq)
-        return _ProbedConv2d.apply(x, mod.weight, mod.bias, mod._gradlens_probe, sq[0], sq[1],
-                                   mod.stride, mod.padding, mod.dilation)
-
-    return forward
+_linear_forward = _weight_bias_forward(_ProbedLinear)
+_conv1d_forward = _weight_bias_forward(_ProbedConv1D)
+_conv2d_forward = _weight_bias_forward(_ProbedConv2d, ("stride", "padding", "dilation"))
 
 
 def _layer_norm_forward(mod: nn.LayerNorm) -> Callable[[Tensor], Tensor]:
