@@ -595,11 +595,18 @@ def context_parallel_wrapped(module: torch.nn.Module) -> bool:
     return False
 
 
+_DTENSOR: list = []  # the DTensor class, once imported (the check runs at every tracked use)
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False when DTensor was never
     imported: nothing can be one then)."""
-    import sys
+    if not _DTENSOR:
+        import sys
 
-    module = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(module, "DTensor", None) if module is not None else None
-    return cls is not None and isinstance(t, cls)
+        module = sys.modules.get("torch.distributed.tensor")
+        cls = getattr(module, "DTensor", None) if module is not None else None
+        if cls is None:
+            return False
+        _DTENSOR.append(cls)
+    return isinstance(t, _DTENSOR[0])
