@@ -58,6 +58,14 @@ def _bias_stats(d: Tensor, squares: bool) -> tuple[Tensor, Tensor, Tensor | None
     return s.sum(0), (s * s).sum(1), ((s * s).sum(0) if squares else None)
 
 
+def _keep(ctx, inputs: tuple) -> None:
+    """What the backward of a probed layer with a weight needs from ``(x, weight, bias, probe,
+    sq_weight, sq_bias, ...)``: x and the weight saved, whether there is a bias, and whether
+    sums of squares are wanted."""
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.has_bias, ctx.squares = inputs[2] is not None, inputs[4] is not None
+
+
 class _ProbedLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` (``weight [out, in]``); probe columns: weight, then bias
     (if any); the per-sample forms of :func:`_linear_stats`."""
@@ -68,9 +76,7 @@ class _ProbedLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, probe, sq_w, sq_b = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.squares = bias is not None, sq_w is not None
+        _keep(ctx, inputs)
 
     @staticmethod
     def backward(ctx, go):
@@ -96,9 +102,7 @@ class _ProbedConv1D(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, probe, sq_w, sq_b = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.squares = sq_w is not None
+        _keep(ctx, inputs)
 
     @staticmethod
     def backward(ctx, go):
@@ -124,10 +128,8 @@ class _ProbedConv2d(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, probe, sq_w, sq_b, stride, padding, dilation = inputs
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.squares = bias is not None, sq_w is not None
-        ctx.conv = (stride, padding, dilation)
+        _keep(ctx, inputs)
+        ctx.conv = tuple(inputs[6:9])  # (stride, padding, dilation)
 
     @staticmethod
     def backward(ctx, go):
@@ -159,9 +161,7 @@ class _ProbedAffine(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        xhat, weight, bias, probe, sq_w, sq_b = inputs
-        ctx.save_for_backward(xhat, weight)
-        ctx.has_bias, ctx.squares = bias is not None, sq_w is not None
+        _keep(ctx, inputs)
 
     @staticmethod
     def backward(ctx, go):
